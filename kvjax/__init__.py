@@ -1,0 +1,44 @@
+"""kvjax: a JAX-native, purely functional KV cache with the semantics of llama.cpp's KV cache.
+
+The cache is an immutable pytree (:class:`KVCache`); every operation is a pure function that
+returns a new cache and runs jitted on the accelerator. Shape letters used in the docstrings are
+explained in :mod:`kvjax._typing`.
+
+Example:
+    >>> import kvjax
+    >>> cfg = kvjax.CacheConfig(size=256, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=16)
+    >>> cache = kvjax.init(cfg)
+    >>> cache, slot, ok = kvjax.find_slot(cache, kvjax.make_ubatch([0, 1, 2], [[0], [0], [0]]))
+    >>> int(kvjax.used_cells(cache)), int(kvjax.n_kv(cache))
+    (3, 32)
+"""
+
+from kvjax.cache import (KVCache, abstract, init, size_cells_bytes, size_k_bytes, size_v_bytes,
+                         total_size, view, write)
+from kvjax.cells import Cells
+from kvjax.config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
+from kvjax.errors import CacheFullError, ErrorFlag, StateError
+from kvjax.inspect import CellTable, cell_map, cell_table
+from kvjax.ops import (cell_max, check, clear, clear_errors, errors, find_slot, has_shift, n_kv,
+                       n_tokens, pos_max, prepare, seq_add, seq_cp, seq_div, seq_keep, seq_pos_max,
+                       seq_pos_min, seq_rm, used_cells)
+from kvjax.ubatch import Ubatch, bucket_length, make_ubatch, split_equal, split_seq, split_simple
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # config and cache
+    "CacheConfig", "RopeConfig", "RopeMode", "SwaType", "LayerGroup", "KVCache", "Cells",
+    "init", "abstract", "size_k_bytes", "size_v_bytes", "size_cells_bytes", "total_size",
+    # sequence operations and queries
+    "clear", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",
+    "pos_max", "n_tokens", "used_cells", "cell_max", "n_kv", "has_shift",
+    # ubatches and placement
+    "Ubatch", "make_ubatch", "bucket_length", "split_simple", "split_equal", "split_seq",
+    "find_slot", "prepare",
+    # K/V rows
+    "write", "view",
+    # inspection and errors
+    "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
+    "CacheFullError", "StateError", "ErrorFlag",
+]

@@ -1,0 +1,213 @@
+"""The cache pytree: cells plus stacked K/V storage per layer group; init, write, view, sizes.
+
+Layout (see the shape legend in ``kvjax._typing``): each layer group ``g`` of
+``config.groups`` stores ``k[g]: [L, H, C, D]`` and ``v[g]: [L, H, C, Dv]``. Heads come before
+cells because XLA's CPU backend reads ``[H, C, D]`` several times faster in decode attention
+than ``[C, H, D]`` (it transposes the latter per layer); writes cost the same either way.
+
+Example:
+    >>> import kvjax
+    >>> cfg = kvjax.CacheConfig(size=256, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=16)
+    >>> cache = kvjax.init(cfg)
+    >>> cache.k[0].shape, kvjax.size_k_bytes(cfg), kvjax.total_size(cfg)
+    ((2, 2, 256, 16), 65536, 131072)
+    >>> kvjax.abstract(cfg).k[0]
+    ShapeDtypeStruct(shape=(2, 2, 256, 16), dtype=float32)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax._typing import Array, Float, Int
+from kvjax.cells import Cells, empty_cells
+from kvjax.config import CacheConfig
+from kvjax.errors import ErrorFlag
+from kvjax.validate import check_window, is_traced
+
+
+@struct.dataclass
+class KVCache:
+    """An immutable KV cache value.
+
+    Attributes:
+        cells: the cell metadata (:class:`kvjax.cells.Cells`).
+        k: one ``[L, H, C, D]`` array per layer group.
+        v: one ``[L, H, C, Dv]`` array per layer group.
+        config: the static :class:`CacheConfig`.
+    """
+
+    cells: Cells
+    k: Tuple[Float[Array, "L H C D"], ...]
+    v: Tuple[Float[Array, "L H C Dv"], ...]
+    config: CacheConfig = struct.field(pytree_node=False)
+
+
+def _storage_dtype(name: str):
+    return jnp.dtype(name)
+
+
+def init(config: CacheConfig) -> KVCache:
+    """A new, empty cache with zeroed K/V (zeros, not garbage: no NaN reaches a masked softmax).
+
+    Args:
+        config: the cache description.
+
+    Returns:
+        The cache.
+    """
+    if not isinstance(config, CacheConfig):
+        raise ValueError(f"config must be a kvjax.CacheConfig, got {type(config).__name__}")
+    return _init(config)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init(config: CacheConfig) -> KVCache:
+    k, v = [], []
+    for grp in config.groups:
+        n = len(grp.layers)
+        k.append(jnp.zeros((n, grp.n_kv_heads, config.size, grp.head_dim), _storage_dtype(config.k_dtype)))
+        v.append(jnp.zeros((n, grp.n_kv_heads, config.size, grp.head_dim_v), _storage_dtype(config.v_dtype)))
+    return KVCache(cells=empty_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v), config=config)
+
+
+def abstract(config: CacheConfig) -> KVCache:
+    """Shapes and dtypes of :func:`init`'s result (``jax.ShapeDtypeStruct`` leaves), allocating nothing."""
+    return jax.eval_shape(lambda: _init(config))
+
+
+# -- sizes -------------------------------------------------------------------------------------
+
+
+def _config_of(x: Union[KVCache, CacheConfig]) -> CacheConfig:
+    return x.config if isinstance(x, KVCache) else x
+
+
+def size_k_bytes(x: Union[KVCache, CacheConfig]) -> int:
+    """Bytes of K storage over all cached layers (the seed's ``size_k_bytes``)."""
+    cfg = _config_of(x)
+    item = np.dtype(_storage_dtype(cfg.k_dtype)).itemsize
+    return sum(cfg.size * cfg.n_kv_heads[il] * cfg.head_dim[il] * item for il in cfg.cached_layers)
+
+
+def size_v_bytes(x: Union[KVCache, CacheConfig]) -> int:
+    """Bytes of V storage over all cached layers (the seed's ``size_v_bytes``)."""
+    cfg = _config_of(x)
+    item = np.dtype(_storage_dtype(cfg.v_dtype)).itemsize
+    return sum(cfg.size * cfg.n_kv_heads[il] * cfg.head_dim_v[il] * item for il in cfg.cached_layers)
+
+
+def size_cells_bytes(x: Union[KVCache, CacheConfig]) -> int:
+    """Bytes of cell metadata (pos, seq bitmask, delta, head, error)."""
+    cfg = _config_of(x)
+    return cfg.size * (4 + 4 * cfg.n_words + 4) + 8
+
+
+def total_size(x: Union[KVCache, CacheConfig]) -> int:
+    """Bytes of K and V storage together (the seed's ``total_size``; cells not included)."""
+    return size_k_bytes(x) + size_v_bytes(x)
+
+
+# -- K/V rows ----------------------------------------------------------------------------------
+
+
+def _layer_index(config: CacheConfig, layer):
+    """(group, index in group, valid) for a static or traced model layer id."""
+    if not is_traced(layer):
+        g, i = config.locate(int(layer))
+        return g, jnp.int32(i), jnp.bool_(True)
+    if len(config.groups) != 1:
+        raise ValueError("a traced layer id needs all cached layers in one layer group (same kv "
+                         "heads and head sizes); pass a static int layer instead")
+    table = jnp.asarray(config.groups[0].layers, jnp.int32)
+    hit = table == layer
+    return 0, jnp.argmax(hit).astype(jnp.int32), jnp.any(hit)
+
+
+def _check_rows(name, rows, grp_heads, grp_dim, n_tokens):
+    expected = (n_tokens, grp_heads, grp_dim)
+    if tuple(rows.shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(rows.shape)}: allowed {expected} "
+                         f"([T, H_kv, D] with T = len(slot))")
+    if not jnp.issubdtype(rows.dtype, jnp.floating):
+        raise ValueError(f"{name} has dtype {rows.dtype}: allowed a floating dtype (it is cast to the "
+                         f"cache's storage dtype)")
+
+
+def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"],
+          v: Float[Array, "T H Dv"]) -> KVCache:
+    """Write a ubatch's K and V rows into the cells chosen by ``find_slot``.
+
+    Rows whose slot is -1 (padding) are skipped; a slot outside ``[-1, size)`` is dropped and
+    flagged in ``cells.error`` (never clipped into another cell). Under ``jit`` with the cache
+    donated, XLA updates the buffers in place (see ``docs/architecture.md``).
+
+    Args:
+        cache: the cache.
+        layer: model layer id: a static int, or a traced int32 when all cached layers form one
+            layer group (e.g. inside ``lax.scan`` over layers).
+        slot: ``i32[T]`` cell of each row.
+        k: ``[T, H, D]`` K rows (any floating dtype; cast to ``config.k_dtype``).
+        v: ``[T, H, Dv]`` V rows.
+
+    Returns:
+        The cache with the rows written.
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> cache = kvjax.write(cache, 0, jnp.array([3, -1]), jnp.ones((2, 1, 2)), jnp.ones((2, 1, 2)))
+        >>> kvjax.view(cache, 0, 32)[0][0, 2:5, 0].tolist()
+        [0.0, 1.0, 0.0]
+    """
+    cfg = cache.config
+    g, index, layer_ok = _layer_index(cfg, layer)
+    grp = cfg.groups[g]
+    slot = jnp.asarray(slot)
+    if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
+        raise ValueError(f"slot has shape {slot.shape} and dtype {slot.dtype}: allowed an integer [T] array")
+    _check_rows("k", k, grp.n_kv_heads, grp.head_dim, slot.shape[0])
+    _check_rows("v", v, grp.n_kv_heads, grp.head_dim_v, slot.shape[0])
+    return _write(cache, g, index, layer_ok, slot, k, v)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _write(cache: KVCache, g: int, index, layer_ok, slot, k, v) -> KVCache:
+    size = cache.config.size
+    slot = slot.astype(jnp.int32)
+    in_bounds = (slot >= 0) & (slot < size) & layer_ok
+    bad = jnp.any((slot < -1) | (slot >= size))
+    target = jnp.where(in_bounds, slot, size)  # out of bounds: dropped by the scatter
+    # [L, H, C, D] indexed by (scalar, :, [T]) puts the T axis first: rows go in as [T, H, D].
+    new_k = cache.k[g].at[index, :, target].set(k.astype(cache.k[g].dtype), mode="drop")
+    new_v = cache.v[g].at[index, :, target].set(v.astype(cache.v[g].dtype), mode="drop")
+    error = cache.cells.error | jnp.where(bad, jnp.uint32(ErrorFlag.SLOT), jnp.uint32(0))
+    error = error | jnp.where(layer_ok, jnp.uint32(0), jnp.uint32(ErrorFlag.LAYER))
+    ks = cache.k[:g] + (new_k,) + cache.k[g + 1:]
+    vs = cache.v[:g] + (new_v,) + cache.v[g + 1:]
+    return cache.replace(k=ks, v=vs, cells=cache.cells.replace(error=error))
+
+
+def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float[Array, "H N Dv"]]:
+    """K and V of the first ``n_kv`` cells of one layer, for attention.
+
+    Args:
+        cache: the cache.
+        layer: model layer id (static int, or traced within a single layer group).
+        n_kv: static window N, a positive multiple of ``padding`` and at most ``size``.
+
+    Returns:
+        ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes.
+    """
+    cfg = cache.config
+    n_kv = check_window(n_kv, cfg.padding, cfg.size)
+    g, index, _ = _layer_index(cfg, layer)
+    k = jax.lax.dynamic_index_in_dim(cache.k[g], index, axis=0, keepdims=False)[:, :n_kv]
+    v = jax.lax.dynamic_index_in_dim(cache.v[g], index, axis=0, keepdims=False)[:, :n_kv]
+    return k, v

@@ -1,0 +1,297 @@
+"""Cell metadata and the sequence operations on it, as pure jitted functions.
+
+A cell holds at most one token: its position ``pos`` (-1 when empty) and the set of sequences
+that share it, as a bitmask of ``W`` 32-bit words. A cell is empty iff its bitmask is zero, and
+then ``pos == -1`` and ``delta == 0``. ``used`` is derived, never stored.
+
+Every function here takes and returns :class:`Cells`; the K/V buffers are never touched, so a
+sequence operation costs O(C * W) work on ~12 bytes per cell whatever the model size.
+
+Semantics follow the seed (``llama_kv_cache_unified``): ``p0 < 0`` means 0, ``p1 < 0`` means
++infinity, ranges are ``[p0, p1)``, and each op moves ``head`` as the seed does. Deliberate
+differences (see ``docs/architecture.md``):
+
+- a freed cell also has its pending ``delta`` reset to 0 (the seed leaves it, so a token placed
+  into that cell later would be rotated by a stale shift);
+- ``seq_id = -1`` means "every sequence" for every op where that has a meaning (the seed gives
+  it one only in ``seq_rm``): ``seq_add``/``seq_div`` shift every non-empty cell in range,
+  ``seq_keep(-1)`` keeps everything, ``seq_pos_min/max(-1)`` range over all cells;
+- an invalid traced argument makes the op a no-op and sets a bit in ``error``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax._typing import Array, Bool, Int, UInt32
+from kvjax.errors import ErrorFlag
+
+_I32_MAX = jnp.iinfo(jnp.int32).max
+
+
+@struct.dataclass
+class Cells:
+    """Metadata of every cell; shared by all layers.
+
+    Attributes:
+        pos: ``i32[C]`` position of the token in each cell, -1 when empty.
+        seq: ``u32[C, W]`` bitmask of the sequence ids sharing each cell.
+        delta: ``i32[C]`` shift accumulated by ``seq_add``/``seq_div`` since the last K-shift.
+        head: ``i32[]`` where the next contiguous slot search starts.
+        error: ``u32[]`` sticky :class:`kvjax.errors.ErrorFlag` bits set by traced calls.
+        defrag: ``bool[]`` a defragmentation is pending (set by ``kvjax.defrag_sched``, applied
+            by ``kvjax.update`` after the K-shift, as in the seed).
+        n_seq_max: static number of sequence ids S.
+    """
+
+    pos: Int[Array, "C"]
+    seq: UInt32[Array, "C W"]
+    delta: Int[Array, "C"]
+    head: Int[Array, ""]
+    error: UInt32[Array, ""]
+    defrag: Bool[Array, ""]
+    n_seq_max: int = struct.field(pytree_node=False)
+
+    @property
+    def size(self) -> int:
+        """C, the number of cells."""
+        return self.pos.shape[0]
+
+    @property
+    def n_words(self) -> int:
+        """W, words per sequence bitmask."""
+        return self.seq.shape[1]
+
+
+def empty_cells(size: int, n_seq_max: int) -> Cells:
+    """All cells empty, ``head`` at 0, no error.
+
+    Example:
+        >>> c = empty_cells(64, 40)
+        >>> c.pos.shape, c.seq.shape, int(c.head)
+        ((64,), (64, 2), 0)
+    """
+    n_words = -(-n_seq_max // 32)
+    return Cells(
+        pos=jnp.full((size,), -1, jnp.int32),
+        seq=jnp.zeros((size, n_words), jnp.uint32),
+        delta=jnp.zeros((size,), jnp.int32),
+        head=jnp.zeros((), jnp.int32),
+        error=jnp.zeros((), jnp.uint32),
+        defrag=jnp.zeros((), jnp.bool_),
+        n_seq_max=n_seq_max,
+    )
+
+
+# -- building blocks ----------------------------------------------------------------------------
+
+
+def seq_bits(seq_id: Int[Array, "..."], n_words: int) -> UInt32[Array, "... W"]:
+    """Bitmask words with only ``seq_id``'s bit set (all zero for an id < 0 or too large).
+
+    Example:
+        >>> seq_bits(jnp.int32(33), 2).tolist()
+        [0, 2]
+    """
+    seq_id = jnp.asarray(seq_id, jnp.int32)
+    word = jnp.arange(n_words, dtype=jnp.int32)
+    bit = jnp.left_shift(jnp.uint32(1), (seq_id % 32).astype(jnp.uint32))[..., None]
+    hit = (seq_id[..., None] // 32 == word) & (seq_id[..., None] >= 0)
+    return jnp.where(hit, bit, jnp.uint32(0))
+
+
+def is_used(cells: Cells) -> Bool[Array, "C"]:
+    """Cells that hold at least one sequence."""
+    return jnp.any(cells.seq != 0, axis=-1)
+
+
+def has_seq(cells: Cells, seq_id: Int[Array, ""]) -> Bool[Array, "C"]:
+    """Cells that hold ``seq_id``; for ``seq_id < 0`` every non-empty cell."""
+    member = jnp.any((cells.seq & seq_bits(seq_id, cells.n_words)) != 0, axis=-1)
+    return jnp.where(seq_id < 0, is_used(cells), member)
+
+
+def _bounds(p0, p1):
+    """The seed's range conventions: p0 < 0 means 0, p1 < 0 means +infinity."""
+    p0 = jnp.where(p0 < 0, 0, p0)
+    p1 = jnp.where(p1 < 0, _I32_MAX, p1)
+    return p0, p1
+
+
+def _in_range(cells: Cells, p0, p1) -> Bool[Array, "C"]:
+    return (cells.pos >= p0) & (cells.pos < p1)
+
+
+def _first(mask: Bool[Array, "C"]):
+    """(any, index of the first True) of a mask."""
+    return jnp.any(mask), jnp.argmax(mask).astype(jnp.int32)
+
+
+def _free(cells: Cells, freed: Bool[Array, "C"]) -> Cells:
+    """Empty the cells in ``freed`` (position -1, no sequence, no pending shift)."""
+    return cells.replace(
+        pos=jnp.where(freed, -1, cells.pos),
+        seq=jnp.where(freed[:, None], jnp.uint32(0), cells.seq),
+        delta=jnp.where(freed, 0, cells.delta),
+    )
+
+
+def guard(old: Cells, new: Cells, valid: Bool[Array, ""], flag: ErrorFlag) -> Cells:
+    """``new`` when ``valid``, else ``old`` with ``flag`` raised in its error word."""
+    kept = jax.tree.map(lambda a, b: jnp.where(valid, b, a), old, new)
+    return kept.replace(error=jnp.where(valid, kept.error, old.error | jnp.uint32(flag)))
+
+
+def _valid_seq(cells: Cells, seq_id, allow_all: bool):
+    lo = -1 if allow_all else 0
+    return (seq_id >= lo) & (seq_id < cells.n_seq_max)
+
+
+# -- sequence operations ------------------------------------------------------------------------
+
+
+@jax.jit
+def clear(cells: Cells) -> Cells:
+    """Empty every cell and reset ``head`` (error bits are kept)."""
+    fresh = empty_cells(cells.size, cells.n_seq_max)
+    return fresh.replace(error=cells.error)
+
+
+@jax.jit
+def seq_rm(cells: Cells, seq_id, p0, p1) -> Cells:
+    """Remove ``seq_id`` (every sequence when < 0) from the cells with ``p0 <= pos < p1``.
+
+    ``head`` moves back to the first freed cell when that is before it.
+    """
+    p0, p1 = _bounds(p0, p1)
+    target = _in_range(cells, p0, p1) & has_seq(cells, seq_id)
+    dropped = jnp.where(seq_id < 0, cells.seq, seq_bits(seq_id, cells.n_words))
+    seq = jnp.where(target[:, None], cells.seq & ~dropped, cells.seq)
+    freed = target & ~jnp.any(seq != 0, axis=-1)
+    new = _free(cells.replace(seq=seq), freed)
+    any_freed, first = _first(freed)
+    new = new.replace(head=jnp.where(any_freed & (first < cells.head), first, cells.head))
+    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+
+
+@jax.jit
+def seq_cp(cells: Cells, src, dst, p0, p1) -> Cells:
+    """Add ``dst`` to every cell of ``src`` with ``p0 <= pos < p1`` (the K/V rows are shared).
+
+    A copy onto itself does nothing; any other copy resets ``head`` to 0, as the seed does.
+    """
+    p0, p1 = _bounds(p0, p1)
+    target = _in_range(cells, p0, p1) & has_seq(cells, src)
+    seq = jnp.where(target[:, None], cells.seq | seq_bits(dst, cells.n_words), cells.seq)
+    new = cells.replace(seq=seq, head=jnp.zeros((), jnp.int32))
+    new = jax.tree.map(lambda a, b: jnp.where(src == dst, a, b), cells, new)
+    valid = _valid_seq(cells, src, False) & _valid_seq(cells, dst, False)
+    return guard(cells, new, valid, ErrorFlag.SEQ_ID)
+
+
+@jax.jit
+def seq_keep(cells: Cells, seq_id) -> Cells:
+    """Drop every sequence but ``seq_id`` (``-1`` keeps everything).
+
+    ``head`` moves back to the first cell that does not hold ``seq_id``, when before it.
+    """
+    keep = has_seq(cells, seq_id)
+    new = _free(cells, ~keep & is_used(cells))
+    new = new.replace(seq=jnp.where(keep[:, None], seq_bits(seq_id, cells.n_words), new.seq))
+    any_other, first = _first(~keep)
+    new = new.replace(head=jnp.where(any_other & (first < cells.head), first, cells.head))
+    new = jax.tree.map(lambda a, b: jnp.where(seq_id < 0, a, b), cells, new)
+    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+
+
+@jax.jit
+def seq_add(cells: Cells, seq_id, p0, p1, delta) -> Cells:
+    """Add ``delta`` to the positions of ``seq_id`` in ``[p0, p1)`` and record it for K-shift.
+
+    Cells pushed below position 0 are freed. ``head`` goes to the first freed cell, or to 0 when
+    none was freed. ``delta == 0`` or an empty normalized range ``p0 == p1`` does nothing.
+    """
+    p0, p1 = _bounds(p0, p1)
+    target = _in_range(cells, p0, p1) & has_seq(cells, seq_id)
+    pos = jnp.where(target, cells.pos + delta, cells.pos)
+    moved = cells.replace(pos=pos, delta=jnp.where(target, cells.delta + delta, cells.delta))
+    freed = target & (pos < 0)
+    new = _free(moved, freed)
+    any_freed, first = _first(freed)
+    new = new.replace(head=jnp.where(any_freed, first, 0))
+    new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, new)
+    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+
+
+@jax.jit
+def seq_div(cells: Cells, seq_id, p0, p1, d) -> Cells:
+    """Integer-divide the positions of ``seq_id`` in ``[p0, p1)`` by ``d`` (self-extend).
+
+    The change of each position is recorded in ``delta``. ``head`` does not move.
+    """
+    p0, p1 = _bounds(p0, p1)
+    target = _in_range(cells, p0, p1) & has_seq(cells, seq_id) & (d != 1)
+    safe_d = jnp.where(d > 0, d, 1)
+    pos = jnp.where(target, cells.pos // safe_d, cells.pos)
+    new = cells.replace(pos=pos, delta=cells.delta + (pos - cells.pos))
+    new = guard(cells, new, d > 0, ErrorFlag.DIVISOR)
+    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+
+
+# -- queries ------------------------------------------------------------------------------------
+
+
+@jax.jit
+def seq_pos_min(cells: Cells, seq_id) -> Int[Array, ""]:
+    """Smallest position held by ``seq_id`` (any sequence when -1); -1 when absent."""
+    member = has_seq(cells, seq_id)
+    lo = jnp.min(jnp.where(member, cells.pos, _I32_MAX))
+    return jnp.where(jnp.any(member), lo, -1).astype(jnp.int32)
+
+
+@jax.jit
+def seq_pos_max(cells: Cells, seq_id) -> Int[Array, ""]:
+    """Largest position held by ``seq_id`` (any sequence when -1); -1 when absent."""
+    return jnp.max(jnp.where(has_seq(cells, seq_id), cells.pos, -1)).astype(jnp.int32)
+
+
+@jax.jit
+def pos_max(cells: Cells) -> Int[Array, ""]:
+    """Largest position in the cache, -1 when empty."""
+    return jnp.max(cells.pos).astype(jnp.int32)
+
+
+@jax.jit
+def used_cells(cells: Cells) -> Int[Array, ""]:
+    """Number of non-empty cells."""
+    return jnp.sum(is_used(cells), dtype=jnp.int32)
+
+
+@jax.jit
+def n_tokens(cells: Cells) -> Int[Array, ""]:
+    """Sum over cells of the number of sequences sharing the cell."""
+    return jnp.sum(jax.lax.population_count(cells.seq), dtype=jnp.int32)
+
+
+@jax.jit
+def cell_max(cells: Cells) -> Int[Array, ""]:
+    """One past the last non-empty cell (0 when the cache is empty)."""
+    idx = jnp.arange(cells.size, dtype=jnp.int32)
+    return jnp.max(jnp.where(is_used(cells), idx + 1, 0))
+
+
+@functools.partial(jax.jit, static_argnames="padding")
+def n_kv(cells: Cells, padding: int) -> Int[Array, ""]:
+    """The seed's attention window ``min(size, max(padding, pad(cell_max, padding)))``."""
+    padded = -(-cell_max(cells) // padding) * padding
+    return jnp.minimum(cells.size, jnp.maximum(padding, padded)).astype(jnp.int32)
+
+
+@jax.jit
+def has_shift(cells: Cells) -> Bool[Array, ""]:
+    """Whether some cell has a pending K-shift."""
+    return jnp.any(cells.delta != 0)

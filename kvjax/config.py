@@ -1,0 +1,298 @@
+"""Static configuration of a cache: sizes, layer shapes, dtypes, sliding window, RoPE.
+
+A :class:`CacheConfig` is frozen and hashable. It rides along in the cache pytree as static
+metadata, so changing it means a new compilation while changing anything in the cells or the K/V
+buffers does not. Every rule is checked on construction and a violation raises a ``ValueError``
+that names the field and the allowed range.
+
+Example:
+    >>> import kvjax
+    >>> cfg = kvjax.CacheConfig(size=256, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=16)
+    >>> cfg.padding, cfg.k_dtype, cfg.n_words
+    (32, 'float32', 1)
+    >>> cfg.cached_layers
+    (0, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+#: Largest ``n_seq_max`` accepted (32 words of sequence bitmask per cell).
+MAX_SEQ = 1024
+
+#: Storage dtypes understood by kvjax, by name. Quantized names are reserved for block-quantized
+#: K/V (``q8_0``, ``q4_0``), which enter through the quantization seam (see ``kvjax.rope``).
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+#: ggml type ids of the dtypes (used by the state format).
+GGML_TYPE_IDS = {"float32": 0, "float16": 1, "q4_0": 2, "q8_0": 8, "bfloat16": 30}
+
+
+class SwaType(str, enum.Enum):
+    """Kind of sliding-window attention applied by the mask (the seed's ``llama_swa_type``).
+
+    ``p0`` is the cell's position, ``p1`` the token's:
+
+    - ``NONE``: no window.
+    - ``STANDARD``: masked when ``p1 - p0 >= n_swa``.
+    - ``CHUNKED``: masked when ``p0 < (p1 // n_swa) * n_swa`` (attend within the chunk).
+    - ``SYMMETRIC``: masked when ``|p1 - p0| > n_swa // 2`` (newer llama.cpp).
+    """
+
+    NONE = "none"
+    STANDARD = "standard"
+    CHUNKED = "chunked"
+    SYMMETRIC = "symmetric"
+
+
+class RopeMode(str, enum.Enum):
+    """RoPE pairing: ``NORMAL`` rotates adjacent pairs (x0, x1), ``NEOX`` the two halves."""
+
+    NORMAL = "normal"
+    NEOX = "neox"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Parameters of ggml's ``rope_ext`` (used for RoPE and for the K-shift).
+
+    Attributes:
+        n_rot: number of leading dims rotated (even, at most the head size).
+        mode: ``"normal"`` (adjacent pairs) or ``"neox"`` (halves).
+        freq_base: base of the frequencies, theta_i = pos * freq_base^(-2i/n_rot).
+        freq_scale: linear position scale (1 / context-extension factor).
+        ext_factor: YaRN extrapolation mix (0 disables YaRN).
+        attn_factor: YaRN magnitude scale.
+        beta_fast: YaRN ramp start (in rotations).
+        beta_slow: YaRN ramp end (in rotations).
+        n_ctx_orig: original training context for YaRN.
+        freq_factors: optional per-pair frequency divisors (``n_rot // 2`` values).
+
+    Example:
+        >>> RopeConfig(n_rot=16).mode
+        <RopeMode.NORMAL: 'normal'>
+    """
+
+    n_rot: int
+    mode: Union[RopeMode, str] = RopeMode.NORMAL
+    freq_base: float = 10000.0
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+    freq_factors: Optional[Tuple[float, ...]] = None
+
+    def __post_init__(self):
+        _require(isinstance(self.n_rot, (int, np.integer)) and self.n_rot > 0 and self.n_rot % 2 == 0,
+                 "n_rot", self.n_rot, "a positive even integer")
+        try:
+            mode = RopeMode(self.mode)
+        except ValueError:
+            raise ValueError(f"mode={self.mode!r} is not a RoPE mode: allowed 'normal' or 'neox'") from None
+        object.__setattr__(self, "mode", mode)
+        _require(self.freq_base > 0, "freq_base", self.freq_base, "> 0")
+        _require(self.freq_scale > 0, "freq_scale", self.freq_scale, "> 0")
+        _require(self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig, ">= 0")
+        if self.freq_factors is not None:
+            ff = tuple(float(f) for f in self.freq_factors)
+            _require(len(ff) == self.n_rot // 2, "freq_factors", f"{len(ff)} values",
+                     f"exactly n_rot // 2 = {self.n_rot // 2} values")
+            object.__setattr__(self, "freq_factors", ff)
+
+
+LayerFilter = Union[None, Sequence[int], Callable[[int], bool]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Cached layers that share K/V shapes and are stored stacked in one array pair.
+
+    Attributes:
+        layers: model layer ids in this group, in order (the stacked axis L).
+        n_kv_heads: H.
+        head_dim: D (K head size).
+        head_dim_v: Dv (V head size).
+    """
+
+    layers: Tuple[int, ...]
+    n_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Static description of a unified KV cache.
+
+    Attributes:
+        size: number of cells C; a positive multiple of ``padding``.
+        n_seq_max: number of sequence ids, 1 to ``MAX_SEQ`` (1024).
+        n_layer: number of model layers.
+        n_kv_heads: kv heads per layer, an int for all layers or one value per layer.
+        head_dim: K head size, an int or one value per layer.
+        head_dim_v: V head size (defaults to ``head_dim``), an int or one value per layer.
+        k_dtype: K storage dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``).
+        v_dtype: V storage dtype name.
+        padding: granularity of the attention window ``n_kv`` (the seed's padding, 32 or 256).
+        layer_filter: which layers are cached: ``None`` (all), a sequence of layer ids, or a
+            predicate on the layer id (evaluated once, on construction).
+        v_trans: whether the seed's state format stores V transposed (affects ``state_write``
+            only; kvjax's own storage layout is fixed, see ``_typing``).
+        swa_type: sliding-window kind for masks (:class:`SwaType`).
+        n_swa: sliding-window size (required > 0 when ``swa_type`` is not ``"none"``).
+        rope: RoPE parameters the K-shift needs: one :class:`RopeConfig` for every layer, a tuple
+            with one per model layer, or ``None`` (then the cache cannot shift).
+
+    Derived (read-only) attributes: ``cached_layers``, ``groups``, ``n_words``.
+    """
+
+    size: int
+    n_seq_max: int
+    n_layer: int
+    n_kv_heads: Union[int, Tuple[int, ...]]
+    head_dim: Union[int, Tuple[int, ...]]
+    head_dim_v: Union[None, int, Tuple[int, ...]] = None
+    k_dtype: str = "float32"
+    v_dtype: str = "float32"
+    padding: int = 32
+    layer_filter: LayerFilter = None
+    v_trans: bool = False
+    swa_type: Union[SwaType, str] = SwaType.NONE
+    n_swa: int = 0
+    rope: Union[None, RopeConfig, Tuple[RopeConfig, ...]] = None
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        _require(_is_int(self.padding) and self.padding > 0, "padding", self.padding, "a positive integer")
+        _require(_is_int(self.size) and self.size > 0 and self.size % self.padding == 0, "size", self.size,
+                 f"a positive multiple of padding={self.padding}")
+        _require(self.size <= 2**30, "size", self.size, "at most 2**30 cells")
+        _require(_is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
+                 f"[1, {MAX_SEQ}]")
+        _require(_is_int(self.n_layer) and self.n_layer >= 1, "n_layer", self.n_layer, "an integer >= 1")
+        set_("n_kv_heads", self._per_layer("n_kv_heads", self.n_kv_heads))
+        set_("head_dim", self._per_layer("head_dim", self.head_dim))
+        hv = self.head_dim if self.head_dim_v is None else self.head_dim_v
+        set_("head_dim_v", self._per_layer("head_dim_v", hv))
+        for name in ("k_dtype", "v_dtype"):
+            set_(name, _dtype_name(name, getattr(self, name)))
+        set_("layer_filter", self._normalize_filter(self.layer_filter))
+        try:
+            set_("swa_type", SwaType(self.swa_type))
+        except ValueError:
+            raise ValueError(f"swa_type={self.swa_type!r} is not a sliding-window kind: allowed "
+                             f"{[s.value for s in SwaType]}") from None
+        _require(_is_int(self.n_swa) and self.n_swa >= 0, "n_swa", self.n_swa, "an integer >= 0")
+        if self.swa_type != SwaType.NONE:
+            _require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
+        set_("v_trans", bool(self.v_trans))
+        set_("rope", self._normalize_rope(self.rope))
+
+    # -- normalization helpers -------------------------------------------------------------
+
+    def _per_layer(self, name, value):
+        if _is_int(value):
+            value = (int(value),) * self.n_layer
+        value = tuple(value)
+        _require(len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer "
+                 f"(n_layer={self.n_layer})")
+        for v in value:
+            _require(_is_int(v) and v >= 1, name, v, "integers >= 1")
+        return tuple(int(v) for v in value)
+
+    def _normalize_filter(self, flt):
+        if flt is None:
+            return tuple(range(self.n_layer))
+        if callable(flt):
+            return tuple(il for il in range(self.n_layer) if flt(il))
+        layers = tuple(sorted(set(int(il) for il in flt)))
+        for il in layers:
+            _require(0 <= il < self.n_layer, "layer_filter", il, f"layer ids in [0, {self.n_layer})")
+        return layers
+
+    def _normalize_rope(self, rope):
+        if rope is None:
+            return None
+        if isinstance(rope, RopeConfig):
+            rope = (rope,) * self.n_layer
+        rope = tuple(rope)
+        _require(len(rope) == self.n_layer and all(isinstance(r, RopeConfig) for r in rope), "rope",
+                 f"{len(rope)} entries", f"a RopeConfig or one per layer (n_layer={self.n_layer})")
+        for il, r in enumerate(rope):
+            _require(r.n_rot <= self.head_dim[il], "rope.n_rot", r.n_rot,
+                     f"an even number <= head_dim={self.head_dim[il]} of layer {il}")
+        return rope
+
+    # -- derived ---------------------------------------------------------------------------
+
+    @property
+    def cached_layers(self) -> Tuple[int, ...]:
+        """Model layer ids that have K/V storage, ascending."""
+        return self.layer_filter  # normalized to a tuple on construction
+
+    @property
+    def n_words(self) -> int:
+        """W, the number of 32-bit words in each cell's sequence bitmask."""
+        return math.ceil(self.n_seq_max / 32)
+
+    @property
+    def groups(self) -> Tuple[LayerGroup, ...]:
+        """Cached layers grouped by K/V shape, in order of first appearance."""
+        order, members = [], {}
+        for il in self.cached_layers:
+            key = (self.n_kv_heads[il], self.head_dim[il], self.head_dim_v[il])
+            if key not in members:
+                order.append(key)
+                members[key] = []
+            members[key].append(il)
+        return tuple(LayerGroup(tuple(members[k]), *k) for k in order)
+
+    def locate(self, layer: int) -> Tuple[int, int]:
+        """Return ``(group, index in group)`` of a cached model layer.
+
+        Raises:
+            ValueError: when ``layer`` is not a cached layer.
+        """
+        for g, grp in enumerate(self.groups):
+            if layer in grp.layers:
+                return g, grp.layers.index(layer)
+        raise ValueError(f"layer={layer} is not a cached layer: allowed {list(self.cached_layers)}")
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether K-shift is possible: RoPE parameters are known for the cached layers."""
+        return self.rope is not None
+
+    def replace(self, **changes) -> "CacheConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _require(cond, name, value, allowed):
+    if not cond:
+        raise ValueError(f"{name}={value!r} is out of range: allowed {allowed}")
+
+
+def _dtype_name(field, dtype) -> str:
+    if isinstance(dtype, str) and dtype in GGML_TYPE_IDS:
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"{field}={dtype!r} is not a supported storage dtype: allowed {list(FLOAT_DTYPES)}")
+    return name

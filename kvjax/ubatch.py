@@ -1,0 +1,204 @@
+"""Ubatches: the tokens placed and attended together, and the host-side batch splitters.
+
+A :class:`Ubatch` carries, per token, its position and the sequence ids it belongs to, padded to
+a static length bucket ``T`` with a validity mask, so one compiled program serves every ubatch of
+that bucket. A token may belong to several sequences (a shared prompt); its first id is the one
+the attention mask uses, as in the seed.
+
+The splitters work on the host, on the per-token sequence-id lists of a whole batch, and return
+the token indices of each ubatch so the caller can gather tokens, embeddings or outputs alike:
+
+- :func:`split_simple`: consecutive chunks of at most ``n_ubatch`` tokens, in batch order.
+- :func:`split_equal`: every ubatch holds the same number of tokens from each of its sequence
+  sets (what recurrent memories need); a token set shared by several sequences goes alone.
+- :func:`split_seq`: one sequence set per ubatch.
+
+Example:
+    >>> ub = make_ubatch([0, 1, 2], [[0], [0], [0, 1]])
+    >>> ub.pos.tolist(), ub.valid.tolist(), ub.seq_ids.shape
+    ([0, 1, 2, 0], [True, True, True, False], (4, 2))
+    >>> [idx.tolist() for idx in split_simple([[0], [1], [0], [1], [0]], 2)]
+    [[0, 1], [2, 3], [4]]
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax._typing import Array, Bool, Int, UInt32
+from kvjax.validate import INT32_MAX
+
+
+@struct.dataclass
+class Ubatch:
+    """Tokens of one micro-batch, padded to a static length.
+
+    Attributes:
+        pos: ``i32[T]`` position of each token (0 for padding).
+        seq_ids: ``i32[T, M]`` sequence ids of each token, -1 padded; column 0 is the token's
+            first sequence (the one its attention mask follows).
+        valid: ``bool[T]`` which rows are real tokens.
+    """
+
+    pos: Int[Array, "T"]
+    seq_ids: Int[Array, "T M"]
+    valid: Bool[Array, "T"]
+
+    @property
+    def length(self) -> int:
+        """T, the static length bucket."""
+        return self.pos.shape[0]
+
+    @property
+    def seq0(self) -> Int[Array, "T"]:
+        """``i32[T]`` the first sequence id of each token (-1 for padding)."""
+        return jnp.where(self.valid, self.seq_ids[:, 0], -1)
+
+    def n_tokens(self) -> Int[Array, ""]:
+        """Number of valid tokens."""
+        return jnp.sum(self.valid, dtype=jnp.int32)
+
+    def seq_mask(self, n_words: int) -> UInt32[Array, "T W"]:
+        """Per-token sequence bitmask with ``W = n_words`` words (padding rows are zero)."""
+        ids = self.seq_ids
+        word = jnp.arange(n_words, dtype=jnp.int32)
+        bit = jnp.left_shift(jnp.uint32(1), (ids % 32).astype(jnp.uint32))
+        hit = (ids[..., None] // 32 == word) & (ids[..., None] >= 0) & self.valid[:, None, None]
+        words = jnp.where(hit, bit[..., None], jnp.uint32(0))  # [T, M, W]
+        return jnp.bitwise_or.reduce(words, axis=1)
+
+
+def bucket_length(n: int, minimum: int = 1) -> int:
+    """The default static length bucket for ``n`` tokens: the next power of two.
+
+    Example:
+        >>> [bucket_length(n) for n in (1, 3, 8, 9, 512)]
+        [1, 4, 8, 16, 512]
+    """
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length: Optional[int] = None,
+                n_seq_max: Optional[int] = None) -> Ubatch:
+    """Build a :class:`Ubatch` from host lists or numpy arrays.
+
+    Args:
+        pos: position of each of the n tokens, each in ``[0, 2**31)``.
+        seq_ids: for each token a non-empty list of sequence ids (``>= 0``); the first is the
+            token's primary sequence.
+        length: static bucket T >= n (default: :func:`bucket_length` of n).
+        n_seq_max: when given, every id must be below it.
+
+    Returns:
+        The ubatch, with rows n..T-1 marked invalid.
+
+    Raises:
+        ValueError: on mismatched lengths, empty or negative sequence lists, positions out of
+            range, or ``length < n``.
+    """
+    pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+    n = pos.shape[0]
+    seq_lists = [list(np.asarray(s, dtype=np.int64).reshape(-1)) for s in seq_ids]
+    if len(seq_lists) != n:
+        raise ValueError(f"seq_ids has {len(seq_lists)} entries: allowed exactly one per token (len(pos)={n})")
+    if n and (pos.min() < 0 or pos.max() > INT32_MAX):
+        raise ValueError(f"pos={pos.min() if pos.min() < 0 else pos.max()} is out of range: "
+                         f"allowed [0, {INT32_MAX}]")
+    for i, s in enumerate(seq_lists):
+        if not s:
+            raise ValueError(f"seq_ids[{i}] is empty: every token needs at least one sequence id")
+        hi = n_seq_max if n_seq_max is not None else INT32_MAX + 1
+        bad = [x for x in s if not 0 <= x < hi]
+        if bad:
+            raise ValueError(f"seq_ids[{i}] contains {bad[0]}: allowed [0, {hi})")
+    length = bucket_length(n) if length is None else int(length)
+    if length < max(n, 1):
+        raise ValueError(f"length={length} is out of range: allowed >= the token count {max(n, 1)}")
+    width = max([len(set(s)) for s in seq_lists] + [1])
+    ids = np.full((length, width), -1, np.int32)
+    for i, s in enumerate(seq_lists):
+        uniq = list(dict.fromkeys(int(x) for x in s))  # keep the first id first, drop repeats
+        ids[i, : len(uniq)] = uniq
+    pos_arr = np.zeros(length, np.int32)
+    pos_arr[:n] = pos
+    valid = np.arange(length) < n
+    return Ubatch(pos=jnp.asarray(pos_arr), seq_ids=jnp.asarray(ids), valid=jnp.asarray(valid))
+
+
+# -- host-side splitting ------------------------------------------------------------------------
+
+
+def _check_split(seq_ids, n_ubatch):
+    if int(n_ubatch) < 1:
+        raise ValueError(f"n_ubatch={n_ubatch} is out of range: allowed >= 1")
+    return [tuple(sorted(set(int(x) for x in s))) for s in seq_ids]
+
+
+def _groups(seq_sets) -> List[List[int]]:
+    """Token indices grouped by identical sequence set, in order of first appearance."""
+    order = {}
+    for i, key in enumerate(seq_sets):
+        order.setdefault(key, []).append(i)
+    return list(order.values())
+
+
+def split_simple(seq_ids: Sequence[Sequence[int]], n_ubatch: int) -> List[np.ndarray]:
+    """Consecutive chunks of at most ``n_ubatch`` tokens, in batch order (the seed's default).
+
+    Returns:
+        A list of ``int`` index arrays into the batch.
+    """
+    _check_split(seq_ids, n_ubatch)
+    n = len(seq_ids)
+    return [np.arange(i, min(i + n_ubatch, n)) for i in range(0, n, n_ubatch)]
+
+
+def split_seq(seq_ids: Sequence[Sequence[int]], n_ubatch: int) -> List[np.ndarray]:
+    """One sequence set per ubatch, at most ``n_ubatch`` tokens each, batch order within a set.
+
+    Example:
+        >>> [idx.tolist() for idx in split_seq([[0], [1], [0], [1], [0]], 2)]
+        [[0, 2], [4], [1, 3]]
+    """
+    groups = _groups(_check_split(seq_ids, n_ubatch))
+    return [np.asarray(g[i:i + n_ubatch]) for g in groups for i in range(0, len(g), n_ubatch)]
+
+
+def split_equal(seq_ids: Sequence[Sequence[int]], n_ubatch: int) -> List[np.ndarray]:
+    """Ubatches with the same number of tokens from each of their sequence sets.
+
+    Sequence sets are taken shortest first (so the equal length is as large as possible); a set
+    shared by several sequences goes in a ubatch of its own, because its tokens must be stored
+    before the sequences that continue from it. Within a set, batch order is kept; within a
+    ubatch, the rows of each set are contiguous (``n_seqs`` blocks of ``n_seq_tokens`` rows).
+
+    Example:
+        >>> [idx.tolist() for idx in split_equal([[0], [1], [0], [1], [1]], 8)]
+        [[0, 2, 1, 3], [4]]
+    """
+    sets = _check_split(seq_ids, n_ubatch)
+    pending = [(sets[g[0]], list(g)) for g in _groups(sets)]
+    out = []
+    while pending:
+        # shared sets first (they must precede their continuations), then shortest first
+        pending.sort(key=lambda item: (-len(item[0]), len(item[1])))
+        key, first = pending[0]
+        length = min(len(first), n_ubatch)
+        chosen = [0]
+        if len(key) == 1:
+            for j in range(1, len(pending)):
+                if len(pending[j][0]) > 1 or (len(chosen) + 1) * length > n_ubatch:
+                    break
+                chosen.append(j)
+        rows = []
+        for j in chosen:
+            rows.extend(pending[j][1][:length])
+            pending[j] = (pending[j][0], pending[j][1][length:])
+        pending = [p for p in pending if p[1]]
+        out.append(np.asarray(rows))
+    return out

@@ -1,0 +1,63 @@
+"""Host-side argument checks shared by the public entry points.
+
+Every check runs only on concrete values (Python ints, numpy values, concrete jax arrays): traced
+values inside ``jit`` pass through untouched and are guarded on device instead (see
+``kvjax.errors``).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def is_traced(x) -> bool:
+    """Whether ``x`` is an abstract value inside a jax transformation."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def concrete_int(name: str, x):
+    """``int(x)`` for a concrete integer scalar, ``None`` when ``x`` is traced.
+
+    Raises:
+        ValueError: when ``x`` is not an integer scalar or does not fit in int32.
+    """
+    if is_traced(x):
+        return None
+    arr = np.asarray(x)
+    if arr.shape != () or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+        raise ValueError(f"{name}={x!r} must be an integer scalar")
+    value = int(arr)
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise ValueError(f"{name}={value} is out of range: allowed [{INT32_MIN}, {INT32_MAX}] (int32)")
+    return value
+
+
+def check_seq_id(name: str, x, n_seq_max: int, *, allow_all: bool) -> None:
+    """Check a sequence id against ``[0, n_seq_max)``, or ``[-1, n_seq_max)`` when ``allow_all``."""
+    value = concrete_int(name, x)
+    if value is None:
+        return
+    lo = -1 if allow_all else 0
+    if not lo <= value < n_seq_max:
+        meaning = " (-1 means every sequence)" if allow_all else ""
+        raise ValueError(f"{name}={value} is out of range: allowed [{lo}, {n_seq_max}){meaning}")
+
+
+def check_position(name: str, x) -> None:
+    """Check a position bound: any int32 (negative values follow the seed's conventions)."""
+    concrete_int(name, x)
+
+
+def check_window(n_kv, padding: int, size: int) -> int:
+    """Check a static attention window: a positive multiple of ``padding``, at most ``size``."""
+    if is_traced(n_kv):
+        raise ValueError("n_kv must be a static Python int (it sets array shapes); pick it on the "
+                         "host with kvjax.n_kv(cache) or kvjax.window_bucket")
+    value = concrete_int("n_kv", n_kv)
+    if value <= 0 or value % padding or value > size:
+        raise ValueError(f"n_kv={value} is out of range: allowed a positive multiple of "
+                         f"padding={padding}, at most size={size}")
+    return value
