@@ -95,7 +95,8 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         n_seq_max: when given, every id must be below it.
 
     Returns:
-        The ubatch, with rows n..T-1 marked invalid.
+        The ubatch (numpy leaves, moved to the device by the jitted call that takes it), with
+        rows n..T-1 marked invalid.
 
     Raises:
         ValueError: on mismatched lengths, empty or negative sequence lists, positions out of
@@ -127,7 +128,8 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     pos_arr = np.zeros(length, np.int32)
     pos_arr[:n] = pos
     valid = np.arange(length) < n
-    return Ubatch(pos=jnp.asarray(pos_arr), seq_ids=jnp.asarray(ids), valid=jnp.asarray(valid))
+    # numpy leaves: jit transfers them with the call, cheaper than three separate device puts
+    return Ubatch(pos=pos_arr, seq_ids=ids, valid=valid)
 
 
 # -- host-side splitting ------------------------------------------------------------------------

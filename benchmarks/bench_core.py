@@ -1,0 +1,148 @@
+"""Core benchmarks: sequence operations and slot placement, and find_slot + write of a ubatch.
+
+Each operation is timed as the public eager call (host validation + one jitted dispatch) on a
+half-full cache, against the dispatch floor of an empty jitted function and against the
+pure-Python reference model (``tests/reference/unified.py``) doing the same operation.
+``find_slot`` + ``write`` of a 512-token ubatch into 16 layers is timed as one donated jitted step,
+as bytes written per second against a plain copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from benchmarks.common import (compile_time, copy_bandwidth, dispatch_floor, fmt_rate, fmt_time,
+                               median_time, table)
+from tests.reference.unified import UnifiedRef
+
+
+def _populated(size: int, n_seq_max: int, rng):
+    """A cache and its reference, half full, with 4 sequences sharing a prefix and holes."""
+    cfg = kvjax.CacheConfig(size=size, n_seq_max=n_seq_max, n_layer=1, n_kv_heads=1, head_dim=8)
+    cache = kvjax.init(cfg)
+    ref = UnifiedRef(size=size, n_seq_max=n_seq_max, padding=cfg.padding)
+    n_seq = min(4, n_seq_max)
+    chunk = size // (2 * n_seq)
+    for s in range(n_seq):
+        pos = list(range(chunk))
+        ids = [[s] for _ in pos]
+        cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(pos, ids))
+        ref.find_slot(list(zip(pos, ids)))
+    cache = kvjax.seq_cp(cache, 0, n_seq_max - 1, 0, chunk // 2)
+    ref.seq_cp(0, n_seq_max - 1, 0, chunk // 2)
+    # a few holes
+    cache = kvjax.seq_rm(cache, 1, chunk // 4, chunk // 2)
+    ref.seq_rm(1, chunk // 4, chunk // 2)
+    return cache, ref
+
+
+def _ops(size):
+    """(name, kvjax call, reference call) triples; references run on a fresh copy each time."""
+    q = size // 16
+    return [
+        ("seq_rm", lambda c: kvjax.seq_rm(c, 2, q, 2 * q), lambda r: r.seq_rm(2, q, 2 * q)),
+        ("seq_cp", lambda c: kvjax.seq_cp(c, 0, 2, 0, q), lambda r: r.seq_cp(0, 2, 0, q)),
+        ("seq_keep", lambda c: kvjax.seq_keep(c, 0), lambda r: r.seq_keep(0)),
+        ("seq_add", lambda c: kvjax.seq_add(c, 3, q, -1, -7), lambda r: r.seq_add(3, q, -1, -7)),
+        ("seq_div", lambda c: kvjax.seq_div(c, 3, 0, -1, 2), lambda r: r.seq_div(3, 0, -1, 2)),
+        ("seq_pos_max", lambda c: kvjax.seq_pos_max(c, 1), lambda r: r.seq_pos_max(1)),
+        ("used_cells", lambda c: kvjax.used_cells(c), lambda r: r.used_cells()),
+        ("n_kv", lambda c: kvjax.n_kv(c), lambda r: r.n_kv()),
+    ]
+
+
+def _find_slot_rows(cache, ref, n_tokens):
+    ub = kvjax.make_ubatch(range(10**6, 10**6 + n_tokens), [[1]] * n_tokens)
+    toks = [(10**6 + i, [1]) for i in range(n_tokens)]
+    return [
+        (f"find_slot T={n_tokens} (contiguous)", lambda c: kvjax.find_slot(c, ub)[2], lambda r: r.find_slot(toks)),
+        (f"find_slot T={n_tokens} (scattered)", lambda c: kvjax.find_slot(c, ub, contiguous=False)[2],
+         lambda r: r.find_slot(toks, contiguous=False)),
+    ]
+
+
+def _time_reference(ref, fn, repeats):
+    import time
+
+    samples = []
+    for _ in range(repeats):
+        r = copy.deepcopy(ref)
+        t0 = time.perf_counter()
+        fn(r)
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples))
+
+
+def _ops_section(quick: bool) -> str:
+    floor = dispatch_floor()
+    rng = np.random.default_rng(0)
+    sizes = [4096] if quick else [4096, 32768]
+    seqs = [4] if quick else [4, 256]
+    rows = []
+    for size in sizes:
+        for n_seq_max in seqs:
+            cache, ref = _populated(size, n_seq_max, rng)
+            for name, op, ref_op in _ops(size) + _find_slot_rows(cache, ref, 1) + _find_slot_rows(cache, ref, 512):
+                t = median_time(lambda: op(cache), repeats=5 if quick else 9, number=5 if quick else 20)
+                t_ref = _time_reference(ref, ref_op, repeats=3 if quick else 5)
+                rows.append([name, size, n_seq_max, fmt_time(t), f"{t / floor:.1f}x", fmt_time(t_ref),
+                             f"{t_ref / t:.2g}x"])
+    return "\n".join([
+        "### Sequence operations and placement (eager public call, half-full cache)",
+        "",
+        f"Dispatch floor (empty jitted function of one array): {fmt_time(floor)} per call.",
+        "",
+        table(["op", "cells", "n_seq_max", "kvjax", "vs floor", "Python reference", "kvjax speed-up"], rows),
+    ])
+
+
+def _write_section(quick: bool) -> str:
+    size, n_layer, heads, dim, n_tok = (4096, 4, 8, 64, 512) if quick else (32768, 16, 8, 64, 512)
+    cfg = kvjax.CacheConfig(size=size, n_seq_max=4, n_layer=n_layer, n_kv_heads=heads, head_dim=dim)
+    cache = kvjax.init(cfg)
+
+    def step(cache, ub, k, v):
+        cache, slot, ok = kvjax.find_slot(cache, ub)
+        for layer in range(n_layer):
+            cache = kvjax.write(cache, layer, slot, k[layer], v[layer])
+        return cache, ok
+
+    jstep = jax.jit(step, donate_argnums=0)
+    key = jax.random.PRNGKey(0)
+    k = jax.random.normal(key, (n_layer, n_tok, heads, dim), jnp.float32)
+    v = jax.random.normal(jax.random.fold_in(key, 1), (n_layer, n_tok, heads, dim), jnp.float32)
+    ub0 = kvjax.make_ubatch(range(n_tok), [[0]] * n_tok)
+    t_compile = compile_time(jstep, cache, ub0, k, v)
+    state = {"cache": cache, "p": 0}
+
+    def once():
+        c = kvjax.clear(state["cache"])  # keep room: each call places the ubatch at cell 0
+        c, ok = jstep(c, ub0, k, v)
+        state["cache"] = c
+        return ok
+
+    t = median_time(once, repeats=5 if quick else 9)
+    t_clear = median_time(lambda: kvjax.clear(state["cache"]).cells.pos, repeats=5)
+    n_bytes = 2 * n_layer * n_tok * heads * dim * 4
+    bw = copy_bandwidth(n_bytes)
+    rate = n_bytes / max(t - t_clear, 1e-9)
+    return "\n".join([
+        f"### find_slot + write of a {n_tok}-token ubatch into {n_layer} layers",
+        "",
+        f"Cache: {size} cells, {n_layer} layers, {heads} kv heads, head size {dim}, float32 "
+        f"({kvjax.total_size(cfg) / 2**30:.2f} GiB of K/V), one jitted step donating the cache.",
+        "",
+        table(["step time", "bytes written", "rate", "plain copy of the same bytes", "rate / copy", "compile"],
+              [[fmt_time(t - t_clear), f"{n_bytes / 2**20:.0f} MiB", fmt_rate(rate), fmt_rate(bw),
+                f"{rate / bw:.2f}", fmt_time(t_compile)]]),
+    ])
+
+
+def run(quick: bool = False) -> str:
+    return "\n\n".join(["## Core: sequence operations, placement, K/V writes", _ops_section(quick),
+                        _write_section(quick)])
