@@ -1,0 +1,99 @@
+"""Token sampling: greedy, temperature, top-k and top-p, with an explicit PRNG key.
+
+Shapes: ``B`` rows (sequences being sampled), ``V`` vocabulary.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> logits = jnp.log(jnp.array([[0.1, 0.6, 0.3]]))
+    >>> sample(logits, jax.random.PRNGKey(0), SamplingConfig(temperature=0.0)).tolist()
+    [1]
+    >>> sample(logits, jax.random.PRNGKey(0), SamplingConfig(top_k=1)).tolist()
+    [1]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax._typing import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen.
+
+    Attributes:
+        temperature: 0 for greedy (argmax); otherwise logits are divided by it.
+        top_k: keep only the k most likely tokens (0: all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches p (1: all).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature} is out of range: allowed >= 0 (0 = greedy)")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k={self.top_k} is out of range: allowed an integer >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} is out of range: allowed (0, 1] (1 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: Float[Array, "B V"], config: SamplingConfig) -> Float[Array, "B V"]:
+    """Logits with the tokens outside top-k / top-p set to -inf (temperature applied).
+
+    The most likely token always survives, so a row never becomes all -inf.
+    """
+    logits = logits.astype(jnp.float32) / config.temperature
+    if config.top_k == 0 and config.top_p >= 1:
+        return logits
+    order = jnp.argsort(-logits, axis=-1)
+    ranked = jnp.take_along_axis(logits, order, axis=-1)
+    keep = jnp.ones_like(ranked, dtype=bool)
+    if config.top_k:
+        keep &= jnp.arange(ranked.shape[-1]) < config.top_k
+    if config.top_p < 1:
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+        keep &= before < config.top_p
+    keep = keep.at[..., 0].set(True)
+    kept_ranked = jnp.where(keep, ranked, -jnp.inf)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(kept_ranked, inverse, axis=-1)
+
+
+@jax.jit
+def _greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: Float[Array, "B V"], key: jax.Array, config: SamplingConfig = SamplingConfig()
+           ) -> Int[Array, "B"]:
+    """Draw one token per row.
+
+    Args:
+        logits: ``[B, V]`` unnormalized log-probabilities.
+        key: PRNG key (split it between calls; the same key gives the same tokens).
+        config: the sampling rule (static).
+
+    Returns:
+        ``i32[B]`` token ids.
+    """
+    if config.greedy:
+        return _greedy(logits)
+    return _sample(logits, key, config)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _sample(logits, key, config):
+    return jax.random.categorical(key, filter_logits(logits, config), axis=-1).astype(jnp.int32)
