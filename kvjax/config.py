@@ -72,7 +72,12 @@ class RopeConfig:
         beta_fast: YaRN ramp start (in rotations).
         beta_slow: YaRN ramp end (in rotations).
         n_ctx_orig: original training context for YaRN.
-        freq_factors: optional per-pair frequency divisors (``n_rot // 2`` values).
+        freq_factors: optional per-pair frequency divisors (``n_rot // 2`` values > 0).
+
+    The math is in :mod:`kvjax.rope`. YaRN (``ext_factor != 0``) needs ``n_ctx_orig``,
+    ``beta_fast`` and ``beta_slow`` > 0. The K-shift uses the same frequencies as a pure rotation
+    (no ``attn_factor`` / YaRN magnitude), so shifted K equals K computed at the new position.
+    Instances are hashable (they are static configuration inside ``jit``).
 
     Example:
         >>> RopeConfig(n_rot=16).mode
@@ -91,20 +96,37 @@ class RopeConfig:
     freq_factors: Optional[Tuple[float, ...]] = None
 
     def __post_init__(self):
-        _require(isinstance(self.n_rot, (int, np.integer)) and self.n_rot > 0 and self.n_rot % 2 == 0,
-                 "n_rot", self.n_rot, "a positive even integer")
+        _require(_is_int(self.n_rot) and self.n_rot > 0 and self.n_rot % 2 == 0,
+                 "n_rot", self.n_rot, "a positive even integer (rotated dims come in pairs)")
+        object.__setattr__(self, "n_rot", int(self.n_rot))
         try:
             mode = RopeMode(self.mode)
         except ValueError:
             raise ValueError(f"mode={self.mode!r} is not a RoPE mode: allowed 'normal' or 'neox'") from None
         object.__setattr__(self, "mode", mode)
-        _require(self.freq_base > 0, "freq_base", self.freq_base, "> 0")
-        _require(self.freq_scale > 0, "freq_scale", self.freq_scale, "> 0")
-        _require(self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig, ">= 0")
+        real = (int, float, np.integer, np.floating)
+        for name in ("freq_base", "freq_scale", "attn_factor"):
+            value = getattr(self, name)
+            _require(isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value) and value > 0, name, value, "a finite number > 0")
+            object.__setattr__(self, name, float(value))
+        for name in ("ext_factor", "beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            _require(isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value), name,
+                     value, "a finite number")
+            object.__setattr__(self, name, float(value))
+        _require(_is_int(self.n_ctx_orig) and self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig,
+                 "an integer >= 0")
+        if self.ext_factor != 0:
+            # YaRN's correction dims take log(n_ctx_orig / (2 pi beta)): all three must be positive
+            _require(self.n_ctx_orig > 0, "n_ctx_orig", self.n_ctx_orig, "> 0 when ext_factor != 0 (YaRN)")
+            _require(self.beta_fast > 0, "beta_fast", self.beta_fast, "> 0 when ext_factor != 0 (YaRN)")
+            _require(self.beta_slow > 0, "beta_slow", self.beta_slow, "> 0 when ext_factor != 0 (YaRN)")
         if self.freq_factors is not None:
             ff = tuple(float(f) for f in self.freq_factors)
             _require(len(ff) == self.n_rot // 2, "freq_factors", f"{len(ff)} values",
                      f"exactly n_rot // 2 = {self.n_rot // 2} values")
+            _require(all(math.isfinite(f) and f > 0 for f in ff), "freq_factors", ff,
+                     "finite values > 0 (each pair's frequency is divided by its factor)")
             object.__setattr__(self, "freq_factors", ff)
 
 

@@ -1,0 +1,161 @@
+"""Attention of a ubatch's queries over the cache (grouped-query, masked, float32 softmax).
+
+``attention(q, cache, layer, mask)`` reads ``view(cache, layer, N)`` with ``N = mask.shape[-1]``
+(the static window, see :mod:`kvjax.windows`) and returns ``softmax(q k^T * scale + mask + bias) v``
+per query head. Query head ``j`` uses kv head ``j // G`` with ``G = Hq / H`` (grouped-query
+attention, as ggml and llama.cpp lay heads out). Softmax and both contractions accumulate in
+float32 whatever the storage dtype; a row whose entries are all masked gives 0 and an lse of
+``-inf`` (not NaN).
+
+Formulation (chosen by measurement on XLA's CPU backend, see ``docs/architecture.md`` and
+``benchmarks/bench_attention.py``): the queries of one kv head are stacked into one matrix
+``[G * T, D]`` so K and V are read once per kv head, not once per query head; the scores are
+computed as ``K [N, D] @ Q^T`` so that K, the large operand, is read in its stored row layout;
+and the window is processed in chunks of cells with an online softmax so that no ``[Hq, T, N]``
+score matrix is ever written to memory.
+
+Example:
+    >>> import jax.numpy as jnp, kvjax
+    >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2)
+    >>> ub = kvjax.make_ubatch([0, 1], [[0], [0]])
+    >>> cache, slot, _ = kvjax.find_slot(kvjax.init(cfg), ub)
+    >>> k = jnp.array([[[1.0, 0.0]], [[0.0, 1.0]]]); v = jnp.array([[[1.0, 2.0]], [[3.0, 4.0]]])
+    >>> cache = kvjax.write(cache, 0, slot, k, v)
+    >>> q = jnp.zeros((2, 2, 2))                    # [T, Hq=2, D]: equal scores
+    >>> kvjax.attention(q, cache, 0, kvjax.kq_mask(cache, ub, 32))[:, 0].tolist()
+    [[1.0, 2.0], [2.0, 3.0]]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax._typing import Array, Bool, Float
+from kvjax.cache import KVCache, view
+from kvjax.validate import check_window
+
+_NEG_INF = -jnp.inf
+
+
+def _softmax_attend(q, k, v, mask, bias, scale):
+    """Reference formulation (all cells at once); q [H, R, D], k [H, N, D], mask/bias [H, R, N]."""
+    s = jnp.einsum("hrd,hnd->hrn", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = s + mask
+    if bias is not None:
+        s = s + bias
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("hrn,hnd->hrd", p, v.astype(jnp.float32))
+    out = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
+    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)), _NEG_INF)
+    return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "n_kv", "return_lse"))
+def _attention(q, cache, mask, bias, scale, layer, n_kv, return_lse):
+    k, v = view(cache, layer, n_kv)  # [H, N, D], [H, N, Dv]
+    n_heads = k.shape[0]
+    t, hq, d = q.shape
+    g = hq // n_heads
+    # query head j = h * G + g' -> rows of kv head h, ordered (g', t)
+    qr = q.reshape(t, n_heads, g, d).transpose(1, 2, 0, 3).reshape(n_heads, g * t, d)
+    if mask.dtype == jnp.bool_:
+        add = jnp.where(mask, 0.0, _NEG_INF).astype(jnp.float32)
+    else:
+        add = mask.astype(jnp.float32)
+    add = jnp.broadcast_to(add[None, None], (n_heads, g, t, n_kv)).reshape(n_heads, g * t, n_kv)
+    b = None
+    if bias is not None:
+        b = jnp.broadcast_to(bias.astype(jnp.float32), (hq, t, n_kv)).reshape(n_heads, g * t, n_kv)
+    out, lse = _softmax_attend(qr, k, v, add, b, scale)
+    dv = out.shape[-1]
+    out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
+    if return_lse:
+        return out, lse.reshape(n_heads, g, t).transpose(2, 0, 1).reshape(t, hq)
+    return out
+
+
+def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
+              mask: Union[Float[Array, "T N"], Bool[Array, "T N"]], *, scale: Optional[float] = None,
+              bias: Optional[Float[Array, "..."]] = None, return_lse: bool = False
+              ) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
+    """Grouped-query attention of ``q`` over the first ``N = mask.shape[-1]`` cells of a layer.
+
+    Args:
+        q: ``[T, Hq, D]`` queries (RoPE already applied), ``Hq`` a multiple of the layer's kv
+            heads ``H``.
+        cache: the cache, with this ubatch's K/V already written.
+        layer: static model layer id (a cached layer).
+        mask: ``f32[T, N]`` additive mask (:func:`kvjax.kq_mask`) or ``bool[T, N]`` visibility
+            (:func:`kvjax.kq_mask_bool`); ``N`` a positive multiple of ``padding``, at most ``size``.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+        bias: optional additive bias broadcastable to ``[Hq, T, N]`` (e.g. ALiBi slopes times the
+            distances, or T5 relative-position biases).
+        return_lse: also return the log-sum-exp of each row's scaled, masked scores.
+
+    Returns:
+        ``out [T, Hq, Dv]`` in ``q.dtype`` (and ``lse f32[T, Hq]`` when ``return_lse``). Fully
+        masked rows give ``out = 0`` and ``lse = -inf``.
+
+    Raises:
+        ValueError: bad shapes or dtypes, ``Hq`` not a multiple of ``H``, ``D`` not the layer's
+            head size, a bad window, a bias that does not broadcast.
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
+        >>> ub = kvjax.make_ubatch([0], [[0]])
+        >>> cache, slot, _ = kvjax.find_slot(cache, ub)
+        >>> cache = kvjax.write(cache, 0, slot, jnp.ones((1, 1, 4)), jnp.full((1, 1, 4), 2.0))
+        >>> out, lse = kvjax.attention(jnp.ones((1, 4, 4)), cache, 0, kvjax.kq_mask(cache, ub, 32), return_lse=True)
+        >>> out.shape, out[0, 0].tolist(), lse.round(3)[0, 0].item()
+        ((1, 4, 4), [2.0, 2.0, 2.0, 2.0], 2.0)
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    cfg = cache.config
+    if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+        raise ValueError(f"layer={layer!r} must be a static Python int (a cached layer id)")
+    layer = int(layer)
+    g, _ = cfg.locate(layer)
+    grp = cfg.groups[g]
+    if not hasattr(q, "shape") or len(q.shape) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q has shape {getattr(q, 'shape', None)} and dtype {getattr(q, 'dtype', None)}: "
+                         f"allowed a floating [T, Hq, D] array")
+    t, hq, d = q.shape
+    if hq % grp.n_kv_heads or hq == 0:
+        raise ValueError(f"q has {hq} query heads: allowed a positive multiple of the layer's "
+                         f"n_kv_heads={grp.n_kv_heads} (grouped-query attention)")
+    if d != grp.head_dim:
+        raise ValueError(f"q has head size {d}: allowed the layer's head_dim={grp.head_dim}")
+    if not hasattr(mask, "shape") or len(mask.shape) != 2 or mask.shape[0] != t:
+        raise ValueError(f"mask has shape {getattr(mask, 'shape', None)}: allowed [T={t}, N]")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.floating)):
+        raise ValueError(f"mask has dtype {mask.dtype}: allowed bool (visibility) or floating (additive)")
+    n_kv = check_window(int(mask.shape[1]), cfg.padding, cfg.size)
+    if bias is not None:
+        if not hasattr(bias, "shape") or not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise ValueError("bias must be a floating array broadcastable to [Hq, T, N]")
+        try:
+            shape = np.broadcast_shapes(tuple(bias.shape), (hq, t, n_kv))
+        except ValueError:
+            shape = None
+        if shape != (hq, t, n_kv):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}: allowed a shape broadcastable to "
+                             f"[Hq, T, N] = {(hq, t, n_kv)}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite real number")
+    # scale travels as a traced f32 scalar: a new scale does not recompile
+    return _attention(q, cache, mask, bias, np.float32(scale), layer=layer, n_kv=n_kv,
+                      return_lse=bool(return_lse))

@@ -1,0 +1,317 @@
+"""RoPE with the math of ggml's ``rope_ext``, and the K-shift that rotates cached K by ``delta``.
+
+For the pair ``i`` (``0 <= i < n_rot / 2``) of a head, at position ``p``::
+
+    theta_i = p * c_i,   c_i = freq_base^(-2i / n_rot) / freq_factor_i * (s (1 - m_i) + m_i)
+
+with ``s = freq_scale`` and the YaRN mix ``m_i = ext_factor * ramp_i`` (0 without YaRN), where
+``ramp_i = 1 - clip((i - lo) / max(0.001, hi - lo), 0, 1)`` between the correction dims
+``lo = max(0, floor(d(beta_fast)))``, ``hi = min(n_rot - 1, ceil(d(beta_slow)))`` and
+``d(b) = n_rot * ln(n_ctx_orig / (2 pi b)) / (2 ln freq_base)`` (ggml's ``rope_yarn_corr_dims``).
+The rotated pair is scaled by ``mscale = attn_factor`` (times ``1 + 0.1 ln(1 / s)`` with YaRN)::
+
+    normal mode (adjacent pairs)        neox mode (halves)
+    x[2i], x[2i+1]                      x[i], x[i + n_rot/2]
+    (a, b) -> mscale (a cos - b sin,  a sin + b cos)
+
+Dims from ``n_rot`` on pass through unchanged. The per-pair constants ``c_i`` are computed once on
+the host in float64 (ggml builds them by repeated float32 multiplication; the two agree to float32
+rounding), so the device only evaluates ``cos``/``sin`` of ``p * c_i``.
+
+Because ``theta`` is linear in ``p``, rotating by ``a`` and then by ``b`` is rotating by ``a + b``:
+that is what the K-shift relies on. :func:`k_shift` rotates every cell's K by its pending
+``delta`` in every cached layer (per layer RoPE parameters from ``cache.config.rope``) and clears
+the deltas.
+
+Deliberate difference from the seed: the K-shift applies a pure rotation (``mscale = 1``). The
+seed passes ``attn_factor`` and the YaRN magnitude again on every shift, so with YaRN (or
+``attn_factor != 1``) a cached K would be scaled once more per shift and no longer equal K
+computed at its new position; llama.cpp itself special-cases DeepSeek-2 to cancel that factor.
+
+Quantized K: the shift works on float values through :func:`k_to_float` and :func:`k_from_float`
+(dequantize, rotate, requantize, as the seed's ``build_rope_shift`` does for quantized types).
+For float storage they are casts; block-quantized storage fills them in.
+
+Example:
+    >>> import jax.numpy as jnp, kvjax
+    >>> cfg = kvjax.RopeConfig(n_rot=4)
+    >>> x = jnp.ones((2, 1, 4))                       # [T, H, D]
+    >>> y = kvjax.rope(x, jnp.array([0, 3]), cfg)
+    >>> bool(jnp.all(y[0] == x[0]))                   # position 0: identity
+    True
+    >>> z = kvjax.rope(kvjax.rope(x, jnp.array([1, 1]), cfg), jnp.array([2, 2]), cfg)
+    >>> bool(jnp.allclose(z, kvjax.rope(x, jnp.array([3, 3]), cfg), atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax._typing import Array, Float, Int
+from kvjax.cache import KVCache
+from kvjax.config import CacheConfig, RopeConfig, RopeMode
+
+# -- the per-pair constants (host, float64) ------------------------------------------------------
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
+                   beta_slow: float) -> Tuple[float, float]:
+    """ggml's ``rope_yarn_corr_dims``: the pair range over which YaRN ramps (start, end).
+
+    Example:
+        >>> yarn_corr_dims(128, 4096, 10000.0, 32.0, 1.0)
+        (20.0, 46.0)
+    """
+
+    def corr_dim(n_rot_per_ctx: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot_per_ctx * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    start = math.floor(corr_dim(beta_fast))
+    end = math.ceil(corr_dim(beta_slow))
+    return float(max(0, start)), float(min(n_dims - 1, end))
+
+
+def pair_frequencies(cfg: RopeConfig) -> np.ndarray:
+    """``c_i``, the angle per unit of position of each rotated pair (``float64[n_rot // 2]``).
+
+    Example:
+        >>> pair_frequencies(RopeConfig(n_rot=4, freq_base=100.0)).tolist()
+        [1.0, 0.1]
+    """
+    half = cfg.n_rot // 2
+    i = np.arange(half, dtype=np.float64)
+    c = cfg.freq_base ** (-2.0 * i / cfg.n_rot)
+    if cfg.freq_factors is not None:
+        c = c / np.asarray(cfg.freq_factors, np.float64)
+    if cfg.ext_factor != 0:
+        lo, hi = yarn_corr_dims(cfg.n_rot, cfg.n_ctx_orig, cfg.freq_base, cfg.beta_fast, cfg.beta_slow)
+        ramp = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)
+        mix = ramp * cfg.ext_factor
+        return c * (cfg.freq_scale * (1.0 - mix) + mix)
+    return c * cfg.freq_scale
+
+
+def magnitude(cfg: RopeConfig) -> float:
+    """``mscale``: the factor applied to the rotated dims (``attn_factor``, YaRN-corrected).
+
+    Example:
+        >>> round(magnitude(RopeConfig(n_rot=4, freq_scale=0.25, ext_factor=1.0, n_ctx_orig=64)), 4)
+        1.1386
+    """
+    if cfg.ext_factor != 0:
+        return cfg.attn_factor * (1.0 + 0.1 * math.log(1.0 / cfg.freq_scale))
+    return float(cfg.attn_factor)
+
+
+# -- the rotation (device) ----------------------------------------------------------------------
+
+
+def _cos_sin(pos: Int[Array, "..."], freqs: np.ndarray, scale: float):
+    """``cos``/``sin`` of ``pos * c_i`` (times ``scale``), float32 ``[..., n_rot // 2]``.
+
+    ``freqs`` may carry a leading layer axis: ``[L, n_rot // 2]`` with ``pos`` ``[C]`` gives
+    ``[L, C, n_rot // 2]``.
+    """
+    c = jnp.asarray(freqs, jnp.float32)
+    p = jnp.asarray(pos).astype(jnp.float32)
+    if c.ndim == 2:
+        theta = p[None, :, None] * c[:, None, :]
+    else:
+        theta = p[..., None] * c
+    cos, sin = jnp.cos(theta), jnp.sin(theta)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
+
+
+def _rotate(x: Float[Array, "... D"], cos, sin, n_rot: int, mode: RopeMode) -> Float[Array, "... D"]:
+    """Rotate the first ``n_rot`` dims of ``x`` (float32) by broadcastable ``cos``/``sin``."""
+    head = x[..., :n_rot]
+    if mode == RopeMode.NEOX:
+        a, b = head[..., : n_rot // 2], head[..., n_rot // 2:]
+        rotated = jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    else:
+        pairs = head.reshape(head.shape[:-1] + (n_rot // 2, 2))
+        a, b = pairs[..., 0], pairs[..., 1]
+        rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(head.shape)
+    if n_rot == x.shape[-1]:
+        return rotated
+    return jnp.concatenate([rotated, x[..., n_rot:]], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _rope(x, pos, cfg: RopeConfig):
+    cos, sin = _cos_sin(pos, pair_frequencies(cfg), magnitude(cfg))
+    out = _rotate(x.astype(jnp.float32), cos[..., None, :], sin[..., None, :], cfg.n_rot, cfg.mode)
+    return out.astype(x.dtype)
+
+
+def _check_rope_args(x, pos, rope_config):
+    if not isinstance(rope_config, RopeConfig):
+        raise ValueError(f"rope_config must be a kvjax.RopeConfig, got {type(rope_config).__name__}")
+    if not hasattr(x, "shape") or len(x.shape) < 3:
+        raise ValueError(f"x has shape {getattr(x, 'shape', None)}: allowed [..., T, H, D] (at least 3 axes)")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x has dtype {x.dtype}: allowed a floating dtype")
+    if rope_config.n_rot > x.shape[-1]:
+        raise ValueError(f"rope_config.n_rot={rope_config.n_rot} is out of range: allowed an even number "
+                         f"<= the head size D={x.shape[-1]}")
+    if not hasattr(pos, "shape") or not jnp.issubdtype(pos.dtype, jnp.integer):
+        raise ValueError(f"pos must be an integer array broadcastable to {tuple(x.shape[:-2])} (the "
+                         f"leading axes of x), got {getattr(pos, 'dtype', type(pos).__name__)}")
+    try:
+        shape = np.broadcast_shapes(tuple(pos.shape), tuple(x.shape[:-2]))
+    except ValueError:
+        shape = None
+    if shape != tuple(x.shape[:-2]):
+        raise ValueError(f"pos has shape {tuple(pos.shape)}: allowed a shape broadcastable to "
+                         f"{tuple(x.shape[:-2])} (the leading axes [..., T] of x)")
+
+
+def rope(x: Float[Array, "... T H D"], pos: Int[Array, "... T"], rope_config: RopeConfig
+         ) -> Float[Array, "... T H D"]:
+    """Apply RoPE to the first ``n_rot`` dims of every head (ggml ``rope_ext``).
+
+    Args:
+        x: ``[..., T, H, D]`` queries or keys, any floating dtype (computed in float32, returned
+            in ``x.dtype``).
+        pos: integer positions ``[T]`` (or any shape broadcastable to ``x.shape[:-2]``).
+        rope_config: the RoPE parameters (mode, ``n_rot``, frequencies, YaRN).
+
+    Returns:
+        ``x`` rotated, same shape and dtype.
+
+    Raises:
+        ValueError: ``n_rot`` larger than ``D``, a non-floating ``x``, non-integer or
+            non-broadcastable ``pos``.
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> x = jnp.array([[[1.0, 0.0, 1.0, 0.0]]])              # [T=1, H=1, D=4]
+        >>> cfg = kvjax.RopeConfig(n_rot=2, mode="neox")
+        >>> kvjax.rope(x, jnp.array([1]), cfg).round(4).tolist()   # only dims 0, 1 rotate
+        [[[0.5403, 0.8415, 1.0, 0.0]]]
+    """
+    _check_rope_args(x, pos, rope_config)
+    return _rope(x, pos, rope_config)
+
+
+# -- the quantization seam ---------------------------------------------------------------------
+
+
+def k_to_float(stored: Array, config: CacheConfig) -> Float[Array, "L H C D"]:
+    """Stored K of one layer group as float32 values (dequantize; a cast for float storage).
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2, k_dtype="float16")
+        >>> k_to_float(jnp.ones((1, 1, 32, 2), jnp.float16), cfg).dtype
+        dtype('float32')
+    """
+    return stored.astype(jnp.float32)
+
+
+def k_from_float(k: Float[Array, "L H C D"], config: CacheConfig) -> Array:
+    """Float32 K of one layer group in the cache's storage format (requantize; a cast for floats).
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2, k_dtype="float16")
+        >>> k_from_float(jnp.ones((1, 1, 32, 2)), cfg).dtype
+        dtype('float16')
+    """
+    return k.astype(jnp.dtype(config.k_dtype))
+
+
+# -- K-shift ------------------------------------------------------------------------------------
+
+
+def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig):
+    """Rotate one stacked group ``[L, H, C, D]`` by ``delta`` with each layer's RoPE parameters."""
+    k = k_to_float(stored, config)
+    shapes = {(r.n_rot, r.mode) for r in ropes}
+    if len(shapes) == 1:
+        n_rot, mode = shapes.pop()
+        if len(set(ropes)) == 1:
+            freqs = pair_frequencies(ropes[0])          # one table for every layer: [n/2]
+            cos, sin = _cos_sin(delta, freqs, 1.0)      # [C, n/2], broadcast over L and H
+        else:
+            freqs = np.stack([pair_frequencies(r) for r in ropes])  # [L, n/2]
+            cos, sin = _cos_sin(delta, freqs, 1.0)      # [L, C, n/2]
+            cos, sin = cos[:, None], sin[:, None]       # [L, 1, C, n/2]
+        rotated = _rotate(k, cos, sin, n_rot, mode)
+    else:  # layers of one shape but different rotated dims or modes: one rotation per layer
+        layers = []
+        for i, r in enumerate(ropes):
+            cos, sin = _cos_sin(delta, pair_frequencies(r), 1.0)
+            layers.append(_rotate(k[i], cos, sin, r.n_rot, r.mode))
+        rotated = jnp.stack(layers)
+    return k_from_float(rotated, config)
+
+
+@jax.jit
+def _k_shift(cache: KVCache) -> KVCache:
+    cfg = cache.config
+    delta = cache.cells.delta
+    ks = tuple(_shift_group(cache.k[g], delta, tuple(cfg.rope[il] for il in grp.layers), cfg)
+               for g, grp in enumerate(cfg.groups))
+    return cache.replace(k=ks, cells=cache.cells.replace(delta=jnp.zeros_like(delta)))
+
+
+def can_shift(cache: KVCache) -> bool:
+    """Whether the cache can apply a K-shift: its config carries RoPE parameters.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4)
+        >>> kvjax.can_shift(kvjax.init(cfg)), kvjax.can_shift(kvjax.init(cfg.replace(rope=kvjax.RopeConfig(n_rot=4))))
+        (False, True)
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    return bool(cache.config.can_shift)
+
+
+def k_shift(cache: KVCache) -> KVCache:
+    """Rotate every cell's K by its pending ``delta`` in every cached layer; clear the deltas.
+
+    The seed's ``build_graph_shift``. Cells with ``delta == 0`` (empty ones included) are rotated
+    by 0, which leaves them exactly as they are. Under ``jax.jit(..., donate_argnums=0)`` the K
+    buffers are rotated in place (older snapshots sharing them become invalid); otherwise the
+    result is a new K buffer and the input cache is untouched. :func:`kvjax.update` calls this
+    only when some delta is non-zero.
+
+    Args:
+        cache: a cache whose config has ``rope`` set.
+
+    Returns:
+        The cache with K rotated and every ``delta`` 0.
+
+    Raises:
+        ValueError: when ``cache.config.rope`` is None (the cache cannot shift).
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2,
+        ...                         rope=kvjax.RopeConfig(n_rot=2))
+        >>> cache, slot, _ = kvjax.find_slot(kvjax.init(cfg), kvjax.make_ubatch([5], [[0]]))
+        >>> x = jnp.array([[[0.6, 0.8]]])                                   # K before RoPE
+        >>> k5 = kvjax.rope(x, jnp.array([5]), cfg.rope[0])                 # cached at position 5
+        >>> cache = kvjax.write(cache, 0, slot, k5, k5)
+        >>> shifted = kvjax.k_shift(kvjax.seq_add(cache, 0, 0, -1, -5))   # moved to position 0
+        >>> bool(jnp.allclose(shifted.k[0][0, 0, 0], x[0, 0], atol=1e-6)), int(shifted.cells.delta[0])
+        (True, 0)
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    if cache.config.rope is None:
+        raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
+                         "model's kvjax.RopeConfig (one for all layers or one per layer)")
+    return _k_shift(cache)

@@ -1,0 +1,80 @@
+"""``update``: apply what sequence operations left pending, K-shift first, then defrag (the seed's ``update``).
+
+Both steps are paid only when needed:
+
+- outside ``jit`` the two pending flags (some ``delta != 0``; ``cells.defrag``) are read in one
+  small device-to-host transfer, and only the pending steps run;
+- inside ``jit`` (the cache is traced) the K-shift sits in a ``lax.cond`` on "some delta is
+  non-zero", and defrag is :func:`kvjax.defrag.apply_pending`, itself a ``lax.cond`` on the flag.
+  With the cache donated (``jax.jit(kvjax.update, donate_argnums=0)``) the branch not taken costs
+  a few microseconds and no copy.
+
+Difference from the seed: a traced cache without RoPE parameters (``config.rope is None``) keeps
+its deltas (nothing can rotate them and jitted code cannot raise); :func:`kvjax.has_shift` stays
+true so the host can tell. Outside ``jit`` that case raises, as the seed aborts.
+
+Example:
+    >>> import jax.numpy as jnp, kvjax
+    >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2,
+    ...                         rope=kvjax.RopeConfig(n_rot=2))
+    >>> cache, _, _ = kvjax.find_slot(kvjax.init(cfg), kvjax.make_ubatch([0, 1], [[0], [0]]))
+    >>> cache = kvjax.seq_add(cache, 0, 0, -1, 3)
+    >>> bool(kvjax.has_shift(cache)), bool(kvjax.has_shift(kvjax.update(cache)))
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache
+from kvjax.cells import has_shift as _has_shift
+from kvjax.rope import _k_shift, k_shift
+from kvjax.validate import is_traced
+
+
+def _defrag_step():
+    """``kvjax.defrag.apply_pending`` when that module exists (it is written separately)."""
+    try:
+        # import_module, not attribute access: the package may re-export a function named defrag
+        module = importlib.import_module("kvjax.defrag")
+    except ModuleNotFoundError as err:
+        if err.name != "kvjax.defrag":
+            raise
+        return None
+    return getattr(module, "apply_pending", None)
+
+
+@jax.jit
+def _pending(cells):
+    return jnp.stack([_has_shift(cells), cells.defrag])
+
+
+def update(cache: KVCache) -> KVCache:
+    """Apply a pending K-shift (RoPE by ``delta``), then a pending defrag.
+
+    Args:
+        cache: the cache (concrete, or traced inside ``jit``).
+
+    Returns:
+        The cache with no pending shift (every ``delta`` 0) and no pending defrag.
+
+    Raises:
+        ValueError: (concrete cache) a shift is pending but ``config.rope`` is None.
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    apply_defrag = _defrag_step()
+    if is_traced(cache.cells.delta) or is_traced(cache.cells.defrag):
+        if cache.config.can_shift:
+            cache = jax.lax.cond(_has_shift(cache.cells), _k_shift, lambda c: c, cache)
+        return apply_defrag(cache) if apply_defrag is not None else cache
+    shift, defrag = (bool(x) for x in jax.device_get(_pending(cache.cells)))
+    if shift:
+        cache = k_shift(cache)
+    if defrag and apply_defrag is not None:
+        cache = apply_defrag(cache)
+    return cache
