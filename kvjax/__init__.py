@@ -23,6 +23,11 @@ from kvjax.ops import (cell_max, check, clear, clear_errors, errors, find_slot, 
                        n_tokens, pos_max, prepare, seq_add, seq_cp, seq_div, seq_keep, seq_pos_max,
                        seq_pos_min, seq_rm, used_cells)
 from kvjax.ubatch import Ubatch, bucket_length, make_ubatch, split_equal, split_seq, split_simple
+from kvjax.mask import kq_mask, kq_mask_bool, pos_bucket
+from kvjax.rope import can_shift, k_shift, rope
+from kvjax.attention import attention
+from kvjax.windows import kv_window, window_bucket, window_buckets
+from kvjax.update import update
 
 __version__ = "0.1.0"
 
@@ -38,6 +43,9 @@ __all__ = [
     "find_slot", "prepare",
     # K/V rows
     "write", "view",
+    # the attention path: masks, RoPE, K-shift, attention, window buckets, update
+    "kq_mask", "kq_mask_bool", "pos_bucket", "rope", "k_shift", "can_shift", "update", "attention",
+    "window_bucket", "window_buckets", "kv_window",
     # inspection and errors
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
     "CacheFullError", "StateError", "ErrorFlag",
