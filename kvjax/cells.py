@@ -110,9 +110,13 @@ def is_used(cells: Cells) -> Bool[Array, "C"]:
 
 
 def has_seq(cells: Cells, seq_id: Int[Array, ""]) -> Bool[Array, "C"]:
-    """Cells that hold ``seq_id``; for ``seq_id < 0`` every non-empty cell."""
+    """Cells that hold ``seq_id``; for ``seq_id == -1`` every non-empty cell.
+
+    Any other id outside ``[0, n_seq_max)`` is held by no cell (as in the seed), so a traced
+    query with a bad id answers "absent" instead of silently meaning "every sequence".
+    """
     member = jnp.any((cells.seq & seq_bits(seq_id, cells.n_words)) != 0, axis=-1)
-    return jnp.where(seq_id < 0, is_used(cells), member)
+    return jnp.where(seq_id == -1, is_used(cells), member)
 
 
 def _bounds(p0, p1):
