@@ -4,35 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-import jax
-from jax import monitoring
-
 import kvjax
-
-_COMPILES = [0]
-
-
-def _listener(name, duration, **kwargs):
-    if name == "/jax/core/compile/backend_compile_duration":
-        _COMPILES[0] += 1
-
-
-monitoring.register_event_duration_secs_listener(_listener)
-
-
-class CompileCounter:
-    """Counts XLA backend compilations inside a ``with`` block (``.count``)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __enter__(self):
-        self._start = _COMPILES[0]
-        return self
-
-    def __exit__(self, *exc):
-        self.count = _COMPILES[0] - self._start
-        return False
+from kvjax.compiles import CompileCounter  # noqa: F401  (re-exported for the tests)
 
 
 @contextlib.contextmanager
