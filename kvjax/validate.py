@@ -22,9 +22,13 @@ def concrete_int(name: str, x):
     """``int(x)`` for a concrete integer scalar, ``None`` when ``x`` is traced.
 
     Raises:
-        ValueError: when ``x`` is not an integer scalar or does not fit in int32.
+        ValueError: when ``x`` is not an integer scalar or does not fit in int32. A traced ``x``
+            is checked for its static shape and dtype only (a traced float would otherwise be
+            truncated to an int32 silently).
     """
     if is_traced(x):
+        if x.shape != () or not (np.issubdtype(x.dtype, np.integer) or x.dtype == bool):
+            raise ValueError(f"{name} must be an integer scalar, got a traced {x.dtype}{list(x.shape)}")
         return None
     arr = np.asarray(x)
     if arr.shape != () or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
