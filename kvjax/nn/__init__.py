@@ -1,0 +1,31 @@
+"""Flax integration: cached attention layers (NNX and linen), a reference model, the jitted step.
+
+- :class:`CachedAttention` (NNX) and :class:`LinenCachedAttention` (linen): grouped-query
+  attention that writes K/V into a kvjax cache and attends over the window, thin over
+  :func:`attend_cached` (the cache logic is kvjax's own).
+- :class:`Llama` (NNX) and :class:`LlamaLinen` (linen): a tiny Llama-style decoder, cached or
+  uncached, configured by :class:`LlamaConfig`.
+- :func:`make_step`: one jitted program per (ubatch bucket, window bucket) that places a ubatch,
+  runs the model and donates the cache; :func:`window_for` / :func:`windows_for` pick the window.
+
+See ``docs/flax.md`` for plugging kvjax into your own Flax model.
+
+Example:
+    >>> from kvjax.nn import LlamaConfig
+    >>> LlamaConfig(n_layer=1).cache_config(size=32, n_seq_max=1).n_layer
+    1
+"""
+
+from kvjax.nn.linen_attention import LinenCachedAttention
+from kvjax.nn.llama import Block, Llama, LlamaConfig, MLP
+from kvjax.nn.llama_linen import LlamaLinen, params_from_nnx
+from kvjax.nn.nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
+                                    attend_uncached, layer_mask, swa_visible)
+from kvjax.nn.step import Step, make_step, window_for, windows_for
+
+__all__ = [
+    "CachedAttention", "LinenCachedAttention", "KVCacheVar",
+    "attend_cached", "attend_uncached", "layer_mask", "alibi_slopes", "swa_visible",
+    "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx",
+    "Step", "make_step", "window_for", "windows_for",
+]

@@ -1,0 +1,113 @@
+"""Cached attention for Flax linen: the twin of :class:`kvjax.nn.CachedAttention` (NNX).
+
+Same projections, same parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` with a
+``kernel`` each), same framework-neutral core (:func:`kvjax.nn.attend_cached` and
+:func:`kvjax.nn.attend_uncached`), so the cache logic lives in kvjax alone. The kvjax cache is an
+ordinary argument and result: no linen ``cache`` collection is involved, so ``apply`` needs no
+``mutable=``.
+
+Example:
+    >>> import jax, jax.numpy as jnp, kvjax
+    >>> from kvjax.nn import LinenCachedAttention
+    >>> attn = LinenCachedAttention(d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, layer=0,
+    ...                             rope=kvjax.RopeConfig(n_rot=4))
+    >>> x, pos = jnp.ones((3, 16)), jnp.arange(3)
+    >>> params = attn.init(jax.random.PRNGKey(0), x[None], pos[None], method=attn.uncached)
+    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=4))
+    >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3, length=3)
+    >>> cache, slot, ok = kvjax.find_slot(cache, ub)
+    >>> y, cache = attn.apply(params, x, cache, ub, slot, n_kv=32)
+    >>> bool(jnp.allclose(y, attn.apply(params, x[None], pos[None], method=attn.uncached)[0], atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from kvjax._typing import Array, Float, Int
+from kvjax.cache import KVCache
+from kvjax.config import RopeConfig, SwaType
+from kvjax.nn.nnx_attention import (alibi_slopes, attend_cached, attend_uncached, check_heads,
+                                    check_layer_cache)
+from kvjax.ubatch import Ubatch
+
+__all__ = ["LinenCachedAttention"]
+
+
+class LinenCachedAttention(nn.Module):
+    """Grouped-query attention through a kvjax cache, as a linen module.
+
+    Attributes:
+        d_model: E, the input and output width.
+        n_heads: Hq, query heads.
+        n_kv_heads: H, key/value heads (Hq a multiple of H).
+        head_dim: D.
+        layer: the model layer id this module caches under.
+        rope: RoPE parameters, or ``None`` for no rotation.
+        alibi_max_bias: when set, ALiBi with this maximum bias.
+        swa_type: sliding-window kind of this layer.
+        n_swa: the window size.
+        use_bias: biases in the projections.
+        param_dtype: parameter dtype.
+    """
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    layer: int
+    rope: Optional[RopeConfig] = None
+    alibi_max_bias: Optional[float] = None
+    swa_type: Union[SwaType, str] = SwaType.NONE
+    n_swa: int = 0
+    use_bias: bool = False
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
+        if SwaType(self.swa_type) != SwaType.NONE and not self.n_swa > 0:
+            raise ValueError(f"n_swa={self.n_swa!r} is out of range: allowed an integer > 0 with "
+                             f"swa_type={SwaType(self.swa_type).value!r}")
+        if self.rope is not None and self.rope.n_rot > self.head_dim:
+            raise ValueError(f"rope.n_rot={self.rope.n_rot} is out of range: allowed <= head_dim={self.head_dim}")
+        dense = dict(use_bias=self.use_bias, param_dtype=self.param_dtype)
+        self.q_proj = nn.Dense(self.n_heads * self.head_dim, **dense)
+        self.k_proj = nn.Dense(self.n_kv_heads * self.head_dim, **dense)
+        self.v_proj = nn.Dense(self.n_kv_heads * self.head_dim, **dense)
+        self.o_proj = nn.Dense(self.d_model, **dense)
+
+    def _options(self):
+        alibi = None if self.alibi_max_bias is None else alibi_slopes(self.n_heads, self.alibi_max_bias)
+        return dict(rope=self.rope, alibi=alibi, swa_type=SwaType(self.swa_type), n_swa=int(self.n_swa))
+
+    def _qkv(self, x):
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(lead + (self.n_heads, self.head_dim))
+        k = self.k_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
+        return q, k, v
+
+    def __call__(self, x: Float[Array, "T E"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
+                 n_kv: int, mask: Optional[Float[Array, "T N"]] = None
+                 ) -> Tuple[Float[Array, "T E"], KVCache]:
+        """Attend the placed ubatch through the cache; returns ``(y [T, E], cache)``.
+
+        Arguments as :meth:`kvjax.nn.CachedAttention.__call__`.
+        """
+        check_layer_cache(cache, self.layer, self.n_kv_heads, self.head_dim)
+        if x.ndim != 2 or x.shape[0] != ubatch.length:
+            raise ValueError(f"x has shape {tuple(x.shape)}: allowed [T, E] with T = ubatch.length = {ubatch.length}")
+        q, k, v = self._qkv(x)
+        out, cache = attend_cached(q, k, v, cache, self.layer, ubatch, slot, n_kv=n_kv, mask=mask,
+                                   **self._options())
+        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+
+    def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+        """Attention of each sequence (row) over its own tokens, no cache."""
+        q, k, v = self._qkv(x)
+        out = attend_uncached(q, k, v, pos, **self._options())
+        return self.o_proj(out.reshape(x.shape[:-1] + (-1,)))

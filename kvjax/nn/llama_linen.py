@@ -1,0 +1,159 @@
+"""The linen twin of the reference model :class:`kvjax.nn.Llama`.
+
+Same :class:`~kvjax.nn.LlamaConfig`, same computation, same parameter names (linen calls the
+blocks ``layers_0``, ``layers_1``, ... where NNX has ``layers/0``, ``layers/1``);
+:func:`params_from_nnx` converts an NNX model's weights so both can be checked against each other.
+The kvjax cache is passed in and returned like any other value.
+
+Example:
+    >>> import jax, jax.numpy as jnp, kvjax
+    >>> from kvjax.nn import LlamaConfig, LlamaLinen
+    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
+    >>> model = LlamaLinen(cfg)
+    >>> params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32), method=model.forward)
+    >>> cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=2))
+    >>> ub = kvjax.make_ubatch([0, 1, 2], [[0], [0], [0]])
+    >>> cache, slot, ok = kvjax.find_slot(cache, ub)
+    >>> logits, cache = model.apply(params, jnp.array([5, 6, 7, 0]), cache, ub, slot, n_kv=32)
+    >>> full = model.apply(params, jnp.array([[5, 6, 7]]), method=model.forward)
+    >>> bool(jnp.allclose(logits[:3], full[0], atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax._typing import Array, Float, Int
+from kvjax.cache import KVCache
+from kvjax.nn.linen_attention import LinenCachedAttention
+from kvjax.nn.llama import Llama, LlamaConfig, check_tokens
+from kvjax.nn.nnx_attention import layer_mask
+from kvjax.ubatch import Ubatch
+
+__all__ = ["LlamaLinen", "params_from_nnx"]
+
+
+class _MLP(nn.Module):
+    d_ff: int
+    d_model: int
+
+    def setup(self):
+        self.gate = nn.Dense(self.d_ff, use_bias=False)
+        self.up = nn.Dense(self.d_ff, use_bias=False)
+        self.down = nn.Dense(self.d_model, use_bias=False)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class _Block(nn.Module):
+    config: LlamaConfig
+    layer: int
+
+    def setup(self):
+        cfg = self.config
+        swa_type, n_swa = cfg.layer_window(self.layer)
+        self.attn_norm = nn.RMSNorm(epsilon=cfg.norm_eps)
+        self.attn = LinenCachedAttention(
+            d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size,
+            layer=self.layer, rope=cfg.rope_config,
+            alibi_max_bias=cfg.alibi_max_bias if cfg.position == "alibi" else None,
+            swa_type=swa_type, n_swa=n_swa)
+        self.mlp_norm = nn.RMSNorm(epsilon=cfg.norm_eps)
+        self.mlp = _MLP(cfg.ff_size, cfg.d_model)
+
+    def __call__(self, x, cache, ubatch, slot, *, n_kv, mask=None):
+        h, cache = self.attn(self.attn_norm(x), cache, ubatch, slot, n_kv=n_kv, mask=mask)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+    def uncached(self, x, pos):
+        x = x + self.attn.uncached(self.attn_norm(x), pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaLinen(nn.Module):
+    """The reference model as a linen module (see :class:`kvjax.nn.Llama` for the semantics).
+
+    Attributes:
+        config: sizes and options.
+    """
+
+    config: LlamaConfig
+
+    def setup(self):
+        cfg = self.config
+        if not isinstance(cfg, LlamaConfig):
+            raise ValueError(f"config must be a kvjax.nn.LlamaConfig, got {type(cfg).__name__}")
+        self.embed = nn.Embed(cfg.vocab_size, cfg.d_model)
+        self.layers = [_Block(cfg, il) for il in range(cfg.n_layer)]
+        self.norm = nn.RMSNorm(epsilon=cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, use_bias=False)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+
+    def __call__(self, tokens: Int[Array, "T"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
+                 n_kv: int) -> Tuple[Float[Array, "T V"], KVCache]:
+        """Run a placed ubatch through the cache; returns ``(logits f32[T, V], cache)``.
+
+        Arguments as :meth:`kvjax.nn.Llama.__call__`.
+        """
+        cfg = self.config
+        cfg.check_cache(cache)
+        check_tokens(tokens, ubatch, cfg.vocab_size)
+        kinds = cfg.mask_kinds()
+        masks = {kind: layer_mask(cache, ubatch, n_kv, alibi=kind[0], swa_type=kind[1], n_swa=kind[2])
+                 for kind in set(kinds.values())}
+        x = self.embed(tokens)
+        for il, block in enumerate(self.layers):
+            x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[kinds[il]])
+        return self._logits(x), cache
+
+    def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
+                ) -> Float[Array, "B T V"]:
+        """The uncached pass, each row one sequence (see :meth:`kvjax.nn.Llama.forward`)."""
+        tokens = jnp.asarray(tokens)
+        squeeze = tokens.ndim == 1
+        if squeeze:
+            tokens = tokens[None]
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens has shape {tokens.shape}: allowed [B, T] or [T]")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        positions = jnp.asarray(positions, jnp.int32).reshape(tokens.shape)
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block.uncached(x, positions)
+        out = self._logits(x)
+        return out[0] if squeeze else out
+
+
+def params_from_nnx(model: Llama) -> dict:
+    """The linen variables ``{"params": ...}`` holding the weights of an NNX :class:`~kvjax.nn.Llama`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from kvjax.nn import Llama, LlamaConfig, LlamaLinen
+        >>> cfg = LlamaConfig(n_layer=1)
+        >>> nnx_model = Llama(cfg, rngs=nnx.Rngs(0))
+        >>> toks = jnp.array([[1, 2, 3]])
+        >>> out = LlamaLinen(cfg).apply(params_from_nnx(nnx_model), toks, method=LlamaLinen.forward)
+        >>> bool(jnp.allclose(out, nnx_model.forward(toks), atol=1e-5))
+        True
+    """
+    if not isinstance(model, Llama):
+        raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    layers = pure.pop("layers")
+    for il, block in layers.items():
+        pure[f"layers_{il}"] = block
+    return {"params": pure}

@@ -1,0 +1,352 @@
+"""Cached attention for Flax NNX, and the framework-neutral attention core it shares with linen.
+
+The core is two pure functions:
+
+- :func:`attend_cached`: RoPE at the ubatch positions, write K/V into the kvjax cache at the
+  placed slot, attend over the first ``n_kv`` cells with the kvjax mask. Everything that touches
+  the cache is a kvjax call (``kvjax.rope``, ``kvjax.write``, ``kvjax.kq_mask``,
+  ``kvjax.attention``); nothing here knows how cells are laid out.
+- :func:`attend_uncached`: plain attention of one sequence over its own tokens (causal, sliding
+  window and ALiBi from the positions), built on ``jax.nn.dot_product_attention`` and on nothing
+  in kvjax but RoPE: it is the reference the cached path is tested against.
+
+:class:`CachedAttention` is the NNX layer over them (Q/K/V/O projections, GQA, optional per-layer
+sliding window, RoPE or ALiBi); the linen twin lives in :mod:`kvjax.nn.linen_attention`.
+:class:`KVCacheVar` lets an NNX model hold its cache as state (like ``nnx.MultiHeadAttention``'s
+decode cache) and refuses a value whose shapes, dtypes or config differ from the one it holds.
+
+Shape letters: see :mod:`kvjax._typing` (T tokens, Hq query heads, H kv heads, D head size,
+N window); E is the model width.
+
+Example:
+    >>> import jax.numpy as jnp, kvjax
+    >>> from flax import nnx
+    >>> from kvjax.nn import CachedAttention
+    >>> attn = CachedAttention(16, n_heads=4, n_kv_heads=2, head_dim=4, layer=0,
+    ...                        rope=kvjax.RopeConfig(n_rot=4), rngs=nnx.Rngs(0))
+    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=4))
+    >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3)
+    >>> cache, slot, ok = kvjax.find_slot(cache, ub)
+    >>> y, cache = attn(jnp.ones((4, 16)), cache, ub, slot, n_kv=32)
+    >>> y.shape, int(kvjax.used_cells(cache))
+    ((4, 16), 3)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvjax
+from kvjax._typing import Array, Bool, Float, Int
+from kvjax.cache import KVCache
+from kvjax.config import RopeConfig, SwaType
+from kvjax.ubatch import Ubatch
+
+__all__ = ["CachedAttention", "KVCacheVar", "alibi_slopes", "attend_cached", "attend_uncached",
+           "layer_mask", "swa_visible"]
+
+
+# -- framework-neutral core ---------------------------------------------------------------------
+
+
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> np.ndarray:
+    """Per-head ALiBi slopes, as ggml computes them for ``soft_max_ext`` with ``max_bias``.
+
+    Heads up to the largest power of two ``n`` <= ``n_heads`` get ``m0 ** (h + 1)`` with
+    ``m0 = 2 ** (-max_bias / n)``; the rest interleave with ``m1 = 2 ** (-max_bias / 2 / n)``.
+
+    Args:
+        n_heads: Hq, the number of query heads (>= 1).
+        max_bias: ALiBi's maximum bias (> 0; 8 in the ALiBi paper).
+
+    Returns:
+        ``f32[Hq]`` slopes (host array).
+
+    Example:
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    if not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
+        raise ValueError(f"n_heads={n_heads!r} is out of range: allowed an integer >= 1")
+    if not max_bias > 0:
+        raise ValueError(f"max_bias={max_bias!r} is out of range: allowed > 0")
+    n_log2 = 1 << int(math.floor(math.log2(n_heads)))
+    m0 = 2.0 ** (-max_bias / n_log2)
+    m1 = 2.0 ** (-(max_bias / 2.0) / n_log2)
+    h = np.arange(n_heads)
+    slopes = np.where(h < n_log2, m0 ** (h + 1), m1 ** (2 * (h - n_log2) + 1))
+    return slopes.astype(np.float32)
+
+
+def swa_visible(p_cell: Int[Array, "..."], p_tok: Int[Array, "..."], swa_type: Union[SwaType, str],
+                n_swa: int) -> Bool[Array, "..."]:
+    """Whether a key at ``p_cell`` lies inside the sliding window of a query at ``p_tok``.
+
+    Written from the definitions in :class:`kvjax.SwaType` (not from ``kvjax.kq_mask``), for the
+    uncached reference.
+
+    Example:
+        >>> swa_visible(jnp.arange(6), jnp.int32(5), "standard", 3).tolist()
+        [False, False, False, True, True, True]
+    """
+    kind = SwaType(swa_type)
+    if kind == SwaType.NONE:
+        return jnp.ones(jnp.broadcast_shapes(jnp.shape(p_cell), jnp.shape(p_tok)), bool)
+    if kind == SwaType.STANDARD:
+        return p_tok - p_cell < n_swa
+    if kind == SwaType.CHUNKED:
+        return p_cell >= (p_tok // n_swa) * n_swa
+    return jnp.abs(p_tok - p_cell) <= n_swa // 2
+
+
+def layer_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, alibi: bool = False,
+               swa_type: Union[SwaType, str] = SwaType.NONE, n_swa: int = 0) -> Float[Array, "T N"]:
+    """The additive kvjax mask of one kind of layer (``kvjax.kq_mask`` with this layer's window).
+
+    A model computes it once per distinct ``(alibi, swa_type, n_swa)`` and hands it to every layer
+    of that kind, instead of letting each layer rebuild it.
+
+    Example:
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> ub = kvjax.make_ubatch([0, 1], [[0], [0]])
+        >>> cache, slot, ok = kvjax.find_slot(cache, ub)
+        >>> layer_mask(cache, ub, 32)[:, :3].tolist()
+        [[0.0, -inf, -inf], [0.0, 0.0, -inf]]
+    """
+    kind = SwaType(swa_type)
+    return kvjax.kq_mask(cache, ubatch, n_kv, causal=True, alibi=alibi, swa_type=kind,
+                         n_swa=int(n_swa) if kind != SwaType.NONE else 0)
+
+
+def _alibi_bias(mask: Float[Array, "T N"], slopes) -> Float[Array, "Hq T N"]:
+    """Per-head ALiBi bias from an ALiBi mask (``-|p_cell - p_tok|`` where visible)."""
+    visible = jnp.isfinite(mask)
+    dist = jnp.where(visible, mask, 0.0)
+    slopes = jnp.asarray(slopes, jnp.float32)
+    return slopes[:, None, None] * dist[None]
+
+
+def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[Array, "T H Dv"],
+                  cache: KVCache, layer: int, ubatch: Ubatch, slot: Int[Array, "T"], *, n_kv: int,
+                  mask: Optional[Float[Array, "T N"]] = None, rope: Optional[RopeConfig] = None,
+                  alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
+                  n_swa: int = 0, scale: Optional[float] = None
+                  ) -> Tuple[Float[Array, "T Hq Dv"], KVCache]:
+    """One layer's attention through the kvjax cache.
+
+    The ubatch must already be placed (its cells hold the tokens: ``kvjax.find_slot``), so the
+    mask lets each token see the earlier tokens of its sequence, itself, and the tokens of this
+    ubatch before it.
+
+    Args:
+        q: projected queries (before RoPE).
+        k: projected keys of the ubatch tokens (before RoPE).
+        v: projected values.
+        cache: the cache with the ubatch placed.
+        layer: the model layer id (static int).
+        ubatch: the tokens' positions and sequences.
+        slot: ``i32[T]`` the cells ``find_slot`` chose (-1 rows are not written).
+        n_kv: static window N (a multiple of the cache padding, <= size) covering every placed cell.
+        mask: a precomputed :func:`layer_mask` of this layer's kind (built here when ``None``).
+        rope: RoPE parameters, or ``None`` for no rotation (ALiBi or NoPE layers).
+        alibi: ``f32[Hq]`` ALiBi slopes (:func:`alibi_slopes`), or ``None``.
+        swa_type: this layer's sliding-window kind (used when ``mask`` is built here).
+        n_swa: this layer's window size.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+
+    Returns:
+        ``(out [T, Hq, Dv], cache)``: rows of fully masked (padding) tokens are 0.
+    """
+    if rope is not None:
+        q = kvjax.rope(q, ubatch.pos, rope)
+        k = kvjax.rope(k, ubatch.pos, rope)
+    cache = kvjax.write(cache, layer, slot, k, v)
+    if mask is None:
+        mask = layer_mask(cache, ubatch, n_kv, alibi=alibi is not None, swa_type=swa_type, n_swa=n_swa)
+    bias = None
+    if alibi is not None:
+        # ggml scales the ALiBi mask by each head's slope; an additive mask would add slope 1, so
+        # the visibility goes in as a boolean mask and the scaled distances as the bias
+        bias = _alibi_bias(mask, alibi)
+        mask = jnp.isfinite(mask)
+    out = kvjax.attention(q, cache, layer, mask, scale=scale, bias=bias)
+    return out, cache
+
+
+def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: Float[Array, "B T H Dv"],
+                    pos: Int[Array, "B T"], *, rope: Optional[RopeConfig] = None,
+                    alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
+                    n_swa: int = 0, scale: Optional[float] = None) -> Float[Array, "B T Hq Dv"]:
+    """Attention of each sequence (row b) over its own tokens, without any cache: the reference.
+
+    Token ``i`` sees token ``j`` of its row when ``pos[j] <= pos[i]`` and ``pos[j]`` is inside
+    ``pos[i]``'s sliding window; ALiBi adds ``-slope_h * |pos[i] - pos[j]|``. Built on
+    ``jax.nn.dot_product_attention`` (GQA included), independent of ``kvjax.attention``.
+
+    Example:
+        >>> q = k = v = jnp.ones((2, 3, 2, 4))
+        >>> attend_uncached(q, k, v, jnp.tile(jnp.arange(3), (2, 1))).shape
+        (2, 3, 2, 4)
+    """
+    if rope is not None:
+        b, t = pos.shape
+        flat = pos.reshape(b * t)
+        q = kvjax.rope(q.reshape((b * t,) + q.shape[2:]), flat, rope).reshape(q.shape)
+        k = kvjax.rope(k.reshape((b * t,) + k.shape[2:]), flat, rope).reshape(k.shape)
+    p_tok, p_key = pos[:, :, None], pos[:, None, :]
+    visible = (p_key <= p_tok) & swa_visible(p_key, p_tok, swa_type, n_swa)  # [B, T, T]
+    bias = None
+    if alibi is not None:
+        slopes = jnp.asarray(alibi, jnp.float32)
+        bias = -slopes[None, :, None, None] * jnp.abs(p_tok - p_key).astype(jnp.float32)[:, None]
+    out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                       v.astype(jnp.float32), bias=bias, mask=visible[:, None],
+                                       scale=scale)
+    return out.astype(v.dtype)
+
+
+# -- the NNX layer ------------------------------------------------------------------------------
+
+
+def check_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """Validate attention head counts (GQA needs ``n_heads`` a multiple of ``n_kv_heads``)."""
+    for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= 1")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} is out of range: allowed a multiple of n_kv_heads={n_kv_heads} (GQA)")
+
+
+def check_layer_cache(cache: KVCache, layer: int, n_kv_heads: int, head_dim: int) -> None:
+    """Validate that ``cache`` stores ``layer`` with the layer's kv heads and head size."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    cfg = cache.config
+    if layer not in cfg.cached_layers:
+        raise ValueError(f"layer={layer} is not cached by this cache: allowed {list(cfg.cached_layers)} "
+                         f"(CacheConfig.layer_filter)")
+    if (cfg.n_kv_heads[layer], cfg.head_dim[layer]) != (n_kv_heads, head_dim):
+        raise ValueError(f"cache stores layer {layer} with n_kv_heads={cfg.n_kv_heads[layer]}, "
+                         f"head_dim={cfg.head_dim[layer]}: allowed the layer's n_kv_heads={n_kv_heads}, "
+                         f"head_dim={head_dim}")
+
+
+class CachedAttention(nnx.Module):
+    """Multi-head attention with grouped-query heads that reads and writes a kvjax cache.
+
+    Args:
+        d_model: E, the input and output width.
+        n_heads: Hq, query heads.
+        n_kv_heads: H, key/value heads (Hq a multiple of H).
+        head_dim: D (for K, V and Q).
+        layer: the model layer id this module caches under.
+        rope: RoPE parameters, or ``None`` (then no rotation: use ALiBi or no positions).
+        alibi_max_bias: when set, ALiBi with this maximum bias is applied (usually instead of RoPE).
+        swa_type: sliding-window kind of this layer (``"none"`` for full attention).
+        n_swa: the window size (> 0 with a window).
+        use_bias: biases in the projections.
+        param_dtype: parameter dtype.
+        rngs: NNX random streams.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, layer: int,
+                 rope: Optional[RopeConfig] = None, alibi_max_bias: Optional[float] = None,
+                 swa_type: Union[SwaType, str] = SwaType.NONE, n_swa: int = 0, use_bias: bool = False,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        check_heads(n_heads, n_kv_heads, head_dim)
+        self.swa_type = SwaType(swa_type)
+        if self.swa_type != SwaType.NONE and not (isinstance(n_swa, (int, np.integer)) and n_swa > 0):
+            raise ValueError(f"n_swa={n_swa!r} is out of range: allowed an integer > 0 with swa_type="
+                             f"{self.swa_type.value!r}")
+        if rope is not None and rope.n_rot > head_dim:
+            raise ValueError(f"rope.n_rot={rope.n_rot} is out of range: allowed <= head_dim={head_dim}")
+        self.n_heads, self.n_kv_heads, self.head_dim = int(n_heads), int(n_kv_heads), int(head_dim)
+        self.layer, self.rope, self.n_swa = int(layer), rope, int(n_swa)
+        self.alibi = None if alibi_max_bias is None else tuple(alibi_slopes(n_heads, alibi_max_bias).tolist())
+        lin = dict(use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(d_model, n_heads * head_dim, **lin)
+        self.k_proj = nnx.Linear(d_model, n_kv_heads * head_dim, **lin)
+        self.v_proj = nnx.Linear(d_model, n_kv_heads * head_dim, **lin)
+        self.o_proj = nnx.Linear(n_heads * head_dim, d_model, **lin)
+
+    def _qkv(self, x):
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(lead + (self.n_heads, self.head_dim))
+        k = self.k_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
+        return q, k, v
+
+    def __call__(self, x: Float[Array, "T E"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
+                 n_kv: int, mask: Optional[Float[Array, "T N"]] = None
+                 ) -> Tuple[Float[Array, "T E"], KVCache]:
+        """Attend the ubatch tokens through the cache.
+
+        Args:
+            x: ``[T, E]`` the ubatch's hidden states, one row per ubatch row.
+            cache: the cache with the ubatch already placed (``kvjax.find_slot``).
+            ubatch: the ubatch (positions and sequences of the rows).
+            slot: ``i32[T]`` cells of the rows (from ``find_slot``).
+            n_kv: static attention window N.
+            mask: this layer kind's :func:`layer_mask`, when the caller shares one between layers.
+
+        Returns:
+            ``(y [T, E], cache)`` with this layer's K/V rows written.
+        """
+        check_layer_cache(cache, self.layer, self.n_kv_heads, self.head_dim)
+        if x.ndim != 2 or x.shape[0] != ubatch.length:
+            raise ValueError(f"x has shape {tuple(x.shape)}: allowed [T, E] with T = ubatch.length = {ubatch.length}")
+        q, k, v = self._qkv(x)
+        out, cache = attend_cached(q, k, v, cache, self.layer, ubatch, slot, n_kv=n_kv, mask=mask,
+                                   rope=self.rope, alibi=self.alibi, swa_type=self.swa_type, n_swa=self.n_swa)
+        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+
+    def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
+        """Attention of each sequence (row) over its own tokens, no cache (``attend_uncached``)."""
+        q, k, v = self._qkv(x)
+        out = attend_uncached(q, k, v, pos, rope=self.rope, alibi=self.alibi, swa_type=self.swa_type,
+                              n_swa=self.n_swa)
+        return self.o_proj(out.reshape(x.shape[:-1] + (-1,)))
+
+
+# -- holding the cache as NNX state -------------------------------------------------------------
+
+
+def _signature(cache: KVCache):
+    leaves, tree = jax.tree.flatten(cache)
+    return tree, tuple((tuple(jnp.shape(x)), jnp.result_type(x)) for x in leaves)
+
+
+class KVCacheVar(nnx.Cache):
+    """An ``nnx.Cache`` variable holding a kvjax :class:`~kvjax.KVCache`.
+
+    Replace the held cache with :meth:`replace_cache`, which refuses a value of another config,
+    pytree structure, shape or dtype (a silent change would recompile every jitted user and could
+    hand the model a cache of the wrong layer shapes).
+
+    Example:
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2)
+        >>> var = KVCacheVar(kvjax.init(cfg))
+        >>> var.replace_cache(kvjax.clear(var.get_value()))
+        >>> var.replace_cache(kvjax.init(cfg.replace(size=64)))
+        Traceback (most recent call last):
+        ...
+        ValueError: cache has config ...
+    """
+
+    def replace_cache(self, cache: KVCache) -> None:
+        """Hold ``cache`` instead of the current value (same config, shapes and dtypes only)."""
+        old = self.get_value()
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        if cache.config != old.config:
+            raise ValueError(f"cache has config {cache.config}: allowed only the held config {old.config}")
+        if _signature(cache) != _signature(old):
+            raise ValueError("cache has other shapes or dtypes than the held cache: allowed only "
+                             f"{_signature(old)[1]}")
+        self.set_value(cache)

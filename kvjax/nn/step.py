@@ -1,0 +1,220 @@
+"""The jitted model step: place a ubatch, run the model through the cache, donate the K/V buffers.
+
+One :class:`Step` holds one ``jax.jit`` program per ``(ubatch bucket, window bucket)``: the
+ubatch bucket is the ubatch's static shape (length T and sequence-id width M), the window bucket
+the static ``n_kv``. Everything else (tokens, positions, sequence ids, the cells, the weights) is
+traced, so new values never recompile.
+
+**Who places the ubatch.** The step does: it calls ``kvjax.find_slot`` inside the compiled
+program (one dispatch per ubatch instead of two) and returns ``ok``. When ``ok`` is false the
+returned cache equals the one passed in (the placement refused, every write was dropped): raise
+``kvjax.CacheFullError`` and go on with the returned value. A caller that placed the ubatch
+already (to look at the slots first) passes ``slot=`` and the step skips placement.
+
+**Which window.** ``n_kv`` must cover every cell the ubatch may land in, so it is chosen on the
+host before the call:
+
+- with a dry run of the whole batch (``ok, slots = kvjax.prepare(cache, ubatches)``, what the
+  decode driver does), :func:`windows_for` gives the exact window of each ubatch from the slots;
+- without one, :func:`window_for` gives a safe bound from the cache's ``cell_max`` and ``head``
+  (one small device read): placement never goes past ``max(cell_max, head) + n_tokens``.
+
+Both round up with ``kvjax.window_bucket`` so the number of programs stays small.
+
+**Donation.** The K/V buffers of the cache passed in are donated (updated in place): use the
+returned cache, never the old one, after a step. The cells are not donated, so a reference to
+``cache.cells`` kept before the step is a valid snapshot to restore on failure (the seed's
+``restore``), as ``docs/architecture.md`` describes.
+
+Example:
+    >>> import jax.numpy as jnp, kvjax
+    >>> from flax import nnx
+    >>> from kvjax.nn import Llama, LlamaConfig, make_step, window_for
+    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
+    >>> model = Llama(cfg, rngs=nnx.Rngs(0))
+    >>> step, state = make_step(model), nnx.state(model)
+    >>> cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=2))
+    >>> ub = kvjax.make_ubatch([0, 1, 2], [[0], [1], [1]])
+    >>> logits, cache, ok = step(state, cache, ub, jnp.array([3, 4, 5, 0]), n_kv=window_for(cache, 3))
+    >>> logits.shape, bool(ok), int(kvjax.used_cells(cache))
+    ((4, 64), True, 3)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvjax
+from kvjax._typing import Array, Bool, Float, Int
+from kvjax.cache import KVCache
+from kvjax.cells import cell_max
+from kvjax.ubatch import Ubatch
+from kvjax.validate import check_window
+
+__all__ = ["Step", "make_step", "window_for", "windows_for"]
+
+#: ``apply(state, tokens, cache, ubatch, slot, n_kv) -> (logits, cache)``: the model call a Step runs.
+ApplyFn = Callable[[Any, Array, KVCache, Ubatch, Array, int], Tuple[Array, KVCache]]
+
+
+class Step:
+    """A jitted model step over a kvjax cache (see the module docstring).
+
+    Args:
+        apply: ``apply(state, tokens, cache, ubatch, slot, n_kv) -> (logits, cache)`` for a placed
+            ubatch (``make_step`` builds it for NNX and linen models).
+        contiguous: placement policy passed to ``kvjax.find_slot``.
+    """
+
+    def __init__(self, apply: ApplyFn, *, contiguous: bool = True):
+        if not callable(apply):
+            raise ValueError(f"apply must be callable, got {type(apply).__name__}")
+        self._apply = apply
+        self.contiguous = bool(contiguous)
+        self._jitted = jax.jit(self._run, static_argnames=("n_kv", "config"), donate_argnames=("kv",))
+
+    def _run(self, state, cells, kv, ubatch, tokens, slot, *, n_kv, config):
+        cache = KVCache(cells=cells, k=kv[0], v=kv[1], config=config)
+        if slot is None:
+            cache, slot, ok = kvjax.find_slot(cache, ubatch, contiguous=self.contiguous)
+        else:
+            ok = jnp.bool_(True)
+        logits, cache = self._apply(state, tokens, cache, ubatch, slot, n_kv)
+        return logits, cache, ok
+
+    def __call__(self, state, cache: KVCache, ubatch: Ubatch, tokens: Int[Array, "T"], *, n_kv: int,
+                 slot: Optional[Int[Array, "T"]] = None
+                 ) -> Tuple[Float[Array, "T V"], KVCache, Bool[Array, ""]]:
+        """Place ``ubatch`` (unless ``slot`` is given), run the model, return the new cache.
+
+        Args:
+            state: the model state (``nnx.state(model)`` for NNX, the variables for linen).
+            cache: the cache; its K/V buffers are donated (use the returned cache afterwards).
+            ubatch: the tokens' positions and sequences (``kvjax.make_ubatch``).
+            tokens: ``i32[T]`` token ids of the ubatch rows.
+            n_kv: static window N (:func:`window_for` / :func:`windows_for`).
+            slot: ``i32[T]`` cells of an ubatch the caller already placed with ``find_slot``.
+
+        Returns:
+            ``(logits f32[T, V], cache, ok)``; when ``ok`` is false nothing was placed or written.
+
+        Raises:
+            ValueError: a cache that is not a ``KVCache``, ``n_kv`` outside the allowed windows,
+                or tokens / slot whose shape does not match the ubatch.
+        """
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        if not isinstance(ubatch, Ubatch):
+            raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
+        cfg = cache.config
+        n_kv = check_window(n_kv, cfg.padding, cfg.size)
+        t = ubatch.length
+        if tuple(jnp.shape(tokens)) != (t,) or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+            raise ValueError(f"tokens has shape {tuple(jnp.shape(tokens))} and dtype {jnp.result_type(tokens)}: "
+                             f"allowed an integer [T] array with T = ubatch.length = {t}")
+        if slot is not None and (tuple(jnp.shape(slot)) != (t,) or not jnp.issubdtype(jnp.result_type(slot),
+                                                                                     jnp.integer)):
+            raise ValueError(f"slot has shape {tuple(jnp.shape(slot))}: allowed an integer [T] array with "
+                             f"T = ubatch.length = {t}")
+        return self._jitted(state, cache.cells, (cache.k, cache.v), ubatch, tokens, slot, n_kv=n_kv, config=cfg)
+
+
+def make_step(model, *, contiguous: bool = True) -> Step:
+    """A :class:`Step` for an NNX model, a linen module, or an ``apply`` function.
+
+    Args:
+        model: an ``nnx.Module`` called as ``model(tokens, cache, ubatch, slot, n_kv=...)`` (pass
+            ``nnx.state(model)`` as the step's state); a linen ``nn.Module`` with the same
+            ``__call__`` (pass its variables); or an ``apply`` function (see :class:`Step`).
+        contiguous: placement policy of ``kvjax.find_slot``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, kvjax
+        >>> from kvjax.nn import LlamaConfig, LlamaLinen, make_step
+        >>> cfg = LlamaConfig(n_layer=1)
+        >>> model = LlamaLinen(cfg)
+        >>> params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method=model.forward)
+        >>> cache = kvjax.init(cfg.cache_config(size=32, n_seq_max=1))
+        >>> ub = kvjax.make_ubatch([0], [[0]])
+        >>> logits, cache, ok = make_step(model)(params, cache, ub, jnp.array([7]), n_kv=32)
+        >>> logits.shape
+        (1, 64)
+    """
+    if isinstance(model, nnx.Module):
+        graphdef = nnx.graphdef(model)
+
+        def apply(state, tokens, cache, ubatch, slot, n_kv):
+            return nnx.merge(graphdef, state)(tokens, cache, ubatch, slot, n_kv=n_kv)
+    elif isinstance(model, nn.Module):
+        def apply(variables, tokens, cache, ubatch, slot, n_kv):
+            return model.apply(variables, tokens, cache, ubatch, slot, n_kv=n_kv)
+    elif callable(model):
+        apply = model
+    else:
+        raise ValueError(f"model must be an nnx.Module, a linen Module or a callable, got {type(model).__name__}")
+    return Step(apply, contiguous=contiguous)
+
+
+@jax.jit
+def _extent(cells):
+    return cell_max(cells), cells.head
+
+
+def _bucket(cache: KVCache, cells_needed: int) -> int:
+    cfg = cache.config
+    return int(kvjax.window_bucket(int(min(cfg.size, max(cells_needed, 1))), cfg.size, cfg.padding))
+
+
+def window_for(cache: KVCache, n_tokens: int) -> int:
+    """A static window that covers every cell after ``n_tokens`` more tokens are placed.
+
+    With ``n_tokens = 0`` it is the bucket of the cells as they are (``kvjax.n_kv``). Otherwise
+    placement (contiguous or scattered) starts at or after ``head`` and never passes
+    ``max(cell_max, head) + n_tokens``, because every cell from ``cell_max`` on is free. Reads two
+    scalars from the device.
+
+    Example:
+        >>> import kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=256, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> window_for(cache, 40)
+        64
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    n = int(n_tokens)
+    if n < 0:
+        raise ValueError(f"n_tokens={n} is out of range: allowed >= 0")
+    top, head = (int(x) for x in jax.device_get(_extent(cache.cells)))
+    return _bucket(cache, top if n == 0 else max(top, head) + n)
+
+
+def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]]) -> List[int]:
+    """The exact window of each ubatch of a batch, from the slots of ``kvjax.prepare``.
+
+    After ubatch ``i`` is placed the last used cell is the larger of the cache's ``cell_max`` and
+    the largest slot of ubatches ``0..i`` (cells are only added during a batch).
+
+    Example:
+        >>> import kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=256, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> ubs = [kvjax.make_ubatch(range(0, 40), [[0]] * 40), kvjax.make_ubatch(range(40, 80), [[0]] * 40)]
+        >>> ok, slots = kvjax.prepare(cache, ubs)
+        >>> windows_for(cache, slots)
+        [64, 128]
+    """
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    top = int(jax.device_get(cell_max(cache.cells)))
+    out = []
+    for slot in jax.device_get(tuple(slots)):
+        slot = np.asarray(slot)
+        if slot.size:
+            top = max(top, int(slot.max()) + 1)
+        out.append(_bucket(cache, top))
+    return out
