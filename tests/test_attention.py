@@ -1,0 +1,183 @@
+"""Attention over the cache against attention over rows gathered by a naive loop."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from tests.helpers import fill, no_recompile
+
+MASKS = [
+    dict(causal=True),
+    dict(causal=False),
+    dict(causal=True, alibi=True),
+    dict(causal=True, swa_type="standard", n_swa=4),
+    dict(causal=True, swa_type="chunked", n_swa=8),
+    dict(causal=False, swa_type="symmetric", n_swa=6),
+]
+
+
+def _config(**kw):
+    # layer 0, 2: 2 kv heads of size 16 (V size 8); layer 1: 1 kv head of size 8; layer 3 not cached
+    args = dict(size=64, n_seq_max=4, n_layer=4, n_kv_heads=(2, 1, 2, 2), head_dim=(16, 8, 16, 16),
+                head_dim_v=(8, 8, 8, 8), padding=16, layer_filter=[0, 1, 2])
+    args.update(kw)
+    return kvjax.CacheConfig(**args)
+
+
+def _scene(dtype="float32", seed=0):
+    """Three sequences: 1 shares a prefix of 0 (seq_cp), holes, a ubatch of 0 and 2 placed last."""
+    cfg = _config(k_dtype=dtype, v_dtype=dtype)
+    cache = fill(kvjax.init(cfg), list(range(20)), [[0]] * 20)
+    cache = kvjax.seq_cp(cache, 0, 1, 0, 8)
+    cache = fill(cache, list(range(8, 14)), [[1]] * 6)
+    cache = kvjax.seq_rm(cache, 0, 10, 13)   # holes
+    cache = fill(cache, list(range(5)), [[2]] * 5)
+    ub = kvjax.make_ubatch([20, 21, 14, 5, 6], [[0], [0], [1], [2, 1], [2]], length=8)
+    cache, slot, ok = kvjax.find_slot(cache, ub)
+    assert bool(ok)
+    rng = np.random.default_rng(seed)
+    for il in cfg.cached_layers:
+        h, d, dv = cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il]
+        k = jnp.asarray(rng.standard_normal((cfg.size, h, d)), jnp.float32)
+        v = jnp.asarray(rng.standard_normal((cfg.size, h, dv)), jnp.float32)
+        cache = kvjax.write(cache, il, jnp.arange(cfg.size), k, v)
+    return cache, ub
+
+
+def naive_attention(q, cache, layer, mask, scale, bias=None):
+    """Loop over tokens and query heads; gather the visible cells' rows one by one."""
+    cfg = cache.config
+    q = np.asarray(q, np.float64)
+    mask = np.asarray(mask)
+    mask = np.where(mask, 0.0, -np.inf) if mask.dtype == bool else mask.astype(np.float64)
+    n_kv = mask.shape[1]
+    g, i = cfg.locate(layer)
+    k_all = np.asarray(cache.k[g][i], np.float64)  # [H, C, D]
+    v_all = np.asarray(cache.v[g][i], np.float64)
+    t_len, hq, _ = q.shape
+    group = hq // k_all.shape[0]
+    out = np.zeros((t_len, hq, v_all.shape[-1]))
+    lse = np.full((t_len, hq), -np.inf)
+    for t in range(t_len):
+        for j in range(hq):
+            scores, rows = [], []
+            for c in range(n_kv):
+                extra = 0.0 if bias is None else float(np.broadcast_to(bias, (hq, t_len, n_kv))[j, t, c])
+                if mask[t, c] == -np.inf:
+                    continue
+                scores.append(q[t, j] @ k_all[j // group, c] * scale + mask[t, c] + extra)
+                rows.append(v_all[j // group, c])
+            if scores:
+                s = np.asarray(scores)
+                m = s.max()
+                w = np.exp(s - m)
+                out[t, j] = (w[:, None] * np.asarray(rows)).sum(0) / w.sum()
+                lse[t, j] = m + math.log(w.sum())
+    return out, lse
+
+
+@pytest.mark.parametrize("layer,hq", [(0, 2), (0, 8), (1, 3), (2, 4)])
+@pytest.mark.parametrize("mask_kind", range(len(MASKS)), ids=lambda i: "-".join(f"{k}={v}" for k, v in MASKS[i].items()))
+def test_attention_matches_naive_gather(layer, hq, mask_kind):
+    cache, ub = _scene()
+    cfg = cache.config
+    d = cfg.head_dim[layer]
+    n_kv = 48 if mask_kind % 2 else 64  # two windows
+    mask = kvjax.kq_mask(cache, ub, n_kv, **MASKS[mask_kind])
+    q = jnp.asarray(np.random.default_rng(layer + hq).standard_normal((8, hq, d)), jnp.float32)
+    out, lse = kvjax.attention(q, cache, layer, mask, return_lse=True)
+    ref_out, ref_lse = naive_attention(q, cache, layer, mask, 1 / math.sqrt(d))
+    assert out.shape == (8, hq, cfg.head_dim_v[layer]) and lse.shape == (8, hq)
+    np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    # the padded rows (5..7) see nothing: zeros and -inf, never NaN
+    assert not np.asarray(out)[5:].any() and np.isneginf(np.asarray(lse)[5:]).all()
+
+
+def test_boolean_mask_scale_and_bias():
+    cache, ub = _scene()
+    q = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4, 16)), jnp.float32)
+    visible = kvjax.kq_mask_bool(cache, ub, 64)
+    additive = kvjax.kq_mask(cache, ub, 64)
+    np.testing.assert_allclose(np.asarray(kvjax.attention(q, cache, 2, visible)),
+                               np.asarray(kvjax.attention(q, cache, 2, additive)), rtol=1e-6, atol=1e-6)
+    # ALiBi-like bias per query head, and an explicit scale
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])[:, None, None]
+    dist = kvjax.kq_mask(cache, ub, 64, alibi=True)
+    bias = slopes * jnp.where(jnp.isfinite(dist), dist, 0.0)[None]
+    out, lse = kvjax.attention(q, cache, 2, visible, scale=0.3, bias=bias, return_lse=True)
+    ref_out, ref_lse = naive_attention(q, cache, 2, visible, 0.3, bias=np.asarray(bias))
+    np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_storage():
+    cache, ub = _scene(dtype="float16")
+    mask = kvjax.kq_mask(cache, ub, 64)
+    q = jnp.asarray(np.random.default_rng(2).standard_normal((8, 4, 16)), jnp.float32)
+    out = kvjax.attention(q, cache, 0, mask)
+    ref_out, _ = naive_attention(q, cache, 0, mask, 0.25)  # the reference reads the same f16 values
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-4, atol=1e-4)
+
+
+def test_fully_masked_rows_are_zero():
+    cache, _ = _scene()
+    mask = jnp.full((2, 16), -jnp.inf).at[0, 3].set(0.0)
+    out, lse = kvjax.attention(jnp.ones((2, 2, 16)), cache, 0, mask, return_lse=True)
+    assert np.isfinite(np.asarray(out)).all() and not np.asarray(out)[1].any()
+    np.testing.assert_allclose(np.asarray(out)[0, 0], np.asarray(cache.v[0][0, 0, 3]), rtol=1e-6)
+    assert np.isneginf(np.asarray(lse)[1]).all()
+
+
+def test_jitted_and_no_recompile():
+    cache, ub = _scene()
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    mask = kvjax.kq_mask(cache, ub, 64)
+    step = jax.jit(lambda q, c, m: kvjax.attention(q, c, 0, m, return_lse=True))
+    for a, b in zip(step(q, cache, mask), kvjax.attention(q, cache, 0, mask, return_lse=True)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    kvjax.attention(q, cache, 0, mask, scale=0.5).block_until_ready()
+    for seed in range(3):
+        new_q = jnp.asarray(np.random.default_rng(seed).standard_normal((8, 4, 16)), jnp.float32)
+        new_cache = kvjax.seq_rm(cache, seed % 3, seed, seed + 4)
+        new_mask = kvjax.kq_mask(new_cache, ub, 64, causal=True)
+        with no_recompile():
+            jax.block_until_ready(step(new_q, new_cache, new_mask))
+            kvjax.attention(new_q, new_cache, 0, new_mask).block_until_ready()
+            kvjax.attention(new_q, new_cache, 0, new_mask, scale=0.1 * (seed + 1)).block_until_ready()
+
+
+def test_bad_input():
+    cache, ub = _scene()
+    mask = kvjax.kq_mask(cache, ub, 64)
+    q = jnp.zeros((8, 4, 16))
+    with pytest.raises(ValueError, match="q has 3 query heads: allowed a positive multiple of the layer's n_kv_heads=2"):
+        kvjax.attention(jnp.zeros((8, 3, 16)), cache, 0, mask)
+    with pytest.raises(ValueError, match="head size 8: allowed the layer's head_dim=16"):
+        kvjax.attention(jnp.zeros((8, 4, 8)), cache, 0, mask)
+    with pytest.raises(ValueError, match="n_kv=40 is out of range"):
+        kvjax.attention(q, cache, 0, mask[:, :40])
+    with pytest.raises(ValueError, match="n_kv=80 is out of range"):
+        kvjax.attention(q, cache, 0, jnp.zeros((8, 80)))
+    with pytest.raises(ValueError, match=r"mask has shape \(4, 64\)"):
+        kvjax.attention(q, cache, 0, mask[:4])
+    with pytest.raises(ValueError, match="mask has dtype int32"):
+        kvjax.attention(q, cache, 0, jnp.zeros((8, 64), jnp.int32))
+    with pytest.raises(ValueError, match="layer=3 is not a cached layer"):
+        kvjax.attention(q, cache, 3, mask)
+    with pytest.raises(ValueError, match="bias has shape"):
+        kvjax.attention(q, cache, 0, mask, bias=jnp.zeros((3, 8, 64)))
+    with pytest.raises(ValueError, match="allowed a floating"):
+        kvjax.attention(jnp.zeros((8, 4, 16), jnp.int32), cache, 0, mask)
+    with pytest.raises(ValueError, match="scale="):
+        kvjax.attention(q, cache, 0, mask, scale=float("nan"))
+    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+        kvjax.attention(q, cache.cells, 0, mask)
