@@ -1,0 +1,723 @@
+"""The seed's state format: ``state_write`` / ``state_read`` of one sequence or of the whole cache.
+
+A blob is what ``llama_kv_cache_unified::state_write`` writes, field for field, little-endian,
+without padding. ``n`` is the cell count; cells are taken in cell-index order; layers are the
+cached layers in model-layer order::
+
+    u32  cell_count n
+    n x  { i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id }   # ids ascending; n_seq_id = 0 in a
+                                                           # single-sequence blob
+    u32  v_trans (0 or 1)
+    u32  n_layer (number of cached layers)
+    per layer:   i32 K ggml type, u64 K row size, n x K row        # row: H*D values, heads outer
+    v_trans = 0, per layer:  i32 V type, u64 V row size, n x V row # row: H*Dv values
+    v_trans = 1, per layer:  i32 V type, u32 V element size, u32 H*Dv,
+                             H*Dv x { n x element }                 # V transposed: [H*Dv, n]
+
+ggml type ids: F32 = 0, F16 = 1, BF16 = 30 (``kvjax.config.GGML_TYPE_IDS``); quantized K/V
+blobs (Q4_0 = 2, Q8_0 = 8, ...) are refused with :class:`kvjax.StateError`. kvjax stores one
+layer's K as ``[H, C, D]``; the seed's row for cell ``c`` is ``k[:, c, :]`` flattened, so writing
+is a gather of the cells and a transpose to ``[n, H, D]``, done on device.
+
+Reading parses the whole blob on the host with numpy views (no copy of the K/V bytes), checks
+every field against the cache, and only then builds the new cache with one host copy per layer
+into a padded, aligned buffer, a zero-copy hand-over to XLA (dlpack, on the CPU backend) and one
+jitted transpose/scatter per call. The device parts are compiled once per cell-count bucket
+(the next power of two, at least ``MIN_ROWS``, at most the cache size), never per blob.
+
+Where kvjax deliberately differs from the seed (and why):
+
+- **A failed read leaves the cache as it was.** The seed clears the cache (whole read) or removes
+  the destination sequence (per-sequence read) and throws. kvjax raises :class:`StateError`
+  naming the field, the expected and the found value, before anything is built; the cache value
+  passed in is still valid (it is immutable) and nothing was donated.
+- **Stricter validation.** Sequence ids must lie in ``[0, n_seq_max)`` (the seed checks only
+  ``< 0``), a cell may not name the same id twice, positions must be ``>= 0``, ``v_trans`` must be
+  0 or 1, and in a whole-cache blob every cell must name at least one sequence (the seed would
+  restore a cell with a position but no sequence, which kvjax cannot represent).
+- **Scattered per-sequence reads.** ``contiguous=False`` places the cells into any free cells
+  (the seed needs one contiguous window; ``contiguous=True``, the default, does what it does).
+- **A whole read zeroes the K/V of the cells it leaves empty** (the seed leaves stale bytes;
+  both are masked). It also never reads the old K/V, so ``donate=True`` can reuse their memory.
+- **No pending K-shift is written.** The format has no field for a cell's pending shift: the
+  seed would write shifted positions beside unrotated K rows. ``state_write`` refuses cells with
+  a pending shift; apply it first (``kvjax.update``).
+
+Example:
+    >>> import kvjax
+    >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2)
+    >>> cache, _, _ = kvjax.find_slot(kvjax.init(cfg), kvjax.make_ubatch([0, 1], [[0], [0, 1]]))
+    >>> blob = kvjax.state_write(cache)
+    >>> len(blob), blob[:4].hex()         # 4 + 2 cells (12 + 16 bytes) + 8 + K (12 + 16) + V (12 + 16)
+    (96, '02000000')
+    >>> restored = kvjax.state_read(kvjax.init(cfg), blob)
+    >>> kvjax.state_write(restored) == blob
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import struct
+from typing import List, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import ops
+from kvjax.cache import KVCache
+from kvjax.config import GGML_TYPE_IDS, CacheConfig
+from kvjax.errors import StateError
+from kvjax.ubatch import Ubatch, bucket_length
+from kvjax.validate import check_seq_id, is_traced
+
+#: ggml type ids of quantized types that llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1,
+#: Q8_0, IQ4_NL): recognised in messages, refused until block-quantized K/V lands.
+QUANTIZED_TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
+_GGML_NAMES = {0: "F32", 1: "F16", 30: "BF16", **QUANTIZED_TYPE_IDS}
+# K/V bytes travel as unsigned ints of the element size: bit-exact (no float conversion can
+# touch a NaN payload) and exportable through dlpack, which knows no bfloat16.
+_UINT = {4: np.dtype("<u4"), 2: np.dtype("<u2")}
+_ALIGN = 64  # XLA's CPU client adopts host buffers without a copy when they are this aligned
+
+
+# -- layout of a config -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """What the state format says about one cached layer.
+
+    Attributes:
+        layer: model layer id.
+        group: index into ``config.groups``.
+        index: position of the layer in its group (the stacked axis L).
+        n_kv_heads: H.
+        head_dim: D.
+        head_dim_v: Dv.
+        k_type: ggml type id of K.
+        k_size: bytes per K element.
+        v_type: ggml type id of V.
+        v_size: bytes per V element.
+    """
+
+    layer: int
+    group: int
+    index: int
+    n_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    k_type: int
+    k_size: int
+    v_type: int
+    v_size: int
+
+    @property
+    def k_row(self) -> int:
+        """Bytes of one cell's K row (the seed's ``ggml_row_size(type, n_embd_k_gqa)``)."""
+        return self.n_kv_heads * self.head_dim * self.k_size
+
+    @property
+    def n_embd_v(self) -> int:
+        """The seed's ``n_embd_v_gqa``: H * Dv."""
+        return self.n_kv_heads * self.head_dim_v
+
+    @property
+    def v_row(self) -> int:
+        """Bytes of one cell's V row."""
+        return self.n_embd_v * self.v_size
+
+
+def layer_layouts(config: CacheConfig) -> Tuple[LayerLayout, ...]:
+    """The state layout of every cached layer, in model-layer order.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=3, n_kv_heads=2, head_dim=4,
+        ...                         layer_filter=[0, 2])
+        >>> [(lay.layer, lay.k_type, lay.k_row) for lay in layer_layouts(cfg)]
+        [(0, 0, 32), (2, 0, 32)]
+    """
+    k_size = np.dtype(config.k_dtype).itemsize
+    v_size = np.dtype(config.v_dtype).itemsize
+    out = []
+    for il in config.cached_layers:
+        g, i = config.locate(il)
+        out.append(LayerLayout(il, g, i, config.n_kv_heads[il], config.head_dim[il],
+                               config.head_dim_v[il], GGML_TYPE_IDS[config.k_dtype], k_size,
+                               GGML_TYPE_IDS[config.v_dtype], v_size))
+    return tuple(out)
+
+
+def layout_fingerprint(config: CacheConfig) -> bytes:
+    """SHA-256 of every config field that changes the byte layout of a state blob.
+
+    Those are the cached layer ids (of ``n_layer``), each layer's kv heads and head sizes, the
+    K/V dtypes and ``v_trans``. The cache size and ``n_seq_max`` are not in it: a blob fits any
+    cache with room for its cells and sequence ids, which ``state_read`` checks itself.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4)
+        >>> len(layout_fingerprint(cfg)), layout_fingerprint(cfg) == layout_fingerprint(cfg.replace(size=64))
+        (32, True)
+    """
+    desc = {
+        "format": "llama_kv_cache_unified state",
+        "n_layer": config.n_layer,
+        "layers": [[lay.layer, lay.n_kv_heads, lay.head_dim, lay.head_dim_v]
+                   for lay in layer_layouts(config)],
+        "k_dtype": config.k_dtype,
+        "v_dtype": config.v_dtype,
+        "v_trans": config.v_trans,
+    }
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+class _Cursor:
+    """Reads fields off a byte view; a short read raises :class:`StateError`."""
+
+    def __init__(self, buf: memoryview):
+        self.buf = buf
+        self.off = 0
+
+    @property
+    def left(self) -> int:
+        return len(self.buf) - self.off
+
+    def take(self, nbytes: int, field: str) -> memoryview:
+        if nbytes > self.left:
+            raise StateError(f"{field}: expected {nbytes} bytes at offset {self.off}, found "
+                             f"{self.left} (truncated blob)")
+        view = self.buf[self.off:self.off + nbytes]
+        self.off += nbytes
+        return view
+
+    def scalar(self, fmt: str, field: str) -> int:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), field))[0]
+
+    def array(self, dtype: np.dtype, count: int, field: str) -> np.ndarray:
+        return np.frombuffer(self.take(count * dtype.itemsize, field), dtype)
+
+    def words(self) -> Tuple[np.ndarray, memoryview]:
+        """Every whole i32 word left, as numpy and as a memoryview (neither advances)."""
+        n = self.left // 4
+        view = self.buf[self.off:self.off + 4 * n]
+        return np.frombuffer(view, "<i4"), view.cast("i")
+
+    def finish(self) -> None:
+        if self.left:
+            raise StateError(f"blob length: expected {self.off} bytes, found {len(self.buf)} "
+                             f"({self.left} trailing bytes)")
+
+
+class _Parsed(NamedTuple):
+    """A validated blob: host views into its bytes (nothing copied yet)."""
+
+    n: int
+    pos: np.ndarray                 # i32[n]
+    seq: Optional[np.ndarray]       # u32[n, W] (whole-cache blobs), None (single sequence)
+    k: List[np.ndarray]             # per cached layer: uint [n, H, D]
+    v: List[np.ndarray]             # per cached layer: uint [n, H, Dv], or [H*Dv, n] (v_trans)
+
+
+def _type_name(type_id: int) -> str:
+    return _GGML_NAMES.get(type_id, "unknown ggml type")
+
+
+def _check_type(field: str, expected: int, found: int) -> None:
+    if found == expected:
+        return
+    msg = f"{field}: expected {expected} ({_type_name(expected)}), found {found} ({_type_name(found)})"
+    if found in QUANTIZED_TYPE_IDS:
+        msg += ": quantized K/V state is not supported by kvjax yet"
+    raise StateError(msg)
+
+
+def _check_equal(field: str, expected: int, found: int, why: str = "") -> None:
+    if found != expected:
+        raise StateError(f"{field}: expected {expected}{why}, found {found}")
+
+
+def _parse_meta_seq(cur: _Cursor, n: int) -> np.ndarray:
+    """Cells of a single-sequence blob: ``n`` records of (pos, n_seq_id = 0)."""
+    words, _ = cur.words()
+    have = min(2 * n, words.size)
+    counts = words[1:have:2]
+    named = np.flatnonzero(counts)
+    if named.size:  # the records before it are all two words, so its index is exact
+        i = int(named[0])
+        raise StateError(f"cell {i} n_seq_id: expected 0 (a single-sequence blob names no "
+                         f"sequence), found {int(counts[i]) & 0xFFFFFFFF}; a whole-cache blob is "
+                         f"read with seq_id=-1")
+    words = cur.array(np.dtype("<i4"), 2 * n, f"cell metadata of {n} cells")
+    pos = words[0::2]
+    _check_positions(pos)
+    return pos
+
+
+def _check_positions(pos: np.ndarray) -> None:
+    bad = np.flatnonzero(pos < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise StateError(f"cell {i} pos: expected >= 0, found {int(pos[i])}")
+
+
+def _record_offsets(cur: _Cursor, n: int, n_seq_max: int) -> np.ndarray:
+    """Word offset of each cell record of a whole-cache blob (records have variable length)."""
+    words, ints = cur.words()
+    if words.size >= 2:
+        k0 = int(words[1])
+        r = 2 + k0
+        # fast path: every cell has the same number of sequences (the common case)
+        if 1 <= k0 <= n_seq_max and n * r <= words.size and np.all(words[1:n * r:r] == k0):
+            return np.arange(n, dtype=np.int64) * r
+    # general case: one cheap step per cell over the metadata words (about 16 ms at 32768 cells
+    # on the 2-core CPU this was written on); K/V bytes are never looped over
+    offsets = [0] * n
+    off, m = 0, words.size
+    for i in range(n):
+        if off + 2 > m:
+            raise StateError(f"cell {i} pos and n_seq_id: expected 8 bytes at offset "
+                             f"{cur.off + 4 * off}, found {cur.left - 4 * off} (truncated blob)")
+        k = ints[off + 1]
+        if not 1 <= k <= n_seq_max:
+            raise StateError(f"cell {i} n_seq_id: expected 1 to n_seq_max={n_seq_max} (every cell of "
+                             f"a whole-cache blob names its sequences), found {k & 0xFFFFFFFF}"
+                             + ("; a single-sequence blob is read with seq_id >= 0" if k == 0 else ""))
+        offsets[i] = off
+        off += 2 + k
+    if off > m:
+        raise StateError(f"cell {n - 1} seq ids: expected {4 * (off - offsets[-1] - 2)} bytes, found "
+                         f"{cur.left - 4 * (offsets[-1] + 2)} (truncated blob)")
+    return np.asarray(offsets, np.int64)
+
+
+def _parse_meta_whole(cur: _Cursor, n: int, n_seq_max: int, n_words: int):
+    """Cells of a whole-cache blob: positions ``i32[n]`` and sequence bitmasks ``u32[n, W]``."""
+    if n == 0:
+        return np.zeros(0, np.int32), np.zeros((0, n_words), np.uint32)
+    offsets = _record_offsets(cur, n, n_seq_max)
+    words, _ = cur.words()
+    pos = words[offsets]
+    counts = words[offsets + 1].astype(np.int64)
+    _check_positions(pos)
+    total = int(counts.sum())
+    cell = np.repeat(np.arange(n), counts)
+    first = np.cumsum(counts) - counts
+    ids = words[np.repeat(offsets + 2 - first, counts) + np.arange(total)]
+    bad = np.flatnonzero((ids < 0) | (ids >= n_seq_max))
+    if bad.size:
+        j = int(bad[0])
+        raise StateError(f"cell {int(cell[j])} seq id: expected [0, n_seq_max={n_seq_max}), found {int(ids[j])}")
+    masks = np.zeros((n, n_words), np.uint32)
+    np.bitwise_or.at(masks, (cell, ids // 32), np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    dup = np.flatnonzero(np.bitwise_count(masks).sum(axis=1) != counts)
+    if dup.size:
+        i = int(dup[0])
+        raise StateError(f"cell {i} seq ids: expected {int(counts[i])} distinct ids, found "
+                         f"{sorted(ids[cell == i].tolist())}")
+    cur.take(4 * int(offsets[-1] + 2 + counts[-1]), "cell metadata")
+    return pos, masks
+
+
+def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str) -> _Parsed:
+    """Check every field of ``buf`` against ``config``; return host views of its contents."""
+    cur = _Cursor(buf)
+    n = cur.scalar("<I", "cell_count")
+    if n > capacity:
+        raise StateError(f"cell_count: expected at most {capacity} ({why}), found {n}")
+    if seq_id < 0:
+        pos, seq = _parse_meta_whole(cur, n, config.n_seq_max, config.n_words)
+    else:
+        pos, seq = _parse_meta_seq(cur, n), None
+    v_trans = cur.scalar("<I", "v_trans")
+    _check_equal("v_trans", int(config.v_trans), v_trans, " (config.v_trans)")
+    layouts = layer_layouts(config)
+    n_layer = cur.scalar("<I", "n_layer")
+    _check_equal("n_layer", len(layouts), n_layer, f" (cached layers {list(config.cached_layers)})")
+    ks, vs = [], []
+    for lay in layouts:
+        name = f"layer {lay.layer}"
+        _check_type(f"{name} K type", lay.k_type, cur.scalar("<i", f"{name} K type"))
+        _check_equal(f"{name} K row size", lay.k_row, cur.scalar("<Q", f"{name} K row size"),
+                     f" bytes ({lay.n_kv_heads} heads x head size {lay.head_dim} x {lay.k_size})")
+        rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.head_dim, f"{name} K rows")
+        ks.append(rows.reshape(n, lay.n_kv_heads, lay.head_dim))
+    for lay in layouts:
+        name = f"layer {lay.layer}"
+        _check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
+        if not config.v_trans:
+            _check_equal(f"{name} V row size", lay.v_row, cur.scalar("<Q", f"{name} V row size"),
+                         f" bytes ({lay.n_kv_heads} heads x head size {lay.head_dim_v} x {lay.v_size})")
+            rows = cur.array(_UINT[lay.v_size], n * lay.n_embd_v, f"{name} V rows")
+            vs.append(rows.reshape(n, lay.n_kv_heads, lay.head_dim_v))
+        else:
+            _check_equal(f"{name} V element size", lay.v_size, cur.scalar("<I", f"{name} V element size"))
+            _check_equal(f"{name} V n_embd_v_gqa", lay.n_embd_v, cur.scalar("<I", f"{name} V n_embd_v_gqa"),
+                         f" ({lay.n_kv_heads} heads x head size {lay.head_dim_v})")
+            rows = cur.array(_UINT[lay.v_size], n * lay.n_embd_v, f"{name} V rows (transposed)")
+            vs.append(rows.reshape(lay.n_embd_v, n))
+    cur.finish()
+    return _Parsed(n, pos, seq, ks, vs)
+
+
+# -- metadata encoding --------------------------------------------------------------------------
+
+
+def _encode_meta(pos: np.ndarray, masks: Optional[np.ndarray], n_seq_max: int) -> bytes:
+    """Cell records for ``pos i32[n]`` and ``masks u32[n, W]`` (None: single-sequence records)."""
+    n = pos.shape[0]
+    if masks is None:
+        out = np.zeros((n, 2), "<i4")
+        out[:, 0] = pos
+        return out.tobytes()
+    if n == 0:
+        return b""
+    bits = np.unpackbits(np.ascontiguousarray(masks, "<u4").view(np.uint8).reshape(n, -1), axis=1,
+                         bitorder="little")[:, :n_seq_max]
+    cell, ids = np.nonzero(bits)  # row-major: ids ascending within a cell, as std::set iterates
+    counts = bits.sum(axis=1, dtype=np.int64)
+    length = 2 + counts
+    start = np.cumsum(length) - length
+    out = np.empty(int(length.sum()), "<i4")
+    out[start] = pos
+    out[start + 1] = counts
+    first = np.cumsum(counts) - counts
+    out[start[cell] + 2 + np.arange(ids.size) - first[cell]] = ids
+    return out.tobytes()
+
+
+# -- device parts -------------------------------------------------------------------------------
+
+
+def _uint_of(dtype) -> np.dtype:
+    return _UINT[np.dtype(dtype).itemsize]
+
+
+@functools.partial(jax.jit, static_argnames=("full", "v_trans"))
+def _gather(k, v, idx, *, full: bool, v_trans: bool):
+    """Rows of the cells ``idx i32[T]`` as the state format lays them out, as unsigned ints.
+
+    Returns per layer group ``K [L, T, H, D]`` and ``V [L, T, H, Dv]`` (``[L, H*Dv, T]`` when
+    ``v_trans``). ``full``: ``idx`` is every cell in order, so no gather is needed.
+    """
+    def take(x):
+        x = x if full else x.at[:, :, idx].get(mode="promise_in_bounds")  # [L, H, T, D]
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(_uint_of(x.dtype)))
+
+    ks = tuple(take(x).transpose(0, 2, 1, 3) for x in k)
+    if v_trans:
+        vs = tuple(take(x).transpose(0, 1, 3, 2).reshape(x.shape[0], -1, idx.shape[0]) for x in v)
+    else:
+        vs = tuple(take(x).transpose(0, 2, 1, 3) for x in v)
+    return ks, vs
+
+
+def _to_storage(rows, like, trans: bool):
+    """Host-layout rows (uint) as ``[L, H, T, D]`` in the storage dtype of ``like [L, H, C, D]``."""
+    x = jax.lax.bitcast_convert_type(rows, like.dtype)
+    if trans:  # [L, H*Dv, T] -> [L, H, Dv, T] -> [L, H, T, Dv]
+        n_layers, heads, _, dim = like.shape
+        return x.reshape(n_layers, heads, dim, -1).transpose(0, 1, 3, 2)
+    return x.transpose(0, 2, 1, 3)
+
+
+def _assemble_impl(k_old, v_old, k_rows, v_rows, *, v_trans: bool):
+    """K/V of a whole read: the rows in cells ``[0, T)``, zeros after (those cells are empty)."""
+    def one(old, rows, trans):
+        new = _to_storage(rows, old, trans)
+        if new.shape[2] == old.shape[2]:
+            return new
+        return jnp.zeros_like(old).at[:, :, :new.shape[2]].set(new)
+
+    return (tuple(one(o, r, False) for o, r in zip(k_old, k_rows)),
+            tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)))
+
+
+def _place_impl(k_old, v_old, slot, k_rows, v_rows, *, v_trans: bool):
+    """K/V with the rows scattered into the cells ``slot i32[T]`` (-1: padding, dropped)."""
+    def one(old, rows, trans):
+        target = jnp.where(slot >= 0, slot, old.shape[2])
+        return old.at[:, :, target].set(_to_storage(rows, old, trans), mode="drop")
+
+    return (tuple(one(o, r, False) for o, r in zip(k_old, k_rows)),
+            tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)))
+
+
+_assemble = jax.jit(_assemble_impl, static_argnames="v_trans")
+_assemble_donated = jax.jit(_assemble_impl, static_argnames="v_trans", donate_argnums=(0, 1))
+_place = jax.jit(_place_impl, static_argnames="v_trans")
+_place_donated = jax.jit(_place_impl, static_argnames="v_trans", donate_argnums=(0, 1))
+
+
+#: Smallest row bucket: blobs of up to this many cells share one compilation (padding a few
+#: hundred rows costs microseconds; a compilation costs a few hundred milliseconds).
+MIN_ROWS = 256
+
+
+def _bucket(n: int, size: int) -> int:
+    """Static row count for ``n`` cells: the next power of two, at least MIN_ROWS, at most the cache size."""
+    return min(bucket_length(n, MIN_ROWS), size)
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def _to_device(x: np.ndarray) -> jax.Array:
+    """A host buffer as a jax array; adopted without a copy on the CPU backend."""
+    if jax.default_backend() == "cpu":
+        try:
+            return jax.dlpack.from_dlpack(x)
+        except (TypeError, ValueError, RuntimeError, BufferError):
+            pass  # fall back to a copy
+    return jnp.asarray(x)
+
+
+def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int):
+    """Parsed K/V rows copied into padded, aligned buffers per layer group, on the device."""
+    n = parsed.n
+    k_bufs, v_bufs = [], []
+    for grp in config.groups:
+        n_l = len(grp.layers)
+        k_bufs.append(_aligned_empty((n_l, rows, grp.n_kv_heads, grp.head_dim), _uint_of(config.k_dtype)))
+        v_shape = ((n_l, grp.n_kv_heads * grp.head_dim_v, rows) if config.v_trans
+                   else (n_l, rows, grp.n_kv_heads, grp.head_dim_v))
+        v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
+    for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
+        kb = k_bufs[lay.group][lay.index]
+        kb[:n] = k
+        kb[n:] = 0
+        vb = v_bufs[lay.group][lay.index]
+        if config.v_trans:
+            vb[:, :n] = v
+            vb[:, n:] = 0
+        else:
+            vb[:n] = v
+            vb[n:] = 0
+    return tuple(_to_device(b) for b in k_bufs), tuple(_to_device(b) for b in v_bufs)
+
+
+# -- host side ----------------------------------------------------------------------------------
+
+
+def _check_host_cache(cache, name: str) -> CacheConfig:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    if any(is_traced(x) for x in jax.tree.leaves(cache)):
+        raise ValueError(f"{name} runs on the host (it reads or returns bytes): call it outside jax.jit")
+    return cache.config
+
+
+def _check_seq(seq_id, config: CacheConfig) -> int:
+    if is_traced(seq_id):
+        raise ValueError("seq_id must be a concrete integer (state I/O runs on the host)")
+    check_seq_id("seq_id", seq_id, config.n_seq_max, allow_all=True)
+    return int(seq_id)
+
+
+def _members(masks: np.ndarray, seq_id: int) -> np.ndarray:
+    """``bool[C]`` cells holding ``seq_id`` (any sequence when -1)."""
+    if seq_id < 0:
+        return masks.any(axis=1)
+    return ((masks[:, seq_id // 32] >> np.uint32(seq_id % 32)) & 1).astype(bool)
+
+
+def _host_cells(cache: KVCache):
+    cells = cache.cells
+    return np.asarray(cells.pos), np.asarray(cells.seq), np.asarray(cells.delta)
+
+
+def state_write(cache: KVCache, seq_id: int = -1) -> bytes:
+    """Serialize the whole cache (``seq_id = -1``) or one sequence in the seed's state format.
+
+    A single-sequence blob holds the cells of ``seq_id`` (in cell order) with ``n_seq_id = 0``:
+    it is read back into any destination sequence. A whole-cache blob holds every non-empty cell
+    with its sequence ids.
+
+    Args:
+        cache: the cache (concrete, on the host side of ``jit``).
+        seq_id: in ``[-1, n_seq_max)``; -1 writes every non-empty cell.
+
+    Returns:
+        The blob (see the module docstring for its layout).
+
+    Raises:
+        ValueError: a bad argument, or a written cell has a pending K-shift.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2)
+        >>> cache, _, _ = kvjax.find_slot(kvjax.init(cfg), kvjax.make_ubatch([5, 6], [[1], [0]]))
+        >>> blob = kvjax.state_write(cache, seq_id=1)
+        >>> import struct; struct.unpack_from("<IiI", blob)   # one cell: pos 5, n_seq_id 0
+        (1, 5, 0)
+    """
+    cfg = _check_host_cache(cache, "state_write")
+    seq_id = _check_seq(seq_id, cfg)
+    pos, masks, delta = _host_cells(cache)
+    idx = np.flatnonzero(_members(masks, seq_id)).astype(np.int32)
+    n = idx.size
+    shifted = np.flatnonzero(delta[idx] != 0)
+    if shifted.size:
+        raise ValueError(f"cell {int(idx[shifted[0]])} has a pending K-shift (delta "
+                         f"{int(delta[idx[shifted[0]]])}): the state format cannot carry it; apply "
+                         f"it first (kvjax.update)")
+    layouts = layer_layouts(cfg)
+    pieces = [struct.pack("<I", n), _encode_meta(pos[idx], None if seq_id >= 0 else masks[idx], cfg.n_seq_max),
+              struct.pack("<II", int(cfg.v_trans), len(layouts))]
+    k_host = v_host = None
+    rows = _bucket(n, cfg.size)
+    if n:
+        padded = np.zeros(rows, np.int32)
+        padded[:n] = idx
+        ks, vs = _gather(cache.k, cache.v, jnp.asarray(padded), full=n == cfg.size, v_trans=cfg.v_trans)
+        k_host = [np.asarray(x) for x in ks]  # views of the device buffers on the CPU backend
+        v_host = [np.asarray(x) for x in vs]
+    for lay in layouts:
+        pieces.append(struct.pack("<iQ", lay.k_type, lay.k_row))
+        if n:
+            pieces.append(memoryview(k_host[lay.group][lay.index, :n]))
+    for lay in layouts:
+        if not cfg.v_trans:
+            pieces.append(struct.pack("<iQ", lay.v_type, lay.v_row))
+            if n:
+                pieces.append(memoryview(v_host[lay.group][lay.index, :n]))
+        else:
+            pieces.append(struct.pack("<iII", lay.v_type, lay.v_size, lay.n_embd_v))
+            if n == rows:
+                pieces.append(memoryview(v_host[lay.group][lay.index]))
+            elif n:  # one piece per V component: each is contiguous, the padded block is not
+                pieces.extend(memoryview(r) for r in v_host[lay.group][lay.index, :, :n])
+    return b"".join(pieces)
+
+
+def _as_view(data) -> memoryview:
+    try:
+        view = memoryview(data)
+        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    except TypeError:
+        raise StateError(f"data: expected a bytes-like object, found {type(data).__name__}") from None
+
+
+def state_read(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True,
+               donate: bool = False) -> KVCache:
+    """Restore a blob written by :func:`state_write` (or by the seed) into a cache.
+
+    With ``seq_id = -1`` the blob must be a whole-cache blob: the cache is emptied and cell ``i``
+    of the blob goes to cell ``i`` (from cell 0, as the seed does), ``head`` is 0. With
+    ``seq_id >= 0`` the blob must be a single-sequence blob: the cells of ``seq_id`` are removed,
+    then the blob's cells are placed for ``seq_id`` by :func:`kvjax.find_slot` (contiguous as the
+    seed, or scattered over free cells) and their K/V rows written there. Pending shifts of the
+    restored cells are zero; error bits of the cache are kept.
+
+    Every field is checked before anything is built. On any mismatch :class:`StateError` names
+    the field, the expected and the found value, and ``cache`` is left as it was (the seed would
+    have cleared it or removed the sequence).
+
+    Args:
+        cache: the destination cache (concrete).
+        data: the blob, any bytes-like object.
+        seq_id: in ``[-1, n_seq_max)``: -1 for a whole-cache blob, else the destination sequence.
+        contiguous: for a single-sequence blob, place its cells in one window (True, the seed) or
+            in any free cells (False).
+        donate: reuse the K/V buffers of ``cache`` for the result (faster, less memory; the old
+            value's K/V must not be used afterwards). Nothing is donated when the read fails.
+
+    Returns:
+        The restored cache.
+
+    Raises:
+        StateError: the blob is corrupt or does not match the cache.
+        ValueError: a bad argument.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2)
+        >>> cache, _, _ = kvjax.find_slot(kvjax.init(cfg), kvjax.make_ubatch([0, 1, 2], [[0]] * 3))
+        >>> cache = kvjax.state_read(cache, kvjax.state_write(cache, 0), seq_id=1)   # copy 0 -> 1
+        >>> int(kvjax.seq_pos_max(cache, 1)), int(kvjax.used_cells(cache))
+        (2, 6)
+        >>> kvjax.state_read(cache, b"\\x01\\x00")
+        Traceback (most recent call last):
+        ...
+        kvjax.errors.StateError: cell_count: expected 4 bytes at offset 0, found 2 (truncated blob)
+    """
+    cfg = _check_host_cache(cache, "state_read")
+    seq_id = _check_seq(seq_id, cfg)
+    buf = _as_view(data)
+    _, masks, _ = _host_cells(cache)
+    if seq_id < 0:
+        capacity, why = cfg.size, "the cache size"
+    else:
+        kept = masks.copy()
+        kept[:, seq_id // 32] &= ~np.uint32(1 << (seq_id % 32))
+        capacity = int((~kept.any(axis=1)).sum())
+        why = f"the free cells once sequence {seq_id} is removed"
+    parsed = _parse(cfg, buf, seq_id, capacity, why)
+    if seq_id < 0:
+        return _read_whole(cache, parsed, donate)
+    return _read_seq(cache, parsed, seq_id, bool(contiguous), donate, kept)
+
+
+def _read_whole(cache: KVCache, parsed: _Parsed, donate: bool) -> KVCache:
+    cfg, n = cache.config, parsed.n
+    pos = np.full(cfg.size, -1, np.int32)
+    pos[:n] = parsed.pos
+    seq = np.zeros((cfg.size, cfg.n_words), np.uint32)
+    seq[:n] = parsed.seq
+    cells = cache.cells.replace(
+        pos=jnp.asarray(pos), seq=jnp.asarray(seq), delta=jnp.asarray(np.zeros(cfg.size, np.int32)),
+        head=jnp.asarray(np.int32(0)), defrag=jnp.asarray(np.bool_(False)))
+    if n == 0:
+        return cache.replace(cells=cells)
+    k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size))
+    fn = _assemble_donated if donate else _assemble
+    k, v = fn(cache.k, cache.v, k_rows, v_rows, v_trans=cfg.v_trans)
+    return cache.replace(cells=cells, k=k, v=v)
+
+
+def _largest_free_run(free: np.ndarray) -> int:
+    edges = np.diff(np.concatenate([[0], free.astype(np.int8), [0]]))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return int((ends - starts).max()) if starts.size else 0
+
+
+def _read_seq(cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, donate: bool,
+              kept: np.ndarray) -> KVCache:
+    cfg, n = cache.config, parsed.n
+    cleared = ops.seq_rm(cache, seq_id, -1, -1)
+    if n == 0:
+        return cleared
+    rows = _bucket(n, cfg.size)
+    pos = np.zeros(rows, np.int32)
+    pos[:n] = parsed.pos
+    ids = np.full((rows, 1), -1, np.int32)
+    ids[:n] = seq_id
+    ub = Ubatch(pos=jnp.asarray(pos), seq_ids=jnp.asarray(ids), valid=jnp.asarray(np.arange(rows) < n))
+    placed, slot, ok = ops.find_slot(cleared, ub, contiguous=contiguous)
+    if not bool(ok):
+        run = _largest_free_run(~kept.any(axis=1))
+        raise StateError(f"cell_count: expected at most {run} (the largest contiguous run of free "
+                         f"cells once sequence {seq_id} is removed), found {n}; pass "
+                         f"contiguous=False to place the cells in any free cells")
+    k_rows, v_rows = _host_rows(cfg, parsed, rows)
+    fn = _place_donated if donate else _place
+    k, v = fn(cache.k, cache.v, slot, k_rows, v_rows, v_trans=cfg.v_trans)
+    return placed.replace(k=k, v=v)
+
+
+__all__ = ["state_write", "state_read", "layer_layouts", "layout_fingerprint", "LayerLayout",
+           "QUANTIZED_TYPE_IDS"]

@@ -1,0 +1,86 @@
+"""kvjax.checkpoint: the whole pytree through orbax, into the same config only."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.errors import StateError
+from tests.helpers import fill
+from tests.test_state import MIXED, with_random_kv
+
+CFG = kvjax.CacheConfig(**MIXED)
+
+
+def sample():
+    cache = with_random_kv(fill(kvjax.init(CFG), range(9), [[0], [1], [0, 2]] * 3), 21)
+    cache = kvjax.seq_rm(cache, 1, 2, 6)        # a hole
+    cache = kvjax.seq_add(cache, 0, 3, -1, 2)   # pending shifts: kept by a checkpoint
+    return jax.jit(kvjax.seq_rm)(cache, 9, 0, -1)  # a flagged error bit: kept too
+
+
+def assert_same(a, b):
+    assert a.config == b.config
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip(tmp_path):
+    cache = sample()
+    assert kvjax.errors(cache) and bool(kvjax.has_shift(cache))
+    kvjax.checkpoint_save(tmp_path / "ck", cache)
+    assert_same(kvjax.checkpoint_restore(tmp_path / "ck", CFG), cache)
+    assert_same(kvjax.checkpoint_restore(str(tmp_path / "ck"), kvjax.init(CFG)), cache)
+    restored = kvjax.checkpoint_restore(tmp_path / "ck", CFG)
+    # the restored value is a working cache
+    restored, _, ok = kvjax.find_slot(restored, kvjax.make_ubatch([50], [[4]]))
+    assert bool(ok) and int(kvjax.seq_pos_max(restored, 4)) == 50
+
+
+def test_overwrite_needs_force(tmp_path):
+    cache = sample()
+    kvjax.checkpoint_save(tmp_path / "ck", cache)
+    other = kvjax.clear(cache)
+    with pytest.raises(Exception):
+        kvjax.checkpoint_save(tmp_path / "ck", other)
+    kvjax.checkpoint_save(tmp_path / "ck", other, force=True)
+    assert int(kvjax.used_cells(kvjax.checkpoint_restore(tmp_path / "ck", CFG))) == 0
+
+
+def test_mismatched_config_is_named(tmp_path):
+    kvjax.checkpoint_save(tmp_path / "ck", sample())
+    with pytest.raises(StateError, match="size: checkpoint 64, target 128"):
+        kvjax.checkpoint_restore(tmp_path / "ck", CFG.replace(size=128))
+    with pytest.raises(StateError, match=r"head_dim_v: checkpoint \[4, 4, 2\], target \[4, 4, 4\]"):
+        kvjax.checkpoint_restore(tmp_path / "ck", CFG.replace(head_dim_v=4))
+    with pytest.raises(StateError, match="v_trans"):
+        kvjax.checkpoint_restore(tmp_path / "ck", CFG.replace(v_trans=False))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        kvjax.checkpoint_restore(tmp_path / "missing", CFG)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StateError, match="meta: expected a kvjax cache checkpoint"):
+        kvjax.checkpoint_restore(tmp_path / "empty", CFG)
+    with pytest.raises(ValueError, match="KVCache"):
+        kvjax.checkpoint_save(tmp_path / "x", CFG)
+    with pytest.raises(ValueError, match="CacheConfig"):
+        kvjax.checkpoint_restore(tmp_path / "x", "config")
+    with pytest.raises(ValueError, match="outside jax.jit"):
+        jax.jit(lambda c: kvjax.checkpoint_save(tmp_path / "y", c))(sample())
+
+
+def test_orbax_missing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # import raises ImportError
+    with pytest.raises(ImportError, match="pip install 'kvjax\\[orbax\\]'"):
+        kvjax.checkpoint_save(tmp_path / "ck", kvjax.init(CFG))
+    assert not (tmp_path / "ck").exists()
