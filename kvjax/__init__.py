@@ -28,6 +28,9 @@ from kvjax.rope import can_shift, k_shift, rope
 from kvjax.attention import attention
 from kvjax.windows import kv_window, window_bucket, window_buckets
 from kvjax.update import update
+from kvjax.state import state_read, state_write
+from kvjax.session import load, save
+from kvjax.checkpoint import checkpoint_restore, checkpoint_save
 
 __version__ = "0.1.0"
 
@@ -46,6 +49,8 @@ __all__ = [
     # the attention path: masks, RoPE, K-shift, attention, window buckets, update
     "kq_mask", "kq_mask_bool", "pos_bucket", "rope", "k_shift", "can_shift", "update", "attention",
     "window_bucket", "window_buckets", "kv_window",
+    # state: the seed's byte format, session files, orbax checkpoints
+    "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
     # inspection and errors
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
     "CacheFullError", "StateError", "ErrorFlag",
