@@ -36,6 +36,7 @@ class ErrorFlag(enum.IntFlag):
     SLOT = 4
     UBATCH = 8
     LAYER = 16
+    MAX_MOVES = 32
 
 
 ERROR_MESSAGES = {
@@ -45,6 +46,7 @@ ERROR_MESSAGES = {
     ErrorFlag.UBATCH: "ubatch token with a negative position or a seq id outside [0, n_seq_max) "
                       "(find_slot refused the ubatch)",
     ErrorFlag.LAYER: "layer id not cached (the write was dropped)",
+    ErrorFlag.MAX_MOVES: "defrag max_moves < 0 (nothing was moved)",
 }
 
 
