@@ -17,6 +17,8 @@ from kvjax.cache import (KVCache, abstract, init, size_cells_bytes, size_k_bytes
                          total_size, view, write)
 from kvjax.cells import Cells
 from kvjax.config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
+from kvjax.defrag import (DefragPlan, compact, compact_seq, defrag, defrag_plan, defrag_sched,
+                          fragmentation)
 from kvjax.errors import CacheFullError, ErrorFlag, StateError
 from kvjax.inspect import CellTable, cell_map, cell_table
 from kvjax.ops import (cell_max, check, clear, clear_errors, errors, find_slot, has_shift, n_kv,
@@ -51,6 +53,8 @@ __all__ = [
     "window_bucket", "window_buckets", "kv_window",
     # state: the seed's byte format, session files, orbax checkpoints
     "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
+    # defragmentation
+    "fragmentation", "defrag_sched", "defrag", "defrag_plan", "DefragPlan", "compact", "compact_seq",
     # inspection and errors
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
     "CacheFullError", "StateError", "ErrorFlag",
