@@ -41,8 +41,8 @@ def make_model(cfg: LlamaConfig, seed: int = 0) -> Llama:
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)
     leaves, tree = jax.tree.flatten(abstract)
-    leaves = [jnp.asarray(rng.normal(size=a.shape) * 0.3 + (1.0 if len(a.shape) == 1 else 0.0), a.dtype)
-              for a in leaves]  # 1-d leaves are RMSNorm scales: around 1
+    leaves = [jnp.asarray(np.asarray(rng.normal(size=a.shape) * 0.3 + (1.0 if len(a.shape) == 1 else 0.0),
+                                     a.dtype)) for a in leaves]  # 1-d leaves are RMSNorm scales: around 1
     return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 

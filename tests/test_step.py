@@ -1,0 +1,168 @@
+"""The jitted step: one program per bucket pair, donation, failure, caller placement, windows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax.nn import LlamaConfig, Step, make_step, window_for, windows_for
+from tests.helpers import CompileCounter, no_recompile
+from tests.test_nn_nnx import make_model
+
+CFG = LlamaConfig(vocab_size=64, d_model=32, n_layer=1, n_heads=4, n_kv_heads=2)
+
+
+def _cache(size=128, n_seq_max=4):
+    return kvjax.init(CFG.cache_config(size=size, n_seq_max=n_seq_max, padding=32))
+
+
+def _ubatch(n, length, seqs, start=0):
+    return kvjax.make_ubatch([start + i // len(seqs) for i in range(n)],
+                             [[seqs[i % len(seqs)]] for i in range(n)], length=length)
+
+
+def _tokens(rng, length):
+    # numpy, like the ubatch leaves: the jitted call transfers them (no device-put program)
+    return rng.integers(CFG.vocab_size, size=length).astype(np.int32)
+
+
+def test_one_program_per_bucket_pair():
+    model = make_model(CFG)
+    step, state = make_step(model), nnx.state(model)
+    rng = np.random.default_rng(0)
+    cache = _cache()
+    window_for(cache, 1)  # compile the small helpers outside the counted blocks
+    with CompileCounter() as first:
+        _, cache, _ = step(state, cache, _ubatch(3, 4, [0]), _tokens(rng, 4), n_kv=32)
+    assert first.count == 1
+    # new tokens, positions, sequences and cache contents: no new program
+    with no_recompile():
+        for i in range(4):
+            _, cache, ok = step(state, cache, _ubatch(4, 4, [1, 2], start=10 * i), _tokens(rng, 4), n_kv=32)
+            assert bool(ok)
+        other = make_model(CFG, seed=1)  # other weights, same structure
+        _, cache, _ = step(nnx.state(other), cache, _ubatch(2, 4, [3]), _tokens(rng, 4), n_kv=32)
+    for n_kv, length in ((64, 4), (64, 8), (32, 8)):  # each new pair: exactly one program
+        with CompileCounter() as counter:
+            _, cache, ok = step(state, cache, _ubatch(length, length, [0, 1], start=100), _tokens(rng, length),
+                                n_kv=n_kv)
+        assert counter.count == 1, (n_kv, length, counter.count)
+    with no_recompile():
+        for n_kv, length in ((64, 4), (64, 8), (32, 8), (32, 4)):
+            _, cache, _ = step(state, cache, _ubatch(1, length, [2], start=200), _tokens(rng, length), n_kv=n_kv)
+
+
+def test_donation_and_failure():
+    model = make_model(CFG)
+    step, state = make_step(model), nnx.state(model)
+    rng = np.random.default_rng(1)
+    cache = _cache(size=32, n_seq_max=1)
+    before = cache
+    _, cache, ok = step(state, cache, _ubatch(30, 32, [0]), _tokens(rng, 32), n_kv=32)
+    assert bool(ok) and int(kvjax.used_cells(cache)) == 30
+    assert before.k[0].is_deleted() and before.v[0].is_deleted()  # K/V updated in place
+    assert not before.cells.pos.is_deleted()  # the cells of the old value stay a valid snapshot
+    # 4 more tokens do not fit: nothing placed, nothing written
+    snap_cells = jax.tree.map(np.asarray, cache.cells)
+    snap_k = np.asarray(cache.k[0])
+    _, cache, ok = step(state, cache, _ubatch(4, 4, [0], start=30), _tokens(rng, 4), n_kv=32)
+    assert not bool(ok)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, cache.cells), snap_cells)
+    np.testing.assert_array_equal(np.asarray(cache.k[0]), snap_k)
+
+
+def test_caller_placed_equals_step_placed():
+    model = make_model(CFG, seed=2)
+    state = nnx.state(model)
+    step = make_step(model)
+    rng = np.random.default_rng(2)
+    ub, toks = _ubatch(6, 8, [0, 1]), _tokens(rng, 8)
+    a, cache_a, _ = step(state, _cache(), ub, toks, n_kv=32)
+    placed, slot, ok = kvjax.find_slot(_cache(), ub)
+    b, cache_b, ok_b = step(state, placed, ub, toks, n_kv=32, slot=slot)
+    assert bool(ok) and bool(ok_b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(cache_a.cells.pos), np.asarray(cache_b.cells.pos))
+
+
+def test_apply_function_step():
+    """make_step also takes a plain function: here attention-free, writing zeros for every layer."""
+    def apply(state, tokens, cache, ubatch, slot, n_kv):
+        rows = jnp.zeros((ubatch.length, 2, 8))
+        cache = kvjax.write(cache, 0, slot, rows + state, rows)
+        return jnp.zeros((ubatch.length, 3)) + kvjax.kq_mask_bool(cache, ubatch, n_kv).sum(-1, keepdims=True), cache
+
+    step = make_step(apply)
+    assert isinstance(step, Step)
+    cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
+    out, cache, ok = step(jnp.float32(2.0), cache, _ubatch(3, 4, [0]), jnp.zeros(4, jnp.int32), n_kv=32)
+    assert np.asarray(out)[:, 0].tolist() == [1, 2, 3, 0]  # causal visibility counts; padded row sees nothing
+    assert float(kvjax.view(cache, 0, 32)[0][0, 2, 0]) == 2.0
+
+
+def test_window_for_covers_every_placement():
+    """window_for(cache, n) is never smaller than what placing n tokens needs, whatever the holes."""
+    rng = np.random.default_rng(3)
+    for contiguous in (True, False):
+        cache = kvjax.init(kvjax.CacheConfig(size=256, n_seq_max=4, n_layer=1, n_kv_heads=1, head_dim=2))
+        pos = [0] * 4
+        for _ in range(25):
+            s, n = int(rng.integers(4)), int(rng.integers(1, 40))
+            if rng.random() < 0.3 and pos[s] > 4:
+                cut = int(rng.integers(pos[s]))
+                cache = kvjax.seq_rm(cache, s, cut, -1)
+                pos[s] = cut
+                continue
+            bound = window_for(cache, n)
+            ub = kvjax.make_ubatch(range(pos[s], pos[s] + n), [[s]] * n, length=64)  # one program
+            new, slot, ok = kvjax.find_slot(cache, ub, contiguous=contiguous)
+            if not bool(ok):
+                continue
+            assert int(np.asarray(slot).max()) < bound
+            assert kvjax.kv_window(new) <= bound
+            assert window_for(new, 0) == kvjax.kv_window(new)
+            cache, pos[s] = new, pos[s] + n
+
+
+def test_windows_for_matches_placement():
+    cache = kvjax.init(kvjax.CacheConfig(size=512, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2))
+    cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(20), [[1]] * 20))
+    ubs = [kvjax.make_ubatch(range(i * 30, i * 30 + 30), [[0]] * 30) for i in range(5)]
+    ok, slots = kvjax.prepare(cache, ubs)
+    assert bool(ok)
+    got = windows_for(cache, slots)
+    want = []
+    for ub in ubs:
+        cache, _, _ = kvjax.find_slot(cache, ub)
+        want.append(kvjax.kv_window(cache))
+    assert got == want == sorted(got) and got[-1] > got[0]
+
+
+def test_bad_input():
+    model = make_model(CFG)
+    step, state = make_step(model), nnx.state(model)
+    cache, ub, toks = _cache(), _ubatch(2, 4, [0]), jnp.zeros(4, jnp.int32)
+    for n_kv in (16, 33, 256, 0):
+        with pytest.raises(ValueError, match="n_kv"):
+            step(state, cache, ub, toks, n_kv=n_kv)
+    with pytest.raises(ValueError, match="tokens has shape"):
+        step(state, cache, ub, jnp.zeros(3, jnp.int32), n_kv=32)
+    with pytest.raises(ValueError, match="tokens has shape"):
+        step(state, cache, ub, jnp.zeros(4, jnp.float32), n_kv=32)
+    with pytest.raises(ValueError, match="slot has shape"):
+        step(state, cache, ub, toks, n_kv=32, slot=jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="KVCache"):
+        step(state, "cache", ub, toks, n_kv=32)
+    with pytest.raises(ValueError, match="Ubatch"):
+        step(state, cache, (1, 2), toks, n_kv=32)
+    with pytest.raises(ValueError, match="model must be"):
+        make_step(3)
+    with pytest.raises(ValueError, match="n_tokens"):
+        window_for(cache, -1)
+    with pytest.raises(ValueError, match="KVCache"):
+        windows_for("cache", [])
+    assert not cache.k[0].is_deleted()  # refused calls donate nothing
