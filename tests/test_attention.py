@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import jax
@@ -98,6 +99,28 @@ def test_attention_matches_naive_gather(layer, hq, mask_kind):
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
     # the padded rows (5..7) see nothing: zeros and -inf, never NaN
     assert not np.asarray(out)[5:].any() and np.isneginf(np.asarray(lse)[5:]).all()
+
+
+@pytest.mark.parametrize("max_chunk,n_kv", [(16, 64), (32, 48), (32, 64)])
+def test_chunked_loop_matches(monkeypatch, max_chunk, n_kv):
+    """Several online-softmax steps, also when the chunk does not divide the window (48 / 32)."""
+    module = importlib.import_module("kvjax.attention")
+    monkeypatch.setattr(module, "MAX_CHUNK", max_chunk)
+    assert module.chunk_size(n_kv, 2, 32, 16) == max_chunk
+    cache, ub = _scene()
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((8, 4, 16)), jnp.float32)
+    for kind in (dict(causal=True), dict(causal=False, swa_type="symmetric", n_swa=6)):
+        mask = kvjax.kq_mask(cache, ub, n_kv, **kind)
+        bias = jnp.asarray(np.random.default_rng(6).standard_normal((4, 1, n_kv)), jnp.float32)
+        out, lse = kvjax.attention(q, cache, 0, mask, bias=bias, return_lse=True)
+        ref_out, ref_lse = naive_attention(q, cache, 0, mask, 0.25, bias=np.asarray(bias))
+        np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    # a row whose only visible cell is in the last (clamped) chunk, and a row that sees nothing
+    mask = jnp.full((8, n_kv), -jnp.inf).at[0, n_kv - 1].set(0.0)
+    out = kvjax.attention(q, cache, 0, mask)
+    np.testing.assert_allclose(np.asarray(out)[0, 0], np.asarray(cache.v[0][0, 0, n_kv - 1]), rtol=1e-6)
+    assert np.isfinite(np.asarray(out)).all() and not np.asarray(out)[1:].any()
 
 
 def test_boolean_mask_scale_and_bias():
