@@ -120,7 +120,8 @@ def save(path, cache: KVCache, seq_id: int = -1, tokens: Optional[Sequence[int]]
     _fsync_dir(folder)
 
 
-def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True) -> Tuple[KVCache, np.ndarray]:
+def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True,
+         donate: bool = False) -> Tuple[KVCache, np.ndarray]:
     """Read a file written by :func:`save` into ``cache``.
 
     Args:
@@ -129,6 +130,7 @@ def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True) -> 
         seq_id: -1 for a whole-cache file; else the destination sequence of a one-sequence file
             (any id: a conversation saved from sequence 0 may be restored into sequence 3).
         contiguous: placement of a one-sequence file's cells (see :func:`kvjax.state_read`).
+        donate: reuse the K/V buffers of ``cache`` (see :func:`kvjax.state_read`).
 
     Returns:
         ``(cache, tokens)``: the restored cache and the tokens as ``int32 [t]``.
@@ -168,7 +170,7 @@ def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True) -> 
     if n_blob != len(view) - off:
         raise StateError(f"blob length: expected {n_blob} bytes, found {len(view) - off} "
                          f"({'truncated file' if n_blob > len(view) - off else 'trailing bytes'})")
-    restored = state_read(cache, view[off:], seq_id, contiguous=contiguous)
+    restored = state_read(cache, view[off:], seq_id, contiguous=contiguous, donate=donate)
     return restored, tokens
 
 
