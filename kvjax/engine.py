@@ -1,0 +1,321 @@
+"""The decode driver (the seed's ``llama_decode`` over kvjax) and the generation loop around it.
+
+:class:`Engine` owns a model, its state and a cache. ``engine.decode(tokens, pos, seq_ids)``
+runs one batch the way llama.cpp does:
+
+1. apply what is pending (``kvjax.update``: K-shift, then defrag);
+2. split the batch into ubatches of at most ``n_ubatch`` tokens (``kvjax.split_simple``), each
+   padded to a power-of-two length bucket;
+3. dry-run the placement of all of them (``kvjax.prepare``); if they do not all fit, raise
+   :class:`kvjax.CacheFullError` with the cache exactly as it was (nothing has run yet);
+4. run the jitted model step per ubatch (placement + model, donating the K/V buffers), with the
+   window bucket of each ubatch computed on the host from the dry run's slots;
+5. schedule a defrag when fragmentation passes ``defrag_thold`` (applied by the next update).
+
+Restore/commit: because the dry run proves every ubatch fits before anything is written, a batch
+either fails before touching the cache or succeeds whole; there is no partial state to restore.
+
+:func:`generate` is the loop users write around it: several prompts at once, a shared prompt
+prefix evaluated once and shared with ``seq_cp``, parallel sampling of n continuations of one
+prompt, greedy/temperature/top-k/top-p sampling with an explicit key, stop tokens and length
+limits, streaming, context shift when a sequence reaches its context limit, and optional defrag.
+Speculative drafts are rolled back with :meth:`Engine.rollback` (``seq_rm``).
+
+Example:
+    >>> import jax, kvjax
+    >>> from flax import nnx
+    >>> from kvjax.nn import Llama, LlamaConfig
+    >>> cfg = LlamaConfig(vocab_size=32, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
+    >>> engine = Engine(Llama(cfg, rngs=nnx.Rngs(0)), kvjax.init(cfg.cache_config(size=64, n_seq_max=2)))
+    >>> out = generate(engine, [[1, 2, 3], [4, 5]], max_new_tokens=4, key=jax.random.PRNGKey(0),
+    ...                sampling=kvjax.SamplingConfig(temperature=0))
+    >>> [len(t) for t in out.tokens], int(kvjax.used_cells(engine.cache))
+    ([4, 4], 11)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvjax
+from kvjax.cache import KVCache
+from kvjax.compiles import CompileCounter
+from kvjax.errors import CacheFullError
+from kvjax.nn.step import make_step, windows_for
+from kvjax.sampling import SamplingConfig, sample
+from kvjax.ubatch import bucket_length, make_ubatch, split_simple
+
+
+class Engine:
+    """A model, its state and a kvjax cache, driven batch by batch.
+
+    Args:
+        model: an NNX model called as ``model(tokens, cache, ubatch, slot, n_kv=...)`` (e.g.
+            :class:`kvjax.nn.Llama`), or a linen module with ``state`` given.
+        cache: the cache (``kvjax.init(...)``); the engine owns it from now on (its buffers are
+            donated to each step: use ``engine.cache``, never the value passed in).
+        state: the model state; default ``nnx.state(model)``.
+        n_ubatch: most tokens per ubatch (the seed's ``n_ubatch``).
+        contiguous: the seed's contiguous placement (True) or scattered (False).
+        defrag_thold: schedule a defrag after a batch when ``kvjax.fragmentation`` exceeds it
+            (None: never, as the seed's default).
+    """
+
+    def __init__(self, model, cache: KVCache, *, state=None, n_ubatch: int = 64, contiguous: bool = True,
+                 defrag_thold: Optional[float] = None):
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        if int(n_ubatch) < 1:
+            raise ValueError(f"n_ubatch={n_ubatch} is out of range: allowed >= 1")
+        if defrag_thold is not None and not 0 <= defrag_thold < 1:
+            raise ValueError(f"defrag_thold={defrag_thold} is out of range: allowed [0, 1) or None")
+        self.model = model
+        self.state = nnx.state(model) if state is None else state
+        self.cache = cache
+        self.n_ubatch = int(n_ubatch)
+        self.contiguous = bool(contiguous)
+        self.defrag_thold = defrag_thold
+        self.step = make_step(model, contiguous=self.contiguous)
+        self.n_decoded = 0
+
+    @property
+    def config(self):
+        return self.cache.config
+
+    def decode(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> jax.Array:
+        """Evaluate a batch of tokens; return the logits of every token, in batch order.
+
+        Args:
+            tokens: n token ids.
+            pos: n positions.
+            seq_ids: n non-empty lists of sequence ids.
+
+        Returns:
+            ``f32[n, V]`` logits (on the device).
+
+        Raises:
+            kvjax.CacheFullError: the batch does not fit; ``engine.cache`` is unchanged.
+            ValueError: malformed tokens, positions or sequence ids.
+        """
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        pos = np.asarray(pos, np.int64).reshape(-1)
+        if not (len(tokens) == len(pos) == len(seq_ids)) or len(tokens) == 0:
+            raise ValueError(f"tokens, pos and seq_ids have lengths {len(tokens)}, {len(pos)}, {len(seq_ids)}: "
+                             f"allowed one equal, positive length")
+        self.cache = kvjax.update(self.cache)
+        parts = split_simple(seq_ids, self.n_ubatch)
+        ubatches = [make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
+                                n_seq_max=self.config.n_seq_max) for idx in parts]
+        ok, slots = kvjax.prepare(self.cache, ubatches, contiguous=self.contiguous)
+        if not bool(ok):
+            free = self.config.size - int(kvjax.used_cells(self.cache))
+            raise CacheFullError(f"batch of {len(tokens)} tokens does not fit ({free} free cells of "
+                                 f"{self.config.size}{', contiguous placement' if self.contiguous else ''}); "
+                                 f"the cache is unchanged: free cells with seq_rm or shift the context")
+        windows = windows_for(self.cache, slots)
+        outputs = []
+        for idx, ub, n_kv in zip(parts, ubatches, windows):
+            toks = np.zeros(ub.length, np.int32)
+            toks[: len(idx)] = tokens[idx]
+            logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, n_kv=n_kv)
+            outputs.append(logits[: len(idx)])
+        if self.defrag_thold is not None:
+            self.cache = kvjax.defrag_sched(self.cache, self.defrag_thold)
+        self.n_decoded += len(tokens)
+        return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs)
+
+    # -- sequence management ----------------------------------------------------------------
+
+    def rollback(self, seq_id: int, pos: int) -> None:
+        """Forget the tokens of ``seq_id`` at positions ``>= pos`` (e.g. a rejected speculative draft)."""
+        self.cache = kvjax.seq_rm(self.cache, seq_id, pos, -1)
+
+    def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> int:
+        """Drop ``n_discard`` tokens after the first ``n_keep`` of ``seq_id`` and shift the rest back.
+
+        The K-shift itself is applied by the next :meth:`decode` (``kvjax.update``).
+
+        Returns:
+            The sequence's next position (its old one minus ``n_discard``).
+        """
+        n_past = int(kvjax.seq_pos_max(self.cache, seq_id)) + 1
+        if not (n_keep >= 0 and n_discard >= 1 and n_keep + n_discard <= n_past):
+            raise ValueError(f"n_keep={n_keep}, n_discard={n_discard} are out of range: allowed n_keep >= 0, "
+                             f"n_discard >= 1, n_keep + n_discard <= {n_past} (the sequence's length)")
+        self.cache = kvjax.seq_rm(self.cache, seq_id, n_keep, n_keep + n_discard)
+        self.cache = kvjax.seq_add(self.cache, seq_id, n_keep + n_discard, n_past, -n_discard)
+        return n_past - n_discard
+
+
+# -- generation ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+        tokens: the generated tokens of each sequence (prompt excluded).
+        prompt_tokens: tokens evaluated for the prompts (a shared prefix counts once).
+        time_to_first_token: seconds from the start to the first sampled token.
+        seconds: total seconds.
+        context_shifts: how many context shifts happened.
+        compiles: XLA compilations during the call.
+    """
+
+    tokens: List[List[int]]
+    prompt_tokens: int
+    time_to_first_token: float
+    seconds: float
+    context_shifts: int
+    compiles: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the decode phase (after the first token)."""
+        n = sum(len(t) for t in self.tokens) - len(self.tokens)
+        return n / max(self.seconds - self.time_to_first_token, 1e-9)
+
+
+def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != prompts[0][i] for p in prompts):
+            return i
+    return n
+
+
+def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                    key: jax.Array, sampling: SamplingConfig = SamplingConfig(), n_parallel: int = 1,
+                    share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
+                    n_keep: int = 0, stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
+    """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
+
+    Args:
+        engine: the engine (its cache should have no cells of sequences ``0..n-1``).
+        prompts: one token list per sequence; or one prompt with ``n_parallel > 1``.
+        max_new_tokens: most tokens generated per sequence.
+        key: PRNG key for sampling.
+        sampling: the sampling rule (greedy with ``temperature=0``).
+        n_parallel: continuations of a single prompt sampled in parallel (sequence ``i`` for
+            continuation ``i``; the prompt is evaluated once and shared with ``seq_cp``).
+        share_prefix: with several prompts, evaluate their longest common prefix once (in
+            sequence 0) and share it with ``seq_cp``.
+        stop_tokens: a sequence ends after emitting one of these.
+        n_ctx: per-sequence context limit; when a sequence's next position reaches it, a context
+            shift keeps ``n_keep`` tokens and discards half of the rest (llama.cpp's rule).
+        n_keep: tokens kept at the start on a context shift.
+        stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts``.
+
+    Yields:
+        ``(i, token)`` for sequence ``i``.
+    """
+    prompts = [list(map(int, p)) for p in prompts]
+    if n_parallel > 1:
+        if len(prompts) != 1:
+            raise ValueError(f"n_parallel={n_parallel} needs exactly one prompt, got {len(prompts)}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be non-empty token lists")
+    n_seq = n_parallel if n_parallel > 1 else len(prompts)
+    if n_seq > engine.config.n_seq_max:
+        raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.config.n_seq_max}")
+    if n_ctx is not None and not n_keep + 2 <= n_ctx:
+        raise ValueError(f"n_ctx={n_ctx} is out of range: allowed >= n_keep + 2 = {n_keep + 2}")
+    stats = {} if stats is None else stats
+    stop = set(int(t) for t in stop_tokens)
+    t0 = time.perf_counter()
+
+    # -- prompts: shared part once, then each sequence's own part ---------------------------
+    if n_parallel > 1:
+        shared, own = prompts[0], [[] for _ in range(n_seq)]  # the whole prompt, shared
+    elif share_prefix and n_seq > 1:
+        n_common = min(_common_prefix(prompts), min(len(p) for p in prompts) - 1)
+        shared, own = prompts[0][:n_common], [p[n_common:] for p in prompts]
+    else:
+        shared, own = [], prompts
+    prompt_tokens = 0
+    if shared:
+        shared_logits = engine.decode(shared, list(range(len(shared))), [[0]] * len(shared))
+        for s in range(1, n_seq):
+            engine.cache = kvjax.seq_cp(engine.cache, 0, s, -1, -1)
+        prompt_tokens += len(shared)
+    toks, pos, ids, last_row = [], [], [], {}
+    for s, part in enumerate(own):
+        for j, t in enumerate(part):
+            toks.append(t)
+            pos.append(len(shared) + j)
+            ids.append([s])
+        if part:
+            last_row[s] = len(toks) - 1
+    if n_parallel > 1:
+        rows = jnp.repeat(shared_logits[-1:], n_seq, axis=0)  # n draws from the same distribution
+    else:
+        logits = engine.decode(toks, pos, ids)
+        prompt_tokens += len(toks)
+        rows = logits[jnp.asarray([last_row[s] for s in range(n_seq)])]
+    next_pos = [len(p) for p in (prompts * n_seq if n_parallel > 1 else prompts)]
+    stats["prompt_tokens"] = prompt_tokens
+
+    # -- decode loop ------------------------------------------------------------------------
+    active = list(range(n_seq))
+    counts = [0] * n_seq
+    shifts = 0
+    while active:
+        key, sub = jax.random.split(key)
+        picked = np.asarray(sample(rows, sub, sampling))
+        if "ttft" not in stats:
+            stats["ttft"] = time.perf_counter() - t0
+        still = []
+        for s, tok in zip(active, picked.tolist()):
+            counts[s] += 1
+            yield s, tok
+            if tok not in stop and counts[s] < max_new_tokens:
+                still.append((s, tok))
+        if not still:
+            break
+        for s, _ in still:
+            if n_ctx is not None and next_pos[s] >= n_ctx:
+                n_discard = (next_pos[s] - n_keep) // 2
+                next_pos[s] = engine.context_shift(s, n_keep, n_discard)
+                shifts += 1
+        active = [s for s, _ in still]
+        logits = engine.decode([t for _, t in still], [next_pos[s] for s in active], [[s] for s in active])
+        for s in active:
+            next_pos[s] += 1
+        rows = logits
+    stats["context_shifts"] = shifts
+
+
+def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, key: jax.Array,
+             sampling: SamplingConfig = SamplingConfig(), on_token: Optional[Callable[[int, int], None]] = None,
+             **options) -> GenerationResult:
+    """Run :func:`generate_stream` to the end and collect the tokens (see it for the options).
+
+    Args:
+        engine: the engine.
+        prompts: one token list per sequence (or one prompt with ``n_parallel``).
+        max_new_tokens: most tokens generated per sequence.
+        key: PRNG key.
+        sampling: the sampling rule.
+        on_token: called with ``(sequence index, token)`` as each token comes (streaming).
+        **options: ``n_parallel``, ``share_prefix``, ``stop_tokens``, ``n_ctx``, ``n_keep``.
+    """
+    stats: dict = {}
+    n_seq = options.get("n_parallel", 1) if options.get("n_parallel", 1) > 1 else len(prompts)
+    out: List[List[int]] = [[] for _ in range(n_seq)]
+    t0 = time.perf_counter()
+    with CompileCounter() as compiles:
+        for s, tok in generate_stream(engine, prompts, max_new_tokens=max_new_tokens, key=key, sampling=sampling,
+                                      stats=stats, **options):
+            out[s].append(tok)
+            if on_token is not None:
+                on_token(s, tok)
+    return GenerationResult(out, stats.get("prompt_tokens", 0), stats.get("ttft", 0.0), time.perf_counter() - t0,
+                            stats.get("context_shifts", 0), compiles.count)
