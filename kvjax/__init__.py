@@ -33,6 +33,20 @@ from kvjax.update import update
 from kvjax.state import state_read, state_write
 from kvjax.session import load, save
 from kvjax.checkpoint import checkpoint_restore, checkpoint_save
+from kvjax.sampling import SamplingConfig, sample
+from kvjax.compiles import CompileCounter
+
+# The decode driver needs Flax (kvjax.nn); import it on first use so `import kvjax` stays light.
+_LAZY = {"Engine": "kvjax.engine", "generate": "kvjax.engine", "generate_stream": "kvjax.engine",
+         "GenerationResult": "kvjax.engine"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
@@ -51,10 +65,13 @@ __all__ = [
     # the attention path: masks, RoPE, K-shift, attention, window buckets, update
     "kq_mask", "kq_mask_bool", "pos_bucket", "rope", "k_shift", "can_shift", "update", "attention",
     "window_bucket", "window_buckets", "kv_window",
-    # state: the seed's byte format, session files, orbax checkpoints
-    "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
     # defragmentation
     "fragmentation", "defrag_sched", "defrag", "defrag_plan", "DefragPlan", "compact", "compact_seq",
+    # state: the seed's byte format, session files, orbax checkpoints
+    "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
+    # generation: the decode driver, sampling
+    "Engine", "generate", "generate_stream", "GenerationResult", "SamplingConfig", "sample",
+    "CompileCounter",
     # inspection and errors
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
     "CacheFullError", "StateError", "ErrorFlag",
