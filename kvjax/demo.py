@@ -1,15 +1,25 @@
-"""``python -m kvjax demo``: a walk through the cache operations, printing the cell map.
+"""``python -m kvjax demo``: the main job. A small model generates for several sequences at once.
 
-Three sequences share a prompt, diverge, one is dropped, one is shifted (context shift) and the
-placement policies are compared on a fragmented cache. Every step prints the cell map
-(``.`` empty, a digit the sequence holding the cell, ``+`` a cell shared by several sequences).
+A character-level model (trained on the bundled standard-library docstrings, or random weights
+when ``kvjax/data/charlm.npz`` is missing) continues three prompts that share a prefix. The demo
+prints the cell map (``.`` empty, a digit the sequence holding the cell, ``+`` a cell shared by
+several sequences) before and after prefix sharing, around a context shift and around a defrag,
+with the numbers: cells used, tokens per second, time to first token, compilations.
 """
 
 from __future__ import annotations
 
 import time
 
+import jax
+import numpy as np
+
 import kvjax
+from kvjax import charlm
+from kvjax.engine import Engine, generate
+
+PREFIX = "Return a new "
+PROMPTS = [PREFIX + "list of", PREFIX + "string with", PREFIX + "dictionary"]
 
 
 def _show(title: str, cache) -> None:
@@ -17,50 +27,66 @@ def _show(title: str, cache) -> None:
     print(kvjax.cell_map(cache, width=64))
 
 
-def walk_through(quick: bool = False) -> kvjax.KVCache:
-    """Run the cell-operation walk-through and return the final cache."""
-    cfg = kvjax.CacheConfig(size=128, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=16, padding=32)
-    cache = kvjax.init(cfg)
-    print(f"cache: {cfg.size} cells, {cfg.n_seq_max} sequences, {len(cfg.cached_layers)} layers, "
-          f"{kvjax.total_size(cfg) / 1024:.0f} KiB of K/V")
-
-    prompt = 24
-    cache, _, ok = kvjax.find_slot(cache, kvjax.make_ubatch(range(prompt), [[0]] * prompt))
-    _show(f"prompt of {prompt} tokens in sequence 0", cache)
-
-    for dst in (1, 2):
-        cache = kvjax.seq_cp(cache, 0, dst)
-    _show("prefix shared with sequences 1 and 2 (seq_cp: no K/V copied)", cache)
-
-    steps = 4 if quick else 12
-    for t in range(steps):
-        pos = prompt + t
-        ub = kvjax.make_ubatch([pos] * 3, [[0], [1], [2]])
-        cache, _, ok = kvjax.find_slot(cache, ub)
-    _show(f"{steps} decode steps, one token per sequence per step", cache)
-
-    cache = kvjax.seq_rm(cache, 1)
-    _show("sequence 1 dropped (seq_rm): its own cells are free, the shared prefix stays", cache)
-
-    n_keep, n_discard = 4, 8
-    p_end = int(kvjax.seq_pos_max(cache, 2)) + 1
-    cache = kvjax.seq_rm(cache, 2, n_keep, n_keep + n_discard)
-    cache = kvjax.seq_add(cache, 2, n_keep + n_discard, p_end, -n_discard)
-    _show(f"context shift of sequence 2: keep {n_keep}, discard {n_discard}, shift the rest by -{n_discard} "
-          f"(pending K-shift: {bool(kvjax.has_shift(cache))})", cache)
-    print(f"sequence 2 now spans positions {int(kvjax.seq_pos_min(cache, 2))}..{int(kvjax.seq_pos_max(cache, 2))}")
-
-    n_big = int(cfg.size - kvjax.used_cells(cache))  # exactly the free cells, but not in one run
-    big = kvjax.make_ubatch(range(n_big), [[3]] * n_big)
-    _, _, ok_cont = kvjax.find_slot(cache, big)
-    scattered, slot, ok_scat = kvjax.find_slot(cache, big, contiguous=False)
-    print(f"\n{n_big} tokens for sequence 3: contiguous placement ok={bool(ok_cont)}, scattered ok={bool(ok_scat)}")
-    _show("after scattered placement of sequence 3", scattered)
-    return scattered
+def _print_texts(tok, prompts, tokens):
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        text = (p + tok.decode(t)).replace("\n", "\\n")
+        print(f"  [{i}] {text}")
 
 
 def main(quick: bool = False) -> int:
+    t_start = time.perf_counter()
+    model, tok, trained = charlm.load()
+    cfg = model.config.cache_config(size=256 if quick else 512, n_seq_max=4, padding=32)
+    n_new = 24 if quick else 96
+    key = jax.random.PRNGKey(0)
+    sampling = kvjax.SamplingConfig(temperature=0.7, top_k=20, top_p=0.95)
+    print(f"model: {'trained' if trained else 'random'} character model, {model.config.n_layer} layers, "
+          f"width {model.config.d_model}; cache: {cfg.size} cells x {len(cfg.cached_layers)} layers "
+          f"({kvjax.total_size(cfg) / 2**20:.1f} MiB of K/V), {cfg.n_seq_max} sequences")
+    prompts = [tok.encode(p).tolist() for p in PROMPTS]
+
+    # 1. the same prompts without and with prefix sharing
+    plain = Engine(model, kvjax.init(cfg))
+    generate(plain, prompts, max_new_tokens=1, key=key, sampling=sampling, share_prefix=False)
+    _show("three prompts, each evaluated in full (no sharing)", plain.cache)
+    engine = Engine(model, kvjax.init(cfg))
+    out = generate(engine, prompts, max_new_tokens=n_new, key=key, sampling=sampling)
+    _show(f"with the prefix {PREFIX!r} evaluated once and shared (seq_cp), then {n_new} tokens each",
+          engine.cache)
+    print(f"prompt tokens evaluated: {out.prompt_tokens} instead of {sum(map(len, prompts))}; "
+          f"time to first token {out.time_to_first_token * 1e3:.0f} ms; "
+          f"{out.tokens_per_second:.0f} tokens/s over {len(prompts)} sequences; {out.compiles} compilations")
+    _print_texts(tok, PROMPTS, out.tokens)
+
+    # 2. a context shift of sequence 0: keep 4 tokens, discard 16, shift the rest back
+    n_keep, n_discard = 4, 16
+    before = int(kvjax.seq_pos_max(engine.cache, 0)) + 1
+    next_pos = engine.context_shift(0, n_keep, n_discard)
+    _show(f"context shift of sequence 0: positions {n_keep}..{n_keep + n_discard - 1} dropped, "
+          f"{before - n_keep - n_discard} cells shifted by -{n_discard} (K-shift pending: "
+          f"{bool(kvjax.has_shift(engine.cache))})", engine.cache)
+    last = out.tokens[0][-1]
+    cont = []
     t0 = time.perf_counter()
-    walk_through(quick=quick)
-    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
+    for _ in range(8 if quick else 32):
+        logits = engine.decode([last], [next_pos], [[0]])  # applies the K-shift first
+        key, sub = jax.random.split(key)
+        last = int(kvjax.sample(logits, sub, sampling)[0])
+        cont.append(last)
+        next_pos += 1
+    dt = time.perf_counter() - t0
+    print(f"sequence 0 continues after the shift ({len(cont) / dt:.0f} tokens/s): "
+          f"{tok.decode(cont)!r}")
+
+    # 3. drop sequence 1, then defragment
+    engine.cache = kvjax.seq_rm(engine.cache, 1)
+    _show("sequence 1 dropped (seq_rm): holes", engine.cache)
+    t0 = time.perf_counter()
+    engine.cache = jax.block_until_ready(kvjax.defrag(engine.cache))
+    _show(f"after defrag ({(time.perf_counter() - t0) * 1e3:.0f} ms, one gather over every layer): "
+          f"n_kv {int(kvjax.n_kv(engine.cache))}", engine.cache)
+
+    used = int(kvjax.used_cells(engine.cache))
+    print(f"\ncells used {used}/{cfg.size}; tokens decoded by the engine: {engine.n_decoded}")
+    print(f"demo finished in {time.perf_counter() - t_start:.1f} s")
     return 0
