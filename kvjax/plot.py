@@ -1,0 +1,84 @@
+"""Pictures of a cache (matplotlib, an optional dependency: ``pip install kvjax[plot]``).
+
+- :func:`plot_cells`: the cell table as an image, one column per cell, one row per sequence
+  (filled where the sequence holds the cell), with each cell's position written underneath
+  when the cache is small enough to read.
+- :func:`plot_mask`: a KQ mask (additive or boolean) as an image, tokens down, cells across.
+
+Example:
+    >>> import matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import kvjax
+    >>> from kvjax.plot import plot_cells
+    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=4))
+    >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch([0, 1, 2], [[0], [0, 1], [1]]))
+    >>> ax = plot_cells(cache)
+    >>> ax.get_title()
+    'cells 3/32 used, head 0'
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvjax.cache import KVCache
+from kvjax.inspect import cell_table
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("kvjax.plot needs matplotlib: pip install 'kvjax[plot]'") from err
+    return plt
+
+
+def plot_cells(cache: KVCache, ax=None, *, n_cells=None, show_pos=None):
+    """Draw sequence membership of each cell (rows: sequences, columns: cells).
+
+    Args:
+        cache: the cache.
+        ax: a matplotlib axes (default: a new figure).
+        n_cells: draw only the first ``n_cells`` cells (default: all).
+        show_pos: write each cell's position (default: when at most 64 cells are drawn).
+
+    Returns:
+        The axes.
+    """
+    plt = _pyplot()
+    table = cell_table(cache)
+    n = table.pos.shape[0] if n_cells is None else int(n_cells)
+    seqs = table.seqs[:n].T.astype(float)  # [S, n]
+    shared = table.seqs[:n].sum(axis=1) > 1
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(16, 2 + n * 0.18), 1 + 0.35 * seqs.shape[0]))
+    image = np.where(seqs > 0, np.where(shared[None, :], 2.0, 1.0), 0.0)
+    ax.imshow(image, aspect="auto", cmap="Blues", vmin=0, vmax=2.2, interpolation="nearest")
+    ax.set_yticks(range(seqs.shape[0]))
+    ax.set_yticklabels([f"seq {s}" for s in range(seqs.shape[0])])
+    ax.set_xlabel("cell (dark: shared by several sequences)")
+    used = int(table.seqs.any(axis=1).sum())
+    ax.set_title(f"cells {used}/{table.pos.shape[0]} used, head {table.head}")
+    if show_pos if show_pos is not None else n <= 64:
+        for i in range(n):
+            if table.pos[i] >= 0:
+                ax.text(i, seqs.shape[0] - 0.45, str(table.pos[i]), ha="center", va="top", fontsize=7)
+    return ax
+
+
+def plot_mask(mask, ax=None, *, title="KQ mask (white: visible)"):
+    """Draw a ``[T, N]`` mask: additive (0 / finite visible, -inf masked) or boolean (True visible).
+
+    Returns:
+        The axes.
+    """
+    plt = _pyplot()
+    m = np.asarray(mask)
+    visible = m if m.dtype == bool else np.isfinite(m)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(16, 2 + m.shape[1] * 0.15), 1 + m.shape[0] * 0.2))
+    ax.imshow(~visible, aspect="auto", cmap="Greys", vmin=0, vmax=1.4, interpolation="nearest")
+    ax.set_xlabel("cell")
+    ax.set_ylabel("ubatch token")
+    ax.set_title(title)
+    return ax
