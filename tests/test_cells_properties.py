@@ -132,7 +132,7 @@ def ubatch_of(tokens):
     ids = np.full((LENGTH, WIDTH), -1, np.int32)
     narrow = np.asarray(ub.seq_ids)
     ids[:, : narrow.shape[1]] = narrow
-    return ub.replace(seq_ids=jax.numpy.asarray(ids))
+    return ub.replace(seq_ids=ids)
 
 
 def apply_ref(ref, op):
