@@ -319,7 +319,8 @@ def _parse_meta_whole(cur: _Cursor, n: int, n_seq_max: int, n_words: int):
         raise StateError(f"cell {int(cell[j])} seq id: expected [0, n_seq_max={n_seq_max}), found {int(ids[j])}")
     masks = np.zeros((n, n_words), np.uint32)
     np.bitwise_or.at(masks, (cell, ids // 32), np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
-    dup = np.flatnonzero(np.bitwise_count(masks).sum(axis=1) != counts)
+    distinct = np.unpackbits(masks.view(np.uint8), axis=1).sum(axis=1)  # popcount, numpy 1.x too
+    dup = np.flatnonzero(distinct != counts)
     if dup.size:
         i = int(dup[0])
         raise StateError(f"cell {i} seq ids: expected {int(counts[i])} distinct ids, found "
