@@ -361,7 +361,7 @@ class _Holder(nnx.Module):
 
 
 def test_cache_held_in_nnx_state():
-    cfg = LlamaConfig(**BASE)
+    cfg = LlamaConfig(**{**BASE, "n_layer": 1})
     model = make_model(cfg)
     holder = _Holder(model, kvjax.init(cfg.cache_config(32, 1)))
     call = nnx.jit(lambda h, t, u: h(t, u, n_kv=32))
@@ -379,3 +379,21 @@ def test_cache_held_in_nnx_state():
         holder.kv.replace_cache(bad)
     with pytest.raises(ValueError, match="KVCache"):
         holder.kv.replace_cache(np.zeros(3))
+
+
+def test_docs_flax_examples_run(capsys):
+    """The code blocks of docs/flax.md run, in order, in one namespace, and print what they say."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "flax.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 3
+    namespace = {}
+    for i, block in enumerate(blocks):
+        exec(compile(block, "docs/flax.md", "exec"), namespace)
+        if i == 1:  # the prefix-sharing block K-shifted what it moved
+            assert not bool(kvjax.has_shift(namespace["cache"]))
+            assert int(kvjax.seq_pos_max(namespace["cache"], 0)) == 11 - 4
+    printed = capsys.readouterr().out.split()
+    assert printed == ["23", "(4,", "64)"]

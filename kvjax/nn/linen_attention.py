@@ -9,11 +9,11 @@ ordinary argument and result: no linen ``cache`` collection is involved, so ``ap
 Example:
     >>> import jax, jax.numpy as jnp, kvjax
     >>> from kvjax.nn import LinenCachedAttention
-    >>> attn = LinenCachedAttention(d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, layer=0,
-    ...                             rope=kvjax.RopeConfig(n_rot=4))
-    >>> x, pos = jnp.ones((3, 16)), jnp.arange(3)
+    >>> attn = LinenCachedAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, layer=0,
+    ...                             rope=kvjax.RopeConfig(n_rot=8))
+    >>> x, pos = jnp.ones((3, 32)), jnp.arange(3)
     >>> params = attn.init(jax.random.PRNGKey(0), x[None], pos[None], method=attn.uncached)
-    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=4))
+    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
     >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3, length=3)
     >>> cache, slot, ok = kvjax.find_slot(cache, ub)
     >>> y, cache = attn.apply(params, x, cache, ub, slot, n_kv=32)

@@ -14,14 +14,14 @@ The linen twin is :mod:`kvjax.nn.llama_linen` (same config, same parameter names
 Example:
     >>> import jax.numpy as jnp, kvjax
     >>> from flax import nnx
-    >>> from kvjax.nn import Llama, LlamaConfig
-    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
+    >>> from kvjax.nn import Llama, LlamaConfig, make_step
+    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=1, n_heads=4, n_kv_heads=2)
     >>> model = Llama(cfg, rngs=nnx.Rngs(0))
     >>> cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=2))
     >>> ub = kvjax.make_ubatch([0, 1, 2], [[0], [0], [0]])
-    >>> cache, slot, ok = kvjax.find_slot(cache, ub)
-    >>> logits, cache = model(jnp.array([5, 6, 7, 0]), cache, ub, slot, n_kv=32)
-    >>> full = model.forward(jnp.array([[5, 6, 7]]))
+    >>> step = make_step(model)                    # jitted: find_slot, then model(...)
+    >>> logits, cache, ok = step(nnx.state(model), cache, ub, jnp.array([5, 6, 7, 0]), n_kv=32)
+    >>> full = model.forward(jnp.array([[5, 6, 7]]))  # uncached
     >>> bool(jnp.allclose(logits[:3], full[0], atol=1e-5))
     True
 """

@@ -7,15 +7,14 @@ The kvjax cache is passed in and returned like any other value.
 
 Example:
     >>> import jax, jax.numpy as jnp, kvjax
-    >>> from kvjax.nn import LlamaConfig, LlamaLinen
-    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
+    >>> from kvjax.nn import LlamaConfig, LlamaLinen, make_step
+    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=1, n_heads=4, n_kv_heads=2)
     >>> model = LlamaLinen(cfg)
     >>> params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32), method=model.forward)
     >>> cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=2))
     >>> ub = kvjax.make_ubatch([0, 1, 2], [[0], [0], [0]])
-    >>> cache, slot, ok = kvjax.find_slot(cache, ub)
-    >>> logits, cache = model.apply(params, jnp.array([5, 6, 7, 0]), cache, ub, slot, n_kv=32)
-    >>> full = model.apply(params, jnp.array([[5, 6, 7]]), method=model.forward)
+    >>> logits, cache, ok = make_step(model)(params, cache, ub, jnp.array([5, 6, 7, 0]), n_kv=32)
+    >>> full = model.apply(params, jnp.array([[5, 6, 7]]), method=model.forward)  # uncached
     >>> bool(jnp.allclose(logits[:3], full[0], atol=1e-5))
     True
 """

@@ -22,14 +22,14 @@ Example:
     >>> import jax.numpy as jnp, kvjax
     >>> from flax import nnx
     >>> from kvjax.nn import CachedAttention
-    >>> attn = CachedAttention(16, n_heads=4, n_kv_heads=2, head_dim=4, layer=0,
-    ...                        rope=kvjax.RopeConfig(n_rot=4), rngs=nnx.Rngs(0))
-    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=4))
+    >>> attn = CachedAttention(32, n_heads=4, n_kv_heads=2, head_dim=8, layer=0,
+    ...                        rope=kvjax.RopeConfig(n_rot=8), rngs=nnx.Rngs(0))
+    >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
     >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3)
     >>> cache, slot, ok = kvjax.find_slot(cache, ub)
-    >>> y, cache = attn(jnp.ones((4, 16)), cache, ub, slot, n_kv=32)
+    >>> y, cache = attn(jnp.ones((4, 32)), cache, ub, slot, n_kv=32)
     >>> y.shape, int(kvjax.used_cells(cache))
-    ((4, 16), 3)
+    ((4, 32), 3)
 """
 
 from __future__ import annotations
@@ -190,9 +190,11 @@ def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: 
     ``jax.nn.dot_product_attention`` (GQA included), independent of ``kvjax.attention``.
 
     Example:
-        >>> q = k = v = jnp.ones((2, 3, 2, 4))
-        >>> attend_uncached(q, k, v, jnp.tile(jnp.arange(3), (2, 1))).shape
-        (2, 3, 2, 4)
+        >>> q, k = jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))      # [B, T, Hq, D], [B, T, H, D]
+        >>> v = jnp.arange(3.0)[None, :, None, None] * jnp.ones((2, 3, 2, 8))
+        >>> out = jax.jit(attend_uncached)(q, k, v, jnp.tile(jnp.arange(3), (2, 1)))
+        >>> out.shape, out[0, :, 0, 0].tolist()                        # equal scores: running means
+        ((2, 3, 4, 8), [0.0, 0.5, 1.0])
     """
     if rope is not None:
         b, t = pos.shape

@@ -30,7 +30,7 @@ Example:
     >>> import jax.numpy as jnp, kvjax
     >>> from flax import nnx
     >>> from kvjax.nn import Llama, LlamaConfig, make_step, window_for
-    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
+    >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=1, n_heads=4, n_kv_heads=2)
     >>> model = Llama(cfg, rngs=nnx.Rngs(0))
     >>> step, state = make_step(model), nnx.state(model)
     >>> cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=2))
@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -63,30 +64,38 @@ __all__ = ["Step", "make_step", "window_for", "windows_for"]
 ApplyFn = Callable[[Any, Array, KVCache, Ubatch, Array, int], Tuple[Array, KVCache]]
 
 
+def _run(apply, contiguous, state, cells, kv, ubatch, tokens, slot, *, n_kv, config):
+    cache = KVCache(cells=cells, k=kv[0], v=kv[1], config=config)
+    if slot is None:
+        cache, slot, ok = kvjax.find_slot(cache, ubatch, contiguous=contiguous)
+    else:
+        ok = jnp.bool_(True)
+    logits, cache = apply(state, tokens, cache, ubatch, slot, n_kv)
+    return logits, cache, ok
+
+
+# One jitted function per (apply, contiguous), so that Steps of models with the same structure
+# (equal NNX graphdefs, equal linen modules) share their compiled programs.
+_jit_run = functools.lru_cache(maxsize=64)(
+    lambda apply, contiguous: jax.jit(functools.partial(_run, apply, contiguous),
+                                      static_argnames=("n_kv", "config"), donate_argnames=("kv",)))
+
+
 class Step:
     """A jitted model step over a kvjax cache (see the module docstring).
 
     Args:
         apply: ``apply(state, tokens, cache, ubatch, slot, n_kv) -> (logits, cache)`` for a placed
-            ubatch (``make_step`` builds it for NNX and linen models).
+            ubatch (``make_step`` builds it for NNX and linen models). Steps with equal (hashable)
+            ``apply`` share their compiled programs.
         contiguous: placement policy passed to ``kvjax.find_slot``.
     """
 
     def __init__(self, apply: ApplyFn, *, contiguous: bool = True):
         if not callable(apply):
             raise ValueError(f"apply must be callable, got {type(apply).__name__}")
-        self._apply = apply
         self.contiguous = bool(contiguous)
-        self._jitted = jax.jit(self._run, static_argnames=("n_kv", "config"), donate_argnames=("kv",))
-
-    def _run(self, state, cells, kv, ubatch, tokens, slot, *, n_kv, config):
-        cache = KVCache(cells=cells, k=kv[0], v=kv[1], config=config)
-        if slot is None:
-            cache, slot, ok = kvjax.find_slot(cache, ubatch, contiguous=self.contiguous)
-        else:
-            ok = jnp.bool_(True)
-        logits, cache = self._apply(state, tokens, cache, ubatch, slot, n_kv)
-        return logits, cache, ok
+        self._jitted = _jit_run(apply, self.contiguous)
 
     def __call__(self, state, cache: KVCache, ubatch: Ubatch, tokens: Int[Array, "T"], *, n_kv: int,
                  slot: Optional[Int[Array, "T"]] = None
@@ -125,8 +134,25 @@ class Step:
         return self._jitted(state, cache.cells, (cache.k, cache.v), ubatch, tokens, slot, n_kv=n_kv, config=cfg)
 
 
+@functools.lru_cache(maxsize=64)
+def _nnx_apply(graphdef):
+    def apply(state, tokens, cache, ubatch, slot, n_kv):
+        return nnx.merge(graphdef, state)(tokens, cache, ubatch, slot, n_kv=n_kv)
+    return apply
+
+
+@functools.lru_cache(maxsize=64)
+def _linen_apply(module):
+    def apply(variables, tokens, cache, ubatch, slot, n_kv):
+        return module.apply(variables, tokens, cache, ubatch, slot, n_kv=n_kv)
+    return apply
+
+
 def make_step(model, *, contiguous: bool = True) -> Step:
     """A :class:`Step` for an NNX model, a linen module, or an ``apply`` function.
+
+    Steps made for models of the same structure (the same NNX graph, equal linen modules) share
+    their compiled programs, whatever the weights.
 
     Args:
         model: an ``nnx.Module`` called as ``model(tokens, cache, ubatch, slot, n_kv=...)`` (pass
@@ -135,25 +161,19 @@ def make_step(model, *, contiguous: bool = True) -> Step:
         contiguous: placement policy of ``kvjax.find_slot``.
 
     Example:
-        >>> import jax, jax.numpy as jnp, kvjax
-        >>> from kvjax.nn import LlamaConfig, LlamaLinen, make_step
+        >>> from flax import nnx
+        >>> from kvjax.nn import Llama, LlamaConfig, LlamaLinen, make_step
         >>> cfg = LlamaConfig(n_layer=1)
-        >>> model = LlamaLinen(cfg)
-        >>> params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method=model.forward)
-        >>> cache = kvjax.init(cfg.cache_config(size=32, n_seq_max=1))
-        >>> ub = kvjax.make_ubatch([0], [[0]])
-        >>> logits, cache, ok = make_step(model)(params, cache, ub, jnp.array([7]), n_kv=32)
-        >>> logits.shape
-        (1, 64)
+        >>> a, b = Llama(cfg, rngs=nnx.Rngs(0)), Llama(cfg, rngs=nnx.Rngs(1))
+        >>> make_step(a)._jitted is make_step(b)._jitted       # one set of programs for both
+        True
+        >>> type(make_step(LlamaLinen(cfg))).__name__
+        'Step'
     """
     if isinstance(model, nnx.Module):
-        graphdef = nnx.graphdef(model)
-
-        def apply(state, tokens, cache, ubatch, slot, n_kv):
-            return nnx.merge(graphdef, state)(tokens, cache, ubatch, slot, n_kv=n_kv)
+        apply = _nnx_apply(nnx.graphdef(model))
     elif isinstance(model, nn.Module):
-        def apply(variables, tokens, cache, ubatch, slot, n_kv):
-            return model.apply(variables, tokens, cache, ubatch, slot, n_kv=n_kv)
+        apply = _linen_apply(model)
     elif callable(model):
         apply = model
     else:
