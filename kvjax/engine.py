@@ -53,24 +53,6 @@ from kvjax.sampling import SamplingConfig, sample
 from kvjax.ubatch import bucket_length, make_ubatch, split_simple
 
 
-_STEPS: dict = {}
-
-
-def _shared_step(model, contiguous: bool):
-    """One jitted step per (model structure, placement policy), shared by every engine.
-
-    A new ``Step`` is a new ``jax.jit`` with an empty cache, so an engine per request (or per
-    test) would compile everything again; NNX models of one structure share a graphdef, and the
-    weights are traced state, so one set of programs serves them all.
-    """
-    if not isinstance(model, nnx.Module):
-        return make_step(model, contiguous=contiguous)
-    key = (nnx.graphdef(model), contiguous)
-    if key not in _STEPS:
-        _STEPS[key] = make_step(model, contiguous=contiguous)
-    return _STEPS[key]
-
-
 class Engine:
     """A model, its state and a kvjax cache, driven batch by batch.
 
@@ -100,7 +82,7 @@ class Engine:
         self.n_ubatch = int(n_ubatch)
         self.contiguous = bool(contiguous)
         self.defrag_thold = defrag_thold
-        self.step = _shared_step(model, self.contiguous)
+        self.step = make_step(model, contiguous=self.contiguous)  # shared by equal models
         self.n_decoded = 0
 
     @property
