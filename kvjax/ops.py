@@ -156,40 +156,31 @@ def seq_pos_max(cache: KVCache, seq_id: IntLike) -> Int[Array, ""]:
     return _cells.seq_pos_max(cache.cells, _i32(seq_id))
 
 
-def pos_max(cache: KVCache) -> Int[Array, ""]:
-    """Largest position in the cache, -1 when empty."""
-    _check_cache(cache)
-    return _cells.pos_max(cache.cells)
+def _cache_query(cell_fn, doc: str):
+    """A public query over the cells: check the cache, run the jitted cell function."""
+
+    def query(cache: KVCache):
+        _check_cache(cache)
+        return cell_fn(cache.cells)
+
+    query.__name__ = query.__qualname__ = cell_fn.__name__
+    query.__doc__ = doc
+    return query
 
 
-def used_cells(cache: KVCache) -> Int[Array, ""]:
-    """Number of non-empty cells."""
-    _check_cache(cache)
-    return _cells.used_cells(cache.cells)
-
-
-def n_tokens(cache: KVCache) -> Int[Array, ""]:
-    """Sum of the sequence-set sizes over all cells (a shared cell counts once per sequence)."""
-    _check_cache(cache)
-    return _cells.n_tokens(cache.cells)
-
-
-def cell_max(cache: KVCache) -> Int[Array, ""]:
-    """One past the last non-empty cell."""
-    _check_cache(cache)
-    return _cells.cell_max(cache.cells)
+pos_max = _cache_query(_cells.pos_max, "Largest position in the cache (``i32[]``), -1 when empty.")
+used_cells = _cache_query(_cells.used_cells, "Number of non-empty cells (``i32[]``).")
+n_tokens = _cache_query(_cells.n_tokens, "Sum of the sequence-set sizes over all cells (``i32[]``; a shared "
+                                         "cell counts once per sequence).")
+cell_max = _cache_query(_cells.cell_max, "One past the last non-empty cell (``i32[]``).")
+has_shift = _cache_query(_cells.has_shift, "Whether a K-shift is pending (``bool[]``: some cell has a "
+                                           "non-zero ``delta``).")
 
 
 def n_kv(cache: KVCache) -> Int[Array, ""]:
     """The attention window ``min(size, max(padding, pad(cell_max, padding)))``."""
     _check_cache(cache)
     return _cells.n_kv(cache.cells, cache.config.padding)
-
-
-def has_shift(cache: KVCache) -> Bool[Array, ""]:
-    """Whether a K-shift is pending (some cell has a non-zero ``delta``)."""
-    _check_cache(cache)
-    return _cells.has_shift(cache.cells)
 
 
 # -- placement ----------------------------------------------------------------------------------
