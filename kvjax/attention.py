@@ -10,9 +10,10 @@ float32 whatever the storage dtype; a row whose entries are all masked gives 0 a
 Formulation (chosen by measurement on XLA's CPU backend, see ``docs/architecture.md`` and
 ``benchmarks/bench_attention.py``): the queries of one kv head are stacked into one matrix
 ``[G * T, D]`` so K and V are read once per kv head, not once per query head; the scores are
-computed as ``K [N, D] @ Q^T`` so that K, the large operand, is read in its stored row layout;
-and the window is processed in chunks of cells with an online softmax so that no ``[Hq, T, N]``
-score matrix is ever written to memory.
+one batched contraction per kv head over the stored ``[H, N, D]`` layout (no transpose of K or V,
+no copy of K/V per query head); float32 accumulation; and, when the ``[H, G*T, N]`` score block
+would exceed :data:`SCORE_BLOCK_BYTES`, the window is processed in chunks of cells with an online
+softmax, so large score matrices are never written to memory.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -42,29 +43,34 @@ from kvjax.validate import check_window
 
 _NEG_INF = -jnp.inf
 
-#: Bytes of one chunk's score block ``[H, G*T, chunk]`` (float32): small enough to stay in the
-#: CPU's L2/L3 between the two contractions, large enough that the loop overhead is amortized.
-SCORE_BLOCK_BYTES = 1 << 21
+#: Largest float32 score block ``[H, G*T, cells]`` computed in one piece. Measured on the CPU here
+#: (8 kv heads, head size 64): one pass over the whole window was fastest up to 4-8 MB of scores
+#: (T = 1 up to 32768 cells, T = 8 up to 8192); beyond that chunks of 512-1024 cells won by 1.3-2x.
+SCORE_BLOCK_BYTES = 8 << 20
 
-#: Largest chunk of cells per loop step (measured best at 512-2048 for decode on the CPU here).
+#: Largest chunk of cells per online-softmax step once the window is split.
 MAX_CHUNK = 1024
 
 
 def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int) -> int:
     """Cells per online-softmax step for a window of ``n_kv`` cells and ``n_rows = G * T`` rows.
 
-    A power of two times ``padding`` (or ``n_kv`` itself when the window is small), at most
-    :data:`MAX_CHUNK`, with the score block under :data:`SCORE_BLOCK_BYTES`.
+    The whole window when its score block fits in :data:`SCORE_BLOCK_BYTES`; otherwise a power of
+    two times ``padding``, at most :data:`MAX_CHUNK`, with the block under the same budget (or
+    ``padding`` itself when even that is larger).
 
     Example:
-        >>> chunk_size(32768, 8, 4, 256), chunk_size(32768, 8, 2048, 256), chunk_size(512, 8, 4, 256)
-        (1024, 256, 512)
+        >>> chunk_size(32768, 8, 4, 256), chunk_size(32768, 8, 32, 256), chunk_size(32768, 8, 2048, 256)
+        (32768, 1024, 256)
     """
-    budget = max(1, SCORE_BLOCK_BYTES // (4 * n_heads * n_rows))
+    per_cell = 4 * n_heads * n_rows
+    if n_kv * per_cell <= SCORE_BLOCK_BYTES:
+        return n_kv
+    budget = max(1, SCORE_BLOCK_BYTES // per_cell)
     chunk = padding
     while chunk * 2 <= min(MAX_CHUNK, budget):
         chunk *= 2
-    return n_kv if n_kv <= chunk else chunk
+    return min(chunk, n_kv)
 
 
 def _attend(qr, k, v, add, bias, chunk):
