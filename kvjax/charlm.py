@@ -68,7 +68,7 @@ class TrainResult:
     seconds: float
 
 
-def train(steps: int = 1500, *, seq_len: int = 128, batch: int = 32, lr: float = 3e-3, seed: int = 0,
+def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 3e-3, seed: int = 0,
           out: Optional[pathlib.Path] = WEIGHTS, progress: bool = True) -> TrainResult:
     """Train the demo model on the bundled corpus and save its weights.
 
