@@ -117,9 +117,8 @@ def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 
 
 def save(model: Llama, tok: CharTokenizer, path: pathlib.Path, meta: Optional[dict] = None) -> None:
     """Weights as float16 numpy arrays (small enough to commit), plus the vocabulary."""
-    flat = nnx.state(model, nnx.Param).flat_state()
-    arrays = {"/".join(map(str, k)): np.asarray(v.get_value() if hasattr(v, "get_value") else v.value,
-                                                  np.float16) for k, v in flat}
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    arrays = {"/".join(map(str, k)): np.asarray(v.get_value(), np.float16) for k, v in flat}
     arrays["__vocab__"] = np.frombuffer(tok.chars.encode(), np.uint8)
     for key, value in (meta or {}).items():
         arrays[f"__meta__{key}"] = np.asarray(value)
@@ -146,13 +145,11 @@ def load(path: pathlib.Path = WEIGHTS, *, verbose: bool = True) -> Tuple[Llama, 
         arrays = dict(f)
     tok = CharTokenizer(arrays.pop("__vocab__").tobytes().decode())
     model = Llama(model_config(tok.vocab_size), rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)
-    flat = state.flat_state()
-    for key, var in flat:
+    # the flat state's variables are the model's own: setting them updates the model in place
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = "/".join(map(str, key))
-        if name not in arrays:
-            raise ValueError(f"weights file {path} lacks {name}: retrain with `python -m kvjax train`")
-        var.set_value(jnp.asarray(arrays[name], jnp.float32)) if hasattr(var, "set_value") else setattr(
-            var, "value", jnp.asarray(arrays[name], jnp.float32))
-    nnx.update(model, nnx.State.from_flat_path(flat))
+        if name not in arrays or arrays[name].shape != var.get_value().shape:
+            raise ValueError(f"weights file {path} does not match the model at {name}: retrain with "
+                             f"`python -m kvjax train`")
+        var.set_value(jnp.asarray(arrays[name], jnp.float32))
     return model, tok, True
