@@ -38,19 +38,34 @@ fills holes below ``n_used`` from cells at or above it; compaction only moves ro
 increasing order), so they scatter straight into the buffers. ``compact_seq`` can swap cells, so it
 stages the moved rows of one layer at a time before writing them (extra memory: one layer).
 
-When defrag pays for itself. A defrag reads and writes ``2 * moved * row_bytes`` once; every later
-step saves the attention reads of the cells the window shrank by, and placing new tokens
-contiguously needs free windows that holes break up. With scattered placement
-(``find_slot(..., contiguous=False)``) holes never refuse a batch, so defrag is only about the
-window: it pays when the window would stay wider by many padded blocks for many steps (the seed's
-rule: ``fragmentation > thold`` with windows of at least 2048 cells). For a few steps, or when the
-holes are about to be refilled, leave them.
+What it costs (``benchmarks/bench_defrag.py``, 2-core CPU, a 32768-cell, 16-layer, 2 GiB cache,
+used cells scattered uniformly): planning takes 1-5 ms whatever the content; a defrag at 50%
+fragmentation copies about 8200 rows (0.5 GiB) in about 0.3 s, at 10-15% of an in-place copy's
+bandwidth (XLA's CPU gather and scatter move 256-byte rows at about 1 GB/s); the same plan applied
+as a full permutation gather took 8-23 times longer. A compaction moves every used cell past the
+first hole, so with scattered holes nearly all of them (0.8-2 s for 1-1.8 GiB). When no defrag is
+pending, :func:`apply_pending` costs about 0.1 ms and copies nothing.
 
-Snapshots. A cache value keeps its meaning forever, but a defrag run with the cache donated
-rewrites the K/V buffers in place: a K/V snapshot taken before it (the old arrays) is then deleted
-by donation or, if it was kept undonated, no longer lines up with the new cells. A cells snapshot is
-only valid together with the K/V buffers it was taken with: never restore old ``cells`` onto
-defragmented buffers (rows moved, so the old cells would point at other tokens' K/V).
+When defrag pays for itself. A defrag reads and writes every moved row once (``moved *
+row_bytes`` each way); every later attention step saves reading the cells the window shrank by,
+and contiguous placement needs free windows that holes break up. With scattered placement
+(``find_slot(..., contiguous=False)``) holes never refuse a batch, so defrag is only about the
+window: it pays when the window would otherwise stay wider by several padded blocks for many more
+steps than the defrag costs in attention reads (the seed's rule: ``fragmentation > thold``, and
+only for windows of at least 2048 cells). For a few remaining steps, or when the holes are about to
+be refilled by the next batch, leave them.
+
+Snapshots. Keeping an old cache value is a free snapshot only while nothing moves K/V bytes. With
+the cache donated, a defrag rewrites the K/V buffers in place: the old arrays are deleted (JAX
+refuses to read them), so any snapshot that shares them is gone. Without donation the old value
+stays consistent on its own, but a snapshot of the cells is only valid together with the K/V
+buffers it was taken with: restoring cells from before a defrag onto buffers after it (the
+"keep the old cells" rollback) would point cells at other tokens' rows. Take snapshots after the
+update that runs a defrag, or keep the whole old cache, buffers included.
+
+``kvjax.defrag`` is the function once the package is imported (it hides this module's name);
+``from kvjax.defrag import ...`` still reaches the module, and ``kvjax.defrag.apply_pending`` and
+``kvjax.defrag.plan`` are attributes of the function.
 
 Deliberate differences from the seed (also in ``docs/architecture.md``):
 
@@ -89,8 +104,9 @@ from kvjax.validate import check_seq_id, concrete_int, is_traced
 MIN_WINDOW = 2048
 
 #: Moved cells per gather/scatter step of the K/V mover. Larger chunks mean fewer loop steps but
-#: more wasted rows in the last, partly filled, chunk; 256 was the fastest of 64..4096 on the CPU
-#: here for the benchmark cache (see benchmarks/bench_defrag.py).
+#: more wasted rows in the last, partly filled, chunk. On the 2-core CPU here (32768 cells, 16
+#: layers, 8192 moved rows) CPU time was flat within noise from 128 to 2048 and worse at 64 and
+#: 4096; 256 was at the bottom of that range.
 CHUNK = 256
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
@@ -201,8 +217,8 @@ def defrag_sched(cache: KVCache, thold) -> KVCache:
         ...                                      head_dim=2, padding=256))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4096), [[0]] * 4096))
         >>> cache = kvjax.seq_rm(cache, 0, 0, 3072)
-        >>> bool(kvjax.defrag_sched(cache, 0.9).cells.defrag), bool(kvjax.defrag_sched(cache, 0.5).cells.defrag)
-        (False, True)
+        >>> [bool(kvjax.defrag_sched(cache, t).cells.defrag) for t in (0.9, 0.5)]
+        [False, True]
     """
     _check_cache(cache)
     if not is_traced(thold):
@@ -345,6 +361,38 @@ def defrag_plan(cache: KVCache, max_moves: Optional[IntLike] = None) -> DefragPl
     """
     _check_cache(cache)
     return _plan(cache.cells, _max_moves_arg(max_moves), kind="defrag")
+
+
+def compact_plan(cache: KVCache) -> DefragPlan:
+    """The move plan of :func:`compact` (metadata only, nothing is moved).
+
+    Example:
+        >>> import kvjax
+        >>> from kvjax.defrag import compact_plan
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0]] * 6))
+        >>> plan = compact_plan(kvjax.seq_rm(cache, 0, 1, 3))
+        >>> plan.src[:6].tolist(), int(plan.n_cells), int(plan.n_moves)
+        ([0, 3, 4, 5, 1, 2], 3, 1)
+    """
+    _check_cache(cache)
+    return _plan(cache.cells, np.int32(0), kind="compact")
+
+
+def compact_seq_plan(cache: KVCache, seq_id: IntLike) -> DefragPlan:
+    """The move plan of :func:`compact_seq` (metadata only, nothing is moved).
+
+    Example:
+        >>> import kvjax
+        >>> from kvjax.defrag import compact_seq_plan
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4), [[0], [1], [0], [1]]))
+        >>> compact_seq_plan(cache, 1).src[:4].tolist()
+        [1, 3, 0, 2]
+    """
+    _check_cache(cache)
+    check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
+    return _plan(cache.cells, _i32(seq_id), kind="compact_seq")
 
 
 # -- applying a plan ----------------------------------------------------------------------------
