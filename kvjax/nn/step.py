@@ -124,14 +124,23 @@ class Step:
         cfg = cache.config
         n_kv = check_window(n_kv, cfg.padding, cfg.size)
         t = ubatch.length
-        if tuple(jnp.shape(tokens)) != (t,) or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-            raise ValueError(f"tokens has shape {tuple(jnp.shape(tokens))} and dtype {jnp.result_type(tokens)}: "
-                             f"allowed an integer [T] array with T = ubatch.length = {t}")
-        if slot is not None and (tuple(jnp.shape(slot)) != (t,) or not jnp.issubdtype(jnp.result_type(slot),
-                                                                                     jnp.integer)):
-            raise ValueError(f"slot has shape {tuple(jnp.shape(slot))}: allowed an integer [T] array with "
-                             f"T = ubatch.length = {t}")
+        tokens = _int_rows("tokens", tokens, t)
+        if slot is not None:
+            slot = _int_rows("slot", slot, t)
         return self._jitted(state, cache.cells, (cache.k, cache.v), ubatch, tokens, slot, n_kv=n_kv, config=cfg)
+
+
+def _int_rows(name, x, t):
+    """``x`` as an integer ``[t]`` array (numpy or jax, as given), or ``ValueError``.
+
+    Reads only ``shape`` and ``dtype`` (cheap on the per-token path; no device sync).
+    """
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    if tuple(x.shape) != (t,) or not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}: allowed an integer [T] "
+                         f"array with T = ubatch.length = {t}")
+    return x
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,8 +191,10 @@ def make_step(model, *, contiguous: bool = True) -> Step:
 
 
 @jax.jit
-def _extent(cells):
-    return cell_max(cells), cells.head
+def _needed(cells, n):
+    """Cells a window must cover after placing ``n`` more tokens (``n = 0``: as they are)."""
+    top = cell_max(cells)
+    return jnp.where(n == 0, top, jnp.maximum(top, cells.head) + n)
 
 
 def _bucket(cache: KVCache, cells_needed: int) -> int:
@@ -196,8 +207,8 @@ def window_for(cache: KVCache, n_tokens: int) -> int:
 
     With ``n_tokens = 0`` it is the bucket of the cells as they are (``kvjax.n_kv``). Otherwise
     placement (contiguous or scattered) starts at or after ``head`` and never passes
-    ``max(cell_max, head) + n_tokens``, because every cell from ``cell_max`` on is free. Reads two
-    scalars from the device.
+    ``max(cell_max, head) + n_tokens``, because every cell from ``cell_max`` on is free. Reads one
+    scalar from the device.
 
     Example:
         >>> import kvjax
@@ -210,8 +221,8 @@ def window_for(cache: KVCache, n_tokens: int) -> int:
     n = int(n_tokens)
     if n < 0:
         raise ValueError(f"n_tokens={n} is out of range: allowed >= 0")
-    top, head = (int(x) for x in jax.device_get(_extent(cache.cells)))
-    return _bucket(cache, top if n == 0 else max(top, head) + n)
+    # one small program and one scalar transfer: this runs once per decode step
+    return _bucket(cache, int(_needed(cache.cells, np.int32(n))))
 
 
 def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]]) -> List[int]:
