@@ -9,7 +9,9 @@ traced, so new values never recompile.
 program (one dispatch per ubatch instead of two) and returns ``ok``. When ``ok`` is false the
 returned cache equals the one passed in (the placement refused, every write was dropped): raise
 ``kvjax.CacheFullError`` and go on with the returned value. A caller that placed the ubatch
-already (to look at the slots first) passes ``slot=`` and the step skips placement.
+already (to look at the slots first) passes ``slot=`` and the step skips placement. (The seed
+places each ubatch on the host before it builds the graph; here placement is part of the
+compiled program, which is why the window is chosen before it, below.)
 
 **Which window.** ``n_kv`` must cover every cell the ubatch may land in, so it is chosen on the
 host before the call:
