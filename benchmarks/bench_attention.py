@@ -228,9 +228,16 @@ def _bench_kshift(quick: bool, rng) -> str:
 # -- attention formulations ---------------------------------------------------------------------
 
 
-def _formulations(n_heads: int, group: int, d: int):
-    """The formulations tried for decode attention over k, v [H, N, D] (q [T, Hq, D], mask [T, N])."""
+def _formulations(n_heads: int, group: int, d: int, n_kv: int):
+    """The formulations tried for decode attention (q [T, Hq, D], mask [T, N]).
+
+    Each takes the stacked storage ``k_all, v_all [1, H, C, D]`` and slices its window itself, as
+    a user of ``kvjax.view`` would inside a jitted step.
+    """
     scale = 1.0 / math.sqrt(d)
+
+    def windowed(fn):
+        return lambda q, k_all, v_all, mask: fn(q, k_all[0, :, :n_kv], v_all[0, :, :n_kv], mask)
 
     def repeat_kv(q, k, v, mask):  # the most obvious: one K/V copy per query head, plain einsums
         kk, vv = jnp.repeat(k, group, axis=0), jnp.repeat(v, group, axis=0)
@@ -251,8 +258,9 @@ def _formulations(n_heads: int, group: int, d: int):
         o = jax.lax.dot_general(p, v, (((2,), (1,)), ((0,), (0,))))
         return o.reshape(n_heads, group, t, d).transpose(2, 0, 1, 3).reshape(t, n_heads * group, d)
 
-    return {"repeat K/V per query head, einsum": repeat_kv, "grouped heads, einsum": grouped_einsum,
-            "grouped rows, batched dots, whole window": grouped_rows}
+    return {"repeat K/V per query head, einsum": windowed(repeat_kv),
+            "grouped heads, einsum": windowed(grouped_einsum),
+            "grouped rows, batched dots, one pass over the window": windowed(grouped_rows)}
 
 
 def _attention_cache(size: int, n_layer: int, used: int, rng):
@@ -285,18 +293,41 @@ def _bench_attention(quick: bool, rng) -> str:
             rows.append([t, n, f"{kv_bytes / 1e6:.0f} MB", fmt_time(t_kv), fmt_rate(kv_bytes / t_kv),
                          _pct(kv_bytes / t_kv / read), _pct(kv_bytes / t_kv / fresh)])
             if n == windows[-1]:
-                k, v = kvjax.view(cache, 0, n)
+                k, v = cache.k[0], cache.v[0]
                 ref = kvjax.attention(q, cache, 0, mask)
-                for name, fn in _formulations(h, hq // h, d).items():
+                for name, fn in _formulations(h, hq // h, d, n).items():
                     jf = jax.jit(fn)
                     err = float(jnp.max(jnp.abs(jf(q, k, v, mask) - ref)))
                     assert err < 1e-4, f"{name} disagrees with kvjax.attention ({err})"
                     tf = median_time(lambda: jf(q, k, v, mask), repeats=3)
                     frows.append([t, name, fmt_time(tf), fmt_rate(kv_bytes / tf), _pct(kv_bytes / tf / read)])
                 chunk = chunk_size(n, h, (hq // h) * t, cache.config.padding)
-                how = "one pass" if chunk == n else f"online softmax over chunks of {chunk} cells"
+                how = "one pass" if chunk == n else f"online softmax over chunks of {chunk} cells read from storage"
                 frows.append([t, f"**kvjax: grouped rows, batched dots, {how}**", fmt_time(t_kv),
                               fmt_rate(kv_bytes / t_kv), _pct(kv_bytes / t_kv / read)])
+    # chunked (kvjax) against one pass over the sliced window, in a 4-layer group (the window of
+    # one layer is a slice of the stacked storage)
+    import importlib
+
+    module = importlib.import_module("kvjax.attention")
+    stacked = _attention_cache(size, 4, size, rng)
+    crows = []
+    for n in windows:
+        if n <= module.MAX_CHUNK:
+            continue  # one chunk is the whole window: the same program
+        for t in (1, 8):
+            q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
+            ub = kvjax.make_ubatch([size - 1] * t, [[0]] * t, length=t)
+            mask = kvjax.kq_mask(stacked, ub, n)
+            times = []
+            for max_chunk in (module.MAX_CHUNK, n):
+                saved = (module.MAX_CHUNK, module.SCORE_BLOCK_BYTES)
+                module.MAX_CHUNK, module.SCORE_BLOCK_BYTES = max_chunk, max(saved[1], 4 * h * hq // h * t * n)
+                try:
+                    times.append(median_time(lambda: kvjax.attention(q, stacked, 3, mask), repeats=3))
+                finally:
+                    module.MAX_CHUNK, module.SCORE_BLOCK_BYTES = saved
+            crows.append([t, n, fmt_time(times[0]), fmt_time(times[1]), f"{times[1] / times[0]:.1f}x"])
     return "\n".join([
         "### Decode attention",
         "",
@@ -308,6 +339,11 @@ def _bench_attention(quick: bool, rng) -> str:
         f"Formulations tried (n_kv = {windows[-1]}, same inputs):",
         "",
         table(["T", "formulation", "time", "K+V bytes/s", "of read"], frows),
+        "",
+        f"Chunks read straight from the stacked storage against one pass over the sliced window, layer 3 "
+        f"of a 4-layer group of {size} cells:",
+        "",
+        table(["T", "n_kv", f"chunks of {module.MAX_CHUNK} (kvjax)", "one pass", "one pass / chunks"], crows),
     ])
 
 

@@ -11,9 +11,10 @@ Formulation (chosen by measurement on XLA's CPU backend, see ``docs/architecture
 ``benchmarks/bench_attention.py``): the queries of one kv head are stacked into one matrix
 ``[G * T, D]`` so K and V are read once per kv head, not once per query head; the scores are
 one batched contraction per kv head over the stored ``[H, N, D]`` layout (no transpose of K or V,
-no copy of K/V per query head); float32 accumulation; and, when the ``[H, G*T, N]`` score block
-would exceed :data:`SCORE_BLOCK_BYTES`, the window is processed in chunks of cells with an online
-softmax, so large score matrices are never written to memory.
+no copy of K/V per query head); float32 accumulation; and the window is processed in chunks of
+:data:`MAX_CHUNK` cells with an online softmax, each chunk sliced straight out of the stacked
+``[L, H, C, D]`` storage, so neither the layer's window nor a ``[Hq, T, N]`` score matrix is ever
+copied out. The values read are exactly those of ``kvjax.view(cache, layer, N)``.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -38,52 +39,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float
-from kvjax.cache import KVCache, view
+from kvjax.cache import KVCache
 from kvjax.validate import check_window
 
 _NEG_INF = -jnp.inf
 
-#: Largest float32 score block ``[H, G*T, cells]`` computed in one piece. Measured on the CPU here
-#: (8 kv heads, head size 64): one pass over the whole window was fastest up to 4-8 MB of scores
-#: (T = 1 up to 32768 cells, T = 8 up to 8192); beyond that chunks of 512-1024 cells won by 1.3-2x.
-SCORE_BLOCK_BYTES = 8 << 20
+#: Budget for one chunk's float32 score block ``[H, G*T, chunk]``: it stays in the CPU's L2/L3
+#: between the two contractions. Only large ubatches (prefill) hit it before :data:`MAX_CHUNK`.
+SCORE_BLOCK_BYTES = 2 << 20
 
-#: Largest chunk of cells per online-softmax step once the window is split.
+#: Cells per online-softmax step. Measured on the CPU here (32 query heads over 8 kv heads, head
+#: size 64): 512-1024 best; reading each chunk straight out of the stacked storage beat a single
+#: pass over the window by 1.5-9x whenever that pass needs the window sliced out first (every
+#: window of a multi-layer group, every window smaller than the cache), and tied with it
+#: otherwise (see docs/architecture.md).
 MAX_CHUNK = 1024
 
 
 def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int) -> int:
     """Cells per online-softmax step for a window of ``n_kv`` cells and ``n_rows = G * T`` rows.
 
-    The whole window when its score block fits in :data:`SCORE_BLOCK_BYTES`; otherwise a power of
-    two times ``padding``, at most :data:`MAX_CHUNK`, with the block under the same budget (or
-    ``padding`` itself when even that is larger).
+    A power of two times ``padding``, at most :data:`MAX_CHUNK`, with the score block under
+    :data:`SCORE_BLOCK_BYTES` (``padding`` itself when even that is larger); the whole window
+    when it is smaller than that.
 
     Example:
-        >>> chunk_size(32768, 8, 4, 256), chunk_size(32768, 8, 32, 256), chunk_size(32768, 8, 2048, 256)
-        (32768, 1024, 256)
+        >>> chunk_size(32768, 8, 4, 256), chunk_size(32768, 8, 2048, 256), chunk_size(512, 8, 4, 256)
+        (1024, 256, 512)
     """
-    per_cell = 4 * n_heads * n_rows
-    if n_kv * per_cell <= SCORE_BLOCK_BYTES:
-        return n_kv
-    budget = max(1, SCORE_BLOCK_BYTES // per_cell)
+    budget = max(1, SCORE_BLOCK_BYTES // (4 * n_heads * n_rows))
     chunk = padding
     while chunk * 2 <= min(MAX_CHUNK, budget):
         chunk *= 2
     return min(chunk, n_kv)
 
 
-def _attend(qr, k, v, add, bias, chunk):
-    """Online-softmax attention over ``k/v [H, N, *]`` in chunks of ``chunk`` cells.
+def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk):
+    """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
-    The chunks are visited by a ``fori_loop`` with dynamic slices, so the score block of one
-    chunk ([H, R, chunk] float32) is the largest temporary: nothing of size N x R is written.
-    When ``chunk`` does not divide N the last start is clamped by ``dynamic_slice`` and the
-    columns an earlier step already covered are masked out.
+    ``k_all [L, H, C, D]`` and ``v_all [L, H, C, Dv]`` are the stacked storage itself: every step
+    slices its ``[H, chunk, *]`` block straight out of it (no copy of the layer's window first),
+    and the score block of one chunk (``[H, R, chunk]`` float32) is the largest temporary. When
+    ``chunk`` does not divide ``n_kv`` the last start is clamped and the columns an earlier step
+    already covered are masked out.
     """
     n_heads, n_rows, _ = qr.shape
-    n_kv = k.shape[1]
-    dv = v.shape[-1]
+    dv = v_all.shape[-1]
     n_steps = -(-n_kv // chunk)
     qk_dims = (((2,), (2,)), ((0,), (0,)))  # [H, R, D] x [H, C, D] -> [H, R, C]
     pv_dims = (((2,), (1,)), ((0,), (0,)))  # [H, R, C] x [H, C, Dv] -> [H, R, Dv]
@@ -91,8 +92,8 @@ def _attend(qr, k, v, add, bias, chunk):
     def step(i, carry):
         m0, l0, o0 = carry
         start = jnp.minimum(i * chunk, n_kv - chunk)
-        kc = jax.lax.dynamic_slice_in_dim(k, start, chunk, axis=1)
-        vc = jax.lax.dynamic_slice_in_dim(v, start, chunk, axis=1)
+        kc = jax.lax.dynamic_slice(k_all, (index, 0, start, 0), (1,) + k_all.shape[1:2] + (chunk,) + k_all.shape[3:])[0]
+        vc = jax.lax.dynamic_slice(v_all, (index, 0, start, 0), (1,) + v_all.shape[1:2] + (chunk,) + v_all.shape[3:])[0]
         ac = jax.lax.dynamic_slice_in_dim(add, start, chunk, axis=add.ndim - 1)
         bc = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, chunk, axis=2)
         if n_kv % chunk:
@@ -123,8 +124,9 @@ def _attend(qr, k, v, add, bias, chunk):
 
 @functools.partial(jax.jit, static_argnames=("layer", "n_kv", "chunk", "return_lse"))
 def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse):
-    k, v = view(cache, layer, n_kv)  # [H, N, D], [H, N, Dv]
-    n_heads = k.shape[0]
+    g_id, index = cache.config.locate(layer)
+    k_all, v_all = cache.k[g_id], cache.v[g_id]  # [L, H, C, D], [L, H, C, Dv]
+    n_heads = k_all.shape[1]
     t, hq, d = q.shape
     g = hq // n_heads
     # query head j = h * G + g' belongs to kv head h; its rows are ordered (g', t) so that one
@@ -139,7 +141,7 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse):
     b = None
     if bias is not None:
         b = jnp.broadcast_to(bias.astype(jnp.float32), (hq, t, n_kv)).reshape(n_heads, g * t, n_kv)
-    out, lse = _attend(qr, k, v, add, b, chunk)
+    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk)
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:

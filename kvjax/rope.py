@@ -275,13 +275,22 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
     return out
 
 
-@jax.jit
+def _shift_impl(ks, cells, config: CacheConfig):
+    """(rotated K of every group, cells with the deltas cleared)."""
+    delta = cells.delta
+    new_k = tuple(_shift_group(ks[g], delta, tuple(config.rope[il] for il in grp.layers), config)
+                  for g, grp in enumerate(config.groups))
+    return new_k, cells.replace(delta=jnp.zeros_like(delta))
+
+
+_shift = jax.jit(_shift_impl, static_argnums=2)
+_shift_donated = jax.jit(_shift_impl, static_argnums=2, donate_argnums=0)
+
+
 def _k_shift(cache: KVCache) -> KVCache:
-    cfg = cache.config
-    delta = cache.cells.delta
-    ks = tuple(_shift_group(cache.k[g], delta, tuple(cfg.rope[il] for il in grp.layers), cfg)
-               for g, grp in enumerate(cfg.groups))
-    return cache.replace(k=ks, cells=cache.cells.replace(delta=jnp.zeros_like(delta)))
+    """The K-shift as a function of the cache (traceable; used by ``update`` inside ``lax.cond``)."""
+    ks, cells = _shift_impl(cache.k, cache.cells, cache.config)
+    return cache.replace(k=ks, cells=cells)
 
 
 def can_shift(cache: KVCache) -> bool:
@@ -298,17 +307,20 @@ def can_shift(cache: KVCache) -> bool:
     return bool(cache.config.can_shift)
 
 
-def k_shift(cache: KVCache) -> KVCache:
+def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
     """Rotate every cell's K by its pending ``delta`` in every cached layer; clear the deltas.
 
     The seed's ``build_graph_shift``. Cells with ``delta == 0`` (empty ones included) are rotated
-    by 0, which leaves them exactly as they are. Under ``jax.jit(..., donate_argnums=0)`` the K
-    buffers are rotated in place (older snapshots sharing them become invalid); otherwise the
-    result is a new K buffer and the input cache is untouched. :func:`kvjax.update` calls this
-    only when some delta is non-zero.
+    by 0, which leaves them exactly as they are. With ``donate=True`` (or under
+    ``jax.jit(..., donate_argnums=0)``) K is rotated in place: the input cache's K buffers become
+    invalid, and so does every older snapshot sharing them. Otherwise the result is a new K
+    buffer and the input cache is untouched, which costs a fresh allocation of all of K (about 9x
+    the in-place time for a 268 MB K here, see ``benchmarks/bench_attention.py``).
+    :func:`kvjax.update` calls this only when some delta is non-zero.
 
     Args:
         cache: a cache whose config has ``rope`` set.
+        donate: reuse the K buffers of ``cache`` for the result.
 
     Returns:
         The cache with K rotated and every ``delta`` 0.
@@ -333,4 +345,6 @@ def k_shift(cache: KVCache) -> KVCache:
     if cache.config.rope is None:
         raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
                          "model's kvjax.RopeConfig (one for all layers or one per layer)")
-    return _k_shift(cache)
+    fn = _shift_donated if donate else _shift
+    ks, cells = fn(cache.k, cache.cells, cache.config)
+    return cache.replace(k=ks, cells=cells)

@@ -53,11 +53,14 @@ def _pending(cells):
     return jnp.stack([_has_shift(cells), cells.defrag])
 
 
-def update(cache: KVCache) -> KVCache:
+def update(cache: KVCache, *, donate: bool = False) -> KVCache:
     """Apply a pending K-shift (RoPE by ``delta``), then a pending defrag.
 
     Args:
         cache: the cache (concrete, or traced inside ``jit``).
+        donate: (concrete cache) rotate K in place (see :func:`kvjax.k_shift`); the input
+            cache's K buffers become invalid when a shift ran. Inside ``jit``, donate the cache
+            to the jitted function instead.
 
     Returns:
         The cache with no pending shift (every ``delta`` 0) and no pending defrag.
@@ -74,7 +77,7 @@ def update(cache: KVCache) -> KVCache:
         return apply_defrag(cache) if apply_defrag is not None else cache
     shift, defrag = (bool(x) for x in jax.device_get(_pending(cache.cells)))
     if shift:
-        cache = k_shift(cache)
+        cache = k_shift(cache, donate=bool(donate))
     if defrag and apply_defrag is not None:
         cache = apply_defrag(cache)
     return cache

@@ -92,6 +92,19 @@ def test_update_equals_k_at_new_positions(which, dtype):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_donated_shift_matches_and_consumes_k():
+    cache, raw = _scene(ROPES["per_layer_freqs"])
+    moved = _moved(cache)
+    expected = kvjax.update(moved)
+    consumed = jax.tree.map(lambda a: a + 0, moved)  # its own buffers, so `moved` stays valid
+    got = kvjax.update(consumed, donate=True)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(k.is_deleted() for k in consumed.k) and not any(v.is_deleted() for v in consumed.v)
+    again = kvjax.k_shift(jax.tree.map(lambda a: a + 0, moved), donate=True)
+    np.testing.assert_array_equal(np.asarray(again.k[0]), np.asarray(expected.k[0]))
+
+
 def test_far_positions_float32():
     """Positions in the thousands: float32 angles lose ~pos * 6e-8 rad, so the tolerance grows."""
     cfg = _config(kvjax.RopeConfig(n_rot=8))
