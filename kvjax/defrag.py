@@ -39,12 +39,12 @@ increasing order), so they scatter straight into the buffers. ``compact_seq`` ca
 stages the moved rows of one layer at a time before writing them (extra memory: one layer).
 
 What it costs (``benchmarks/bench_defrag.py``, 2-core CPU, a 32768-cell, 16-layer, 2 GiB cache,
-used cells scattered uniformly): planning takes 1-5 ms whatever the content; a defrag at 50%
-fragmentation copies about 8200 rows (0.5 GiB) in about 0.3 s, at 10-15% of an in-place copy's
-bandwidth (XLA's CPU gather and scatter move 256-byte rows at about 1 GB/s); the same plan applied
-as a full permutation gather took 8-23 times longer. A compaction moves every used cell past the
-first hole, so with scattered holes nearly all of them (0.8-2 s for 1-1.8 GiB). When no defrag is
-pending, :func:`apply_pending` costs about 0.1 ms and copies nothing.
+used cells scattered uniformly, two runs on a shared, loaded machine): planning takes 1-5 ms
+whatever the content; a defrag at 50% fragmentation copies about 8200 rows (0.5 GiB) in 0.3-0.65 s,
+at 8-14% of an in-place copy's bandwidth (XLA's CPU gather and scatter move 256-byte rows at about
+1 GB/s); the same plan applied as a full permutation gather took 9-23 times longer. A compaction
+moves every used cell past the first hole, so with scattered holes nearly all of them (0.8-2 s for
+1-1.8 GiB). When no defrag is pending, :func:`apply_pending` costs about 0.1 ms and copies nothing.
 
 When defrag pays for itself. A defrag reads and writes every moved row once (``moved *
 row_bytes`` each way); every later attention step saves reading the cells the window shrank by,
