@@ -6,8 +6,8 @@ the committed weights ``kvjax/data/charlm.npz`` (a few minutes on a laptop CPU);
 missing, :func:`load` returns a model with random weights and says so.
 
 Example:
-    >>> tok = CharTokenizer("abc\\n")
-    >>> tok.encode("cab").tolist(), tok.decode([2, 0, 1])
+    >>> tok = CharTokenizer("abc")
+    >>> tok.encode("cab").tolist(), tok.decode([3, 1, 2])
     ([3, 1, 2], 'cab')
 """
 
