@@ -282,13 +282,13 @@ class Llama(nnx.Module):
         """
         self.config.check_cache(cache)
         check_tokens(tokens, ubatch, self.config.vocab_size)
-        masks = {}
-        for kind in set(self.config.mask_kinds().values()):
-            alibi, swa_type, n_swa = kind
-            masks[kind] = layer_mask(cache, ubatch, n_kv, alibi=alibi, swa_type=swa_type, n_swa=n_swa)
+        kinds = self.config.mask_kinds()
+        # one mask per kind of layer (the cells do not change between layers, only K/V do)
+        masks = {kind: layer_mask(cache, ubatch, n_kv, alibi=kind[0], swa_type=kind[1], n_swa=kind[2])
+                 for kind in set(kinds.values())}
         x = self.embed(tokens)
         for il, block in enumerate(self.layers):
-            x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[self.config.mask_kinds()[il]])
+            x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[kinds[il]])
         return self._logits(x), cache
 
     def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None

@@ -153,7 +153,8 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
         ubatch: the tokens' positions and sequences.
         slot: ``i32[T]`` the cells ``find_slot`` chose (-1 rows are not written).
         n_kv: static window N (a multiple of the cache padding, <= size) covering every placed cell.
-        mask: a precomputed :func:`layer_mask` of this layer's kind (built here when ``None``).
+        mask: a precomputed :func:`layer_mask` of this layer's kind (built here when ``None``);
+            with ALiBi it must be the ALiBi form (``alibi=True``), whose distances become the bias.
         rope: RoPE parameters, or ``None`` for no rotation (ALiBi or NoPE layers).
         alibi: ``f32[Hq]`` ALiBi slopes (:func:`alibi_slopes`), or ``None``.
         swa_type: this layer's sliding-window kind (used when ``mask`` is built here).
