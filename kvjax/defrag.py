@@ -30,8 +30,9 @@ content). The plan is a permutation ``src`` of the cells (new cell ``i`` holds w
 whole (it is tiny); K and V of every layer group are touched only at the moved cells, chunk by
 chunk in a ``lax.while_loop`` whose trip count is the number of moved cells, so a defrag that moves
 few cells costs few row copies (a full permutation gather reads and writes the whole cache; see
-``benchmarks/bench_defrag.py`` for both). Under ``jax.jit(..., donate_argnums=0)`` the buffers are
-updated in place; without donation XLA first copies the cache, like any functional update.
+``benchmarks/bench_defrag.py`` for both). With ``donate=True``, or under
+``jax.jit(..., donate_argnums=0)``, the buffers are updated in place; without donation XLA first
+copies the cache, like any functional update.
 
 Defrag and compaction never move a row onto a cell that a later chunk still has to read (defrag
 fills holes below ``n_used`` from cells at or above it; compaction only moves rows down, in
@@ -477,15 +478,23 @@ def _apply(cache: KVCache, plan: DefragPlan, valid, flag: ErrorFlag, staged: boo
     return cache.replace(cells=new_cells, k=tuple(bufs[:n_groups]), v=tuple(bufs[n_groups:]))
 
 
-@functools.partial(jax.jit, static_argnames="kind")
-def _run(cache: KVCache, arg, kind: str) -> KVCache:
+def _run_impl(cache: KVCache, arg, kind: str) -> KVCache:
     """Plan and apply in one program."""
     plan = _plan(cache.cells, arg, kind=kind)
     valid, flag = _valid_arg(kind, cache.cells, arg)
     return _apply(cache, plan, valid, flag, staged=(kind == "compact_seq"))
 
 
-def defrag(cache: KVCache, max_moves: Optional[IntLike] = None) -> KVCache:
+_run = jax.jit(_run_impl, static_argnames="kind")
+_run_donated = jax.jit(_run_impl, static_argnames="kind", donate_argnums=0)
+
+
+def _donating(cache: KVCache, donate: bool) -> bool:
+    """Donate only a concrete cache: inside an outer ``jit`` donation is that jit's business."""
+    return bool(donate) and not is_traced(cache.cells.pos)
+
+
+def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool = False) -> KVCache:
     """Fill the holes below ``used`` with cells from the end of the cache (the seed's defrag).
 
     The plan is the seed's ``defrag_prepare`` exactly (see the module docstring); it is applied to
@@ -493,11 +502,13 @@ def defrag(cache: KVCache, max_moves: Optional[IntLike] = None) -> KVCache:
     rows. ``head`` becomes ``used`` when anything moved; the pending flag is cleared.
 
     Args:
-        cache: the cache. Wrap the call in ``jax.jit(kvjax.defrag, donate_argnums=0)`` to move
-            the rows in place instead of into a copy of the cache.
+        cache: the cache.
         max_moves: cap on the moves (a move is a run of adjacent cells into one hole), >= 0;
             None (default) for no cap. The seed's cap comes from its graph-node budget, which a
             single gather does not have.
+        donate: move the rows in place in ``cache``'s buffers, which then become invalid (as
+            under ``jax.jit(kvjax.defrag, donate_argnums=0)``); otherwise XLA first copies the
+            whole cache into new buffers.
 
     Returns:
         The defragmented cache.
@@ -515,14 +526,16 @@ def defrag(cache: KVCache, max_moves: Optional[IntLike] = None) -> KVCache:
         [0, 4, 5, 3, -1, -1]
     """
     _check_cache(cache)
-    return _run(cache, _max_moves_arg(max_moves), kind="defrag")
+    run = _run_donated if _donating(cache, donate) else _run
+    return run(cache, _max_moves_arg(max_moves), kind="defrag")
 
 
-def compact(cache: KVCache) -> KVCache:
+def compact(cache: KVCache, *, donate: bool = False) -> KVCache:
     """Move every used cell to the front, keeping their order (``n_kv`` becomes minimal).
 
     ``head`` becomes ``used`` when anything moved (unchanged otherwise); the pending flag is
     cleared. Only rows that change cell are copied (all of them past the first hole).
+    ``donate=True`` moves them in place (see :func:`defrag`).
 
     Example:
         >>> import kvjax
@@ -534,10 +547,11 @@ def compact(cache: KVCache) -> KVCache:
         ([0, 3, 4, 5, -1, -1], 4)
     """
     _check_cache(cache)
-    return _run(cache, np.int32(0), kind="compact")
+    run = _run_donated if _donating(cache, donate) else _run
+    return run(cache, np.int32(0), kind="compact")
 
 
-def compact_seq(cache: KVCache, seq_id: IntLike) -> KVCache:
+def compact_seq(cache: KVCache, seq_id: IntLike, *, donate: bool = False) -> KVCache:
     """Move the cells of ``seq_id`` to the front (order kept), then the other used cells (order
     kept), then the empty ones.
 
@@ -549,6 +563,7 @@ def compact_seq(cache: KVCache, seq_id: IntLike) -> KVCache:
     Args:
         cache: the cache.
         seq_id: the sequence, in ``[0, n_seq_max)``.
+        donate: move the rows in place (see :func:`defrag`).
 
     Raises:
         ValueError: a concrete ``seq_id`` out of range. A traced one moves nothing and sets the
@@ -563,21 +578,26 @@ def compact_seq(cache: KVCache, seq_id: IntLike) -> KVCache:
     """
     _check_cache(cache)
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
-    return _run(cache, _i32(seq_id), kind="compact_seq")
+    run = _run_donated if _donating(cache, donate) else _run
+    return run(cache, _i32(seq_id), kind="compact_seq")
 
 
-@jax.jit
-def _apply_pending(cache: KVCache) -> KVCache:
+def _apply_pending_impl(cache: KVCache) -> KVCache:
     return jax.lax.cond(cache.cells.defrag,
                         lambda c: _run(c, jnp.int32(_I32_MAX), kind="defrag"),
                         lambda c: c, cache)
 
 
-def apply_pending(cache: KVCache) -> KVCache:
+_apply_pending = jax.jit(_apply_pending_impl)
+_apply_pending_donated = jax.jit(_apply_pending_impl, donate_argnums=0)
+
+
+def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
     """Run :func:`defrag` (no cap) when ``cells.defrag`` is set, and clear the flag.
 
     Otherwise the cache comes back unchanged; a ``lax.cond`` keeps that branch cheap (no planning,
     no row touched) and the function jittable. :func:`kvjax.update` calls it after the K-shift.
+    ``donate=True`` reuses ``cache``'s buffers (they become invalid, pending or not).
 
     Example:
         >>> import jax.numpy as jnp, kvjax
@@ -592,7 +612,7 @@ def apply_pending(cache: KVCache) -> KVCache:
         ([2, 3, -1, -1], False)
     """
     _check_cache(cache)
-    return _apply_pending(cache)
+    return (_apply_pending_donated if _donating(cache, donate) else _apply_pending)(cache)
 
 
 # ``kvjax.defrag`` is this function once the package imports it, which hides the module of the
