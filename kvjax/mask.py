@@ -157,7 +157,7 @@ def _mask_additive(cells, ubatch, n_kv, causal, alibi, swa_type, n_swa):
     visible = _visible(cells, ubatch, n_kv, causal, swa_type, n_swa)
     if alibi:
         dist = jnp.abs(cells.pos[:n_kv][None, :] - jnp.asarray(ubatch.pos, jnp.int32)[:, None])
-        value = -dist.astype(jnp.float32)
+        value = (-dist).astype(jnp.float32)  # negate the integer, as the seed: +0.0 at distance 0
     else:
         value = jnp.float32(0)
     return jnp.where(visible, value, -jnp.inf).astype(jnp.float32)
@@ -195,7 +195,7 @@ def kq_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True, a
         >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3)
         >>> cache, _, _ = kvjax.find_slot(cache, ub)
         >>> kvjax.kq_mask(cache, ub, 32, alibi=True)[2, :4].tolist()
-        [-2.0, -1.0, -0.0, -inf]
+        [-2.0, -1.0, 0.0, -inf]
         >>> kvjax.kq_mask(cache, ub, 32, swa_type="standard", n_swa=2)[2, :4].tolist()
         [-inf, 0.0, 0.0, -inf]
     """

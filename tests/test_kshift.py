@@ -79,17 +79,18 @@ def _assert_k_at_positions(before, after, raw, dtype):
         np.testing.assert_array_equal(np.asarray(v_after), np.asarray(v_before))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("which", list(ROPES))
+@pytest.mark.parametrize("which,dtype", [("shared", "float32"), ("shared", "float16"), ("per_layer_freqs", "float32"),
+                                         ("per_layer_modes", "float32"), ("per_layer_modes", "float16")])
 def test_update_equals_k_at_new_positions(which, dtype):
     cache, raw = _scene(ROPES[which], dtype)
     moved = _moved(cache)
     assert bool(kvjax.has_shift(moved))
     after = kvjax.update(moved)
     _assert_k_at_positions(moved, after, raw, dtype)
-    jitted = jax.jit(kvjax.update)(moved)
-    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(jitted)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if dtype == "float32":  # the traced path (lax.cond) once per kind of RoPE layout
+        jitted = jax.jit(kvjax.update)(moved)
+        for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(jitted)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_donated_shift_matches_and_consumes_k():
