@@ -50,9 +50,9 @@ SCORE_BLOCK_BYTES = 2 << 20
 
 #: Cells per online-softmax step. Measured on the CPU here (32 query heads over 8 kv heads, head
 #: size 64): 512-1024 best; reading each chunk straight out of the stacked storage beat a single
-#: pass over the window by 1.5-9x whenever that pass needs the window sliced out first (every
+#: pass over the window by up to 10x whenever that pass needs the window sliced out first (every
 #: window of a multi-layer group, every window smaller than the cache), and tied with it
-#: otherwise (see docs/architecture.md).
+#: otherwise or for small windows (see docs/architecture.md).
 MAX_CHUNK = 1024
 
 
@@ -74,35 +74,45 @@ def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int) -> int:
     return min(chunk, n_kv)
 
 
-def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk):
+def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
-    ``k_all [L, H, C, D]`` and ``v_all [L, H, C, Dv]`` are the stacked storage itself: every step
-    slices its ``[H, chunk, *]`` block straight out of it (no copy of the layer's window first),
-    and the score block of one chunk (``[H, R, chunk]`` float32) is the largest temporary. When
-    ``chunk`` does not divide ``n_kv`` the last start is clamped and the columns an earlier step
-    already covered are masked out.
+    ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
+    ``bias`` None or ``[1 | H * G, 1 | T, 1 | N]``. ``k_all [L, H, C, D]`` and
+    ``v_all [L, H, C, Dv]`` are the stacked storage itself: every step slices its
+    ``[H, chunk, *]`` block straight out of it (no copy of the layer's window first), and the
+    score block of one chunk (``[H, R, chunk]`` float32) is the largest temporary; mask and bias
+    are broadcast per chunk, never expanded to ``[H, R, N]``. When ``chunk`` does not divide
+    ``n_kv`` the last start is clamped and the columns an earlier step already covered are masked
+    out.
     """
     n_heads, n_rows, _ = qr.shape
+    n_tok = n_rows // group
     dv = v_all.shape[-1]
     n_steps = -(-n_kv // chunk)
     qk_dims = (((2,), (2,)), ((0,), (0,)))  # [H, R, D] x [H, C, D] -> [H, R, C]
     pv_dims = (((2,), (1,)), ((0,), (0,)))  # [H, R, C] x [H, C, Dv] -> [H, R, Dv]
+
+    def cells_of(x, start):
+        """The step's columns of a [..., N] (or [..., 1]) operand."""
+        return x if x.shape[-1] == 1 else jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=x.ndim - 1)
 
     def step(i, carry):
         m0, l0, o0 = carry
         start = jnp.minimum(i * chunk, n_kv - chunk)
         kc = jax.lax.dynamic_slice(k_all, (index, 0, start, 0), (1,) + k_all.shape[1:2] + (chunk,) + k_all.shape[3:])[0]
         vc = jax.lax.dynamic_slice(v_all, (index, 0, start, 0), (1,) + v_all.shape[1:2] + (chunk,) + v_all.shape[3:])[0]
-        ac = jax.lax.dynamic_slice_in_dim(add, start, chunk, axis=add.ndim - 1)
-        bc = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, chunk, axis=2)
+        ac = cells_of(add, start)                                   # [T, chunk]
         if n_kv % chunk:
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
         s = jax.lax.dot_general(qr, kc.astype(jnp.float32), qk_dims, preferred_element_type=jnp.float32)
-        s = s + ac                                                  # [H, R, chunk]
-        if bc is not None:
-            s = s + bc
+        s = s.reshape(n_heads, group, n_tok, chunk) + ac
+        if bias is not None:
+            bc = cells_of(bias, start)                              # [1 | Hq, 1 | T, 1 | chunk]
+            lead = (n_heads, group) if bc.shape[0] > 1 else (1, 1)
+            s = s + bc.reshape(lead + bc.shape[1:])
+        s = s.reshape(n_heads, n_rows, chunk)
         m1 = jnp.maximum(m0, jnp.max(s, axis=-1))
         m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)                # all masked so far: no NaN
         p = jnp.exp(s - m1_safe[..., None])
@@ -137,11 +147,10 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse):
         add = jnp.where(mask, 0.0, _NEG_INF).astype(jnp.float32)
     else:
         add = mask.astype(jnp.float32)
-    add = jnp.tile(add, (g, 1))  # [G * T, N], rows (g', t) like qr
     b = None
-    if bias is not None:
-        b = jnp.broadcast_to(bias.astype(jnp.float32), (hq, t, n_kv)).reshape(n_heads, g * t, n_kv)
-    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk)
+    if bias is not None:  # as [1 | Hq, 1 | T, 1 | N], broadcast chunk by chunk
+        b = bias.astype(jnp.float32).reshape((1,) * (3 - bias.ndim) + tuple(bias.shape))
+    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g)
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:

@@ -139,6 +139,11 @@ def test_boolean_mask_scale_and_bias():
     ref_out, ref_lse = naive_attention(q, cache, 2, visible, 0.3, bias=np.asarray(bias))
     np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    # biases of lower rank broadcast the same way: [T, N] for all heads, [Hq, 1, 1] per head
+    for small in (jnp.where(jnp.isfinite(dist), dist, 0.0) * 0.1, slopes):
+        got = kvjax.attention(q, cache, 2, visible, bias=small)
+        ref, _ = naive_attention(q, cache, 2, visible, 0.25, bias=np.asarray(small))
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_float16_storage():
