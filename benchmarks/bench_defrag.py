@@ -31,6 +31,7 @@ import numpy as np
 import kvjax
 from kvjax.cells import empty_cells
 from benchmarks.common import (block, compile_time, copy_bandwidth, dispatch_floor, fmt_rate,
+                               inplace_copy_bandwidth,
                                fmt_time, median_time, table)
 
 _defrag_mod = sys.modules["kvjax.defrag"]   # the module (``kvjax.defrag`` is the function)
@@ -93,25 +94,6 @@ def _time_donated(fn, holder, cells, repeats):
         if i:                                          # the first call warms up
             samples.append(time.perf_counter() - t0)
     return float(np.median(samples))
-
-
-_add_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-
-
-def inplace_copy_bandwidth(n_bytes: int, *, repeats: int = 7) -> float:
-    """Bytes per second of a donated jitted ``x + 1`` over ``n_bytes`` of float32, in place.
-
-    The yardstick of an in-place op: the same read and write of every byte as
-    :func:`benchmarks.common.copy_bandwidth`, without a fresh output buffer (whose page faults
-    dominate that baseline under glibc malloc)."""
-    holder = [jnp.ones((max(1, n_bytes // 4),), jnp.float32)]
-
-    def step():
-        holder[0] = _add_one(holder[0])
-        return holder[0]
-
-    t = median_time(step, repeats=repeats)
-    return holder[0].size * 4 / t
 
 
 _OPS = (("defrag", _defrag, ()), ("compact", _compact, ()), ("compact_seq(0)", _compact_seq, (np.int32(0),)),

@@ -62,6 +62,26 @@ def copy_bandwidth(n_bytes: int, *, repeats: int = 7) -> float:
     return n * 4 / t
 
 
+_add_one = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+
+
+def inplace_copy_bandwidth(n_bytes: int, *, repeats: int = 7) -> float:
+    """Bytes per second of a donated jitted ``x + 1`` over ``n_bytes`` of float32, in place.
+
+    The yardstick of an in-place op (a donated write, defrag, K-shift): the same read and write
+    of every byte as :func:`copy_bandwidth`, without a fresh output buffer, whose page faults
+    dominate that baseline under glibc malloc (see the allocator line of ``BENCHMARKS.md``).
+    """
+    holder = [jnp.ones((max(1, n_bytes // 4),), jnp.float32)]
+
+    def step():
+        holder[0] = _add_one(holder[0])
+        return holder[0]
+
+    t = median_time(step, repeats=repeats)
+    return holder[0].size * 4 / t
+
+
 _empty = jax.jit(lambda x: x)
 
 

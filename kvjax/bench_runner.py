@@ -64,7 +64,29 @@ def machine_header(command: str) -> str:
     ])
 
 
+_TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+             "/usr/lib/libtcmalloc_minimal.so.4")
+
+
+def _reexec_with_tcmalloc() -> None:
+    """Restart under tcmalloc when it is installed (Debian: libtcmalloc-minimal4).
+
+    glibc's allocator page-faults on every large fresh output buffer, which made fresh-output ops
+    (and the fresh-copy baseline) 2-8x slower here; results say which allocator they ran with.
+    Set ``KVJAX_BENCH_ALLOCATOR=system`` to keep glibc's.
+    """
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or os.environ.get("KVJAX_BENCH_ALLOCATOR") == "system":
+        return
+    lib = next((p for p in _TCMALLOC if os.path.exists(p)), None)
+    if lib is None:
+        print("note: tcmalloc not found (apt-get install libtcmalloc-minimal4); benchmarking with glibc malloc")
+        return
+    env = dict(os.environ, LD_PRELOAD=(lib + " " + os.environ.get("LD_PRELOAD", "")).strip())
+    os.execvpe(sys.executable, [sys.executable, "-m", "kvjax"] + sys.argv[1:], env)
+
+
 def main(quick: bool = False, only=None, out=None) -> int:
+    _reexec_with_tcmalloc()
     root = checkout_root()
     sys.path.insert(0, str(root))
     names = sorted(p.stem[len("bench_"):] for p in (root / "benchmarks").glob("bench_*.py"))
