@@ -1,9 +1,10 @@
 """Attention-path benchmarks: KQ masks, K-shift, update, decode attention, step cost vs occupancy.
 
 Yardsticks measured in the same run: ``copy`` is ``benchmarks.common.copy_bandwidth`` (a jitted
-copy into a fresh buffer, which includes the allocator's page faults), ``copy in place`` a donated
-jitted ``x * c`` over the same bytes (read + write, no fresh buffer), and ``read`` a jitted sum over
-the same bytes (what an attention kernel that only reads K/V can reach at best).
+copy into a fresh buffer, which includes the allocator's page faults), ``copy in place`` is
+``benchmarks.common.inplace_copy_bandwidth`` (a donated update of the same bytes, no fresh buffer),
+and ``read`` a jitted sum over the same bytes (what an attention kernel that only reads K/V can
+reach at best).
 
 - Masks: ``kvjax.kq_mask`` (the public call) against the mask's bytes written at copy speed and
   against a numpy implementation of the seed's host loop (one vectorized pass over the cells per
@@ -29,25 +30,13 @@ import numpy as np
 
 import kvjax
 from benchmarks.common import (compile_time, copy_bandwidth, dispatch_floor, fmt_rate, fmt_time,
-                               median_time, table)
+                               inplace_copy_bandwidth, median_time, table)
 from kvjax.attention import chunk_size
 from kvjax.cells import Cells
 
 # -- yardsticks ---------------------------------------------------------------------------------
 
-_scale_in_place = jax.jit(lambda x: x * jnp.float32(1.0000001), donate_argnums=0)
 _sum = jax.jit(lambda x: jnp.sum(x))
-
-
-def inplace_copy_bandwidth(n_bytes: int, repeats: int = 7) -> float:
-    """Bytes per second of a donated jitted ``x * c`` over ``n_bytes`` (no fresh output buffer)."""
-    state = {"x": jnp.ones((max(1, n_bytes // 4),), jnp.float32)}
-
-    def step():
-        state["x"] = _scale_in_place(state["x"])
-        return state["x"]
-
-    return n_bytes / median_time(step, repeats=repeats)
 
 
 def read_bandwidth(n_bytes: int, repeats: int = 7) -> float:
@@ -417,7 +406,7 @@ def run(quick: bool) -> str:
         "## Attention path: masks, K-shift, attention",
         "",
         "Yardsticks from the same run: \"fresh copy\" = `copy_bandwidth` (jitted copy into a new buffer, "
-        "allocator page faults included), \"copy in place\" = donated `x * c`, \"read\" = jitted sum.",
+        "allocator page faults included), \"copy in place\" = `inplace_copy_bandwidth` (donated), \"read\" = jitted sum.",
         "",
         _bench_masks(quick, rng),
         "",
