@@ -50,9 +50,10 @@ SCORE_BLOCK_BYTES = 2 << 20
 
 #: Cells per online-softmax step. Measured on the CPU here (32 query heads over 8 kv heads, head
 #: size 64): 512-1024 best; reading each chunk straight out of the stacked storage beat a single
-#: pass over the window by up to 10x whenever that pass needs the window sliced out first (every
-#: window of a multi-layer group, every window smaller than the cache), and tied with it
-#: otherwise or for small windows (see docs/architecture.md).
+#: pass over the window by 1.1-1.6x (tcmalloc) to 6-10x (glibc malloc) whenever that pass needs
+#: the window sliced out first (every window of a multi-layer group, every window smaller than the
+#: cache); it lost by ~1.2x only where the window is the whole storage of a single-layer group
+#: (see docs/architecture.md).
 MAX_CHUNK = 1024
 
 

@@ -314,8 +314,9 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
     by 0, which leaves them exactly as they are. With ``donate=True`` (or under
     ``jax.jit(..., donate_argnums=0)``) K is rotated in place: the input cache's K buffers become
     invalid, and so does every older snapshot sharing them. Otherwise the result is a new K
-    buffer and the input cache is untouched, which costs a fresh allocation of all of K (about 9x
-    the in-place time for a 268 MB K here, see ``benchmarks/bench_attention.py``).
+    buffer and the input cache is untouched, which costs a fresh allocation of all of K (2-4x the
+    in-place time for a 268 MB K here, depending on the allocator; see
+    ``benchmarks/bench_attention.py``).
     :func:`kvjax.update` calls this only when some delta is non-zero.
 
     Args:
