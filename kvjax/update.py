@@ -58,9 +58,9 @@ def update(cache: KVCache, *, donate: bool = False) -> KVCache:
 
     Args:
         cache: the cache (concrete, or traced inside ``jit``).
-        donate: (concrete cache) rotate K in place (see :func:`kvjax.k_shift`); the input
-            cache's K buffers become invalid when a shift ran. Inside ``jit``, donate the cache
-            to the jitted function instead.
+        donate: (concrete cache) shift and defrag in place (see :func:`kvjax.k_shift` and
+            ``kvjax.defrag.apply_pending``); the input cache's buffers become invalid when a step
+            ran. Inside ``jit``, donate the cache to the jitted function instead.
 
     Returns:
         The cache with no pending shift (every ``delta`` 0) and no pending defrag.
@@ -79,5 +79,5 @@ def update(cache: KVCache, *, donate: bool = False) -> KVCache:
     if shift:
         cache = k_shift(cache, donate=bool(donate))
     if defrag and apply_defrag is not None:
-        cache = apply_defrag(cache)
+        cache = apply_defrag(cache, donate=True) if donate else apply_defrag(cache)
     return cache

@@ -186,7 +186,8 @@ def test_update_then_pending_defrag():
         k = np.asarray(kvjax.view(c, 0, c.config.size)[0]).transpose(1, 0, 2)
         return sorted((int(pos[i]), tuple(seq[i].tolist()), k[i].round(5).tobytes()) for i in np.nonzero(pos >= 0)[0])
 
-    for out in (kvjax.update(pending), jax.jit(kvjax.update)(pending)):
+    donated = kvjax.update(jax.tree.map(lambda a: a + 0, pending), donate=True)
+    for out in (kvjax.update(pending), jax.jit(kvjax.update)(pending), donated):
         assert not bool(out.cells.defrag) and not bool(kvjax.has_shift(out))
         assert rows(out) == rows(shifted)
         n_used = int(kvjax.used_cells(out))
