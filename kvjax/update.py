@@ -9,9 +9,9 @@ Both steps are paid only when needed:
   With the cache donated (``jax.jit(kvjax.update, donate_argnums=0)``) the branch not taken costs
   a few microseconds and no copy.
 
-Difference from the seed: a traced cache without RoPE parameters (``config.rope is None``) keeps
-its deltas (nothing can rotate them and jitted code cannot raise); :func:`kvjax.has_shift` stays
-true so the host can tell. Outside ``jit`` that case raises, as the seed aborts.
+A cache without RoPE parameters (``config.rope is None``: ALiBi or position-free K) has nothing to
+rotate: a pending shift only clears the deltas, as the seed does for ``rope_type == NONE``. The
+new positions still take effect in masks (causality, windows, ALiBi distances).
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -25,32 +25,24 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.cells import has_shift as _has_shift
+from kvjax.defrag import apply_pending
 from kvjax.rope import _k_shift, k_shift
 from kvjax.validate import is_traced
-
-
-def _defrag_step():
-    """``kvjax.defrag.apply_pending`` when that module exists (it is written separately)."""
-    try:
-        # import_module, not attribute access: the package may re-export a function named defrag
-        module = importlib.import_module("kvjax.defrag")
-    except ModuleNotFoundError as err:
-        if err.name != "kvjax.defrag":
-            raise
-        return None
-    return getattr(module, "apply_pending", None)
 
 
 @jax.jit
 def _pending(cells):
     return jnp.stack([_has_shift(cells), cells.defrag])
+
+
+def _clear_deltas(cache: KVCache) -> KVCache:
+    """Without RoPE, K does not depend on position: a shift is only the cells' new positions."""
+    return cache.replace(cells=cache.cells.replace(delta=jnp.zeros_like(cache.cells.delta)))
 
 
 def update(cache: KVCache, *, donate: bool = False) -> KVCache:
@@ -65,19 +57,18 @@ def update(cache: KVCache, *, donate: bool = False) -> KVCache:
     Returns:
         The cache with no pending shift (every ``delta`` 0) and no pending defrag.
 
-    Raises:
-        ValueError: (concrete cache) a shift is pending but ``config.rope`` is None.
     """
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
-    apply_defrag = _defrag_step()
     if is_traced(cache.cells.delta) or is_traced(cache.cells.defrag):
         if cache.config.can_shift:
             cache = jax.lax.cond(_has_shift(cache.cells), _k_shift, lambda c: c, cache)
-        return apply_defrag(cache) if apply_defrag is not None else cache
+        else:
+            cache = _clear_deltas(cache)
+        return apply_pending(cache)
     shift, defrag = (bool(x) for x in jax.device_get(_pending(cache.cells)))
     if shift:
-        cache = k_shift(cache, donate=bool(donate))
-    if defrag and apply_defrag is not None:
-        cache = apply_defrag(cache, donate=True) if donate else apply_defrag(cache)
+        cache = k_shift(cache, donate=bool(donate)) if cache.config.can_shift else _clear_deltas(cache)
+    if defrag:
+        cache = apply_pending(cache, donate=bool(donate))
     return cache

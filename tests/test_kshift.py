@@ -161,12 +161,13 @@ def test_without_rope_config():
     moved = kvjax.seq_add(cache, 0, 0, -1, 2)
     with pytest.raises(ValueError, match="set CacheConfig.rope"):
         kvjax.k_shift(moved)
-    with pytest.raises(ValueError, match="set CacheConfig.rope"):
-        kvjax.update(moved)
-    assert kvjax.update(cache) is cache  # nothing pending: fine without RoPE
-    # traced: nothing can rotate K, the deltas stay pending for the host to see
-    kept = jax.jit(kvjax.update)(moved)
-    assert bool(kvjax.has_shift(kept))
+    # without RoPE (ALiBi, position-free K) update only clears the deltas, as the seed does for
+    # rope_type NONE: K is untouched, the new positions live in the cells
+    for done in (kvjax.update(moved), jax.jit(kvjax.update)(moved)):
+        assert not bool(kvjax.has_shift(done))
+        np.testing.assert_array_equal(np.asarray(done.k[0]), np.asarray(moved.k[0]))
+        assert kvjax.cell_table(done).pos[:3].tolist() == [2, 3, 4]
+    assert kvjax.update(cache) is cache  # nothing pending
     with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
         kvjax.update(moved.cells)
     with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
