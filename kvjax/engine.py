@@ -13,7 +13,8 @@ runs one batch the way llama.cpp does:
 5. schedule a defrag when fragmentation passes ``defrag_thold`` (applied by the next update).
 
 Restore/commit: because the dry run proves every ubatch fits before anything is written, a batch
-either fails before touching the cache or succeeds whole; there is no partial state to restore.
+either fails before placing anything (only the pending update of step 1 has been applied, as in
+the seed) or succeeds whole; there is no partial state to restore.
 
 :func:`generate` is the loop users write around it: several prompts at once, a shared prompt
 prefix evaluated once and shared with ``seq_cp``, parallel sampling of n continuations of one
@@ -36,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -46,11 +48,20 @@ from flax import nnx
 
 import kvjax
 from kvjax.cache import KVCache
+from kvjax.cells import cell_max, has_shift
+from kvjax.slots import prepare_cells
 from kvjax.compiles import CompileCounter
 from kvjax.errors import CacheFullError
 from kvjax.nn.step import make_step, windows_for
 from kvjax.sampling import SamplingConfig, sample
 from kvjax.ubatch import bucket_length, make_ubatch, split_simple
+
+
+@functools.partial(jax.jit, static_argnames="contiguous")
+def _plan(cells, ubatches, contiguous):
+    """Pending flags, the dry run of every ubatch and ``cell_max``, for one device-to-host read."""
+    ok, slots = prepare_cells(cells, ubatches, contiguous=contiguous)
+    return jnp.stack([has_shift(cells), cells.defrag]), ok, slots, cell_max(cells)
 
 
 class Engine:
@@ -101,25 +112,39 @@ class Engine:
             ``f32[n, V]`` logits (on the device).
 
         Raises:
-            kvjax.CacheFullError: the batch does not fit; ``engine.cache`` is unchanged.
-            ValueError: malformed tokens, positions or sequence ids.
+            kvjax.CacheFullError: the batch does not fit; nothing of it was placed or written (a
+                pending K-shift or defrag has been applied first, as in the seed).
+            ValueError: malformed tokens (non-integer, outside the vocabulary), positions or
+                sequence ids.
         """
-        tokens = np.asarray(tokens, np.int32).reshape(-1)
-        pos = np.asarray(pos, np.int64).reshape(-1)
+        tokens = np.asarray(tokens)
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens has dtype {tokens.dtype}: allowed integer token ids")
+        tokens = tokens.astype(np.int64).reshape(-1)
         if not (len(tokens) == len(pos) == len(seq_ids)) or len(tokens) == 0:
             raise ValueError(f"tokens, pos and seq_ids have lengths {len(tokens)}, {len(pos)}, {len(seq_ids)}: "
                              f"allowed one equal, positive length")
-        self.cache = kvjax.update(self.cache)
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
+            bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+            raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab})")
+        tokens = tokens.astype(np.int32)
+        pos = np.asarray(pos)
         parts = split_simple(seq_ids, self.n_ubatch)
-        ubatches = [make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
-                                n_seq_max=self.config.n_seq_max) for idx in parts]
-        ok, slots = kvjax.prepare(self.cache, ubatches, contiguous=self.contiguous)
+        ubatches = tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
+                                     n_seq_max=self.config.n_seq_max) for idx in parts)
+        # one transfer: pending work, whether the batch fits, where it goes, the current extent
+        pending, ok, slots, top = jax.device_get(_plan(self.cache.cells, ubatches, contiguous=self.contiguous))
+        if pending.any():  # the seed's order: apply the pending K-shift / defrag, then place
+            self.cache = kvjax.update(self.cache, donate=True)
+            pending, ok, slots, top = jax.device_get(_plan(self.cache.cells, ubatches, contiguous=self.contiguous))
         if not bool(ok):
             free = self.config.size - int(kvjax.used_cells(self.cache))
             raise CacheFullError(f"batch of {len(tokens)} tokens does not fit ({free} free cells of "
                                  f"{self.config.size}{', contiguous placement' if self.contiguous else ''}); "
-                                 f"the cache is unchanged: free cells with seq_rm or shift the context")
-        windows = windows_for(self.cache, slots)
+                                 f"nothing was placed (a pending K-shift or defrag was applied first, as "
+                                 f"llama_decode does): free cells with seq_rm or shift the context")
+        windows = windows_for(self.cache, slots, cell_max_now=top)
         outputs = []
         for idx, ub, n_kv in zip(parts, ubatches, windows):
             toks = np.zeros(ub.length, np.int32)
@@ -144,11 +169,21 @@ class Engine:
 
         Returns:
             The sequence's next position (its old one minus ``n_discard``).
+
+        Raises:
+            ValueError: bad ``n_keep`` / ``n_discard``, or the shifted range holds cells shared
+                with other sequences (shifting them would move those sequences too).
         """
         n_past = int(kvjax.seq_pos_max(self.cache, seq_id)) + 1
         if not (n_keep >= 0 and n_discard >= 1 and n_keep + n_discard <= n_past):
             raise ValueError(f"n_keep={n_keep}, n_discard={n_discard} are out of range: allowed n_keep >= 0, "
                              f"n_discard >= 1, n_keep + n_discard <= {n_past} (the sequence's length)")
+        table = kvjax.cell_table(self.cache)
+        moved = table.seqs[:, seq_id] & (table.pos >= n_keep + n_discard) & (table.pos < n_past)
+        if (table.seqs[moved].sum(axis=1) > 1).any():
+            raise ValueError(f"context shift of sequence {seq_id} would move cells it shares with other "
+                             f"sequences (seq_add moves a cell for all of them): allowed when every shared "
+                             f"position is below n_keep + n_discard = {n_keep + n_discard}; raise n_keep")
         self.cache = kvjax.seq_rm(self.cache, seq_id, n_keep, n_keep + n_discard)
         self.cache = kvjax.seq_add(self.cache, seq_id, n_keep + n_discard, n_past, -n_discard)
         return n_past - n_discard
@@ -209,8 +244,9 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         share_prefix: with several prompts, evaluate their longest common prefix once (in
             sequence 0) and share it with ``seq_cp``.
         stop_tokens: a sequence ends after emitting one of these.
-        n_ctx: per-sequence context limit; when a sequence's next position reaches it, a context
-            shift keeps ``n_keep`` tokens and discards half of the rest (llama.cpp's rule).
+        n_ctx: per-sequence context limit (default and maximum ``size // n_seq``, so no sequence
+            can run out of cells); when a sequence's next position reaches it, a context shift
+            keeps ``n_keep`` tokens and discards half of the rest (llama.cpp's rule).
         n_keep: tokens kept at the start on a context shift.
         stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts``.
 
@@ -226,8 +262,20 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
     if n_seq > engine.config.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.config.n_seq_max}")
-    if n_ctx is not None and not n_keep + 2 <= n_ctx:
-        raise ValueError(f"n_ctx={n_ctx} is out of range: allowed >= n_keep + 2 = {n_keep + 2}")
+    if int(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is out of range: allowed >= 1")
+    size = engine.config.size
+    n_ctx = size // n_seq if n_ctx is None else int(n_ctx)
+    if not n_keep + 2 <= n_ctx <= size // n_seq:
+        raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, size // n_seq = "
+                         f"{size // n_seq}] (every sequence must be able to reach its limit)")
+    longest = max(len(p) for p in prompts)
+    if longest >= n_ctx:
+        raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
+    busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0]
+    if busy:
+        raise ValueError(f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "
+                         f"free them with kvjax.seq_rm(cache, s) (or use a fresh cache)")
     stats = {} if stats is None else stats
     stop = set(int(t) for t in stop_tokens)
     t0 = time.perf_counter()
@@ -241,6 +289,11 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     else:
         shared, own = [], prompts
     prompt_tokens = 0
+    first_discard = n_keep + (n_ctx - n_keep) // 2
+    if len(shared) > first_discard and max_new_tokens + longest > n_ctx:
+        raise ValueError(f"the shared prompt ({len(shared)} tokens) would be moved by a context shift, which "
+                         f"would shift it for every sequence: allowed at most n_keep + (n_ctx - n_keep) // 2 = "
+                         f"{first_discard} shared tokens; raise n_keep or n_ctx, or pass share_prefix=False")
     if shared:
         shared_logits = engine.decode(shared, list(range(len(shared))), [[0]] * len(shared))
         for s in range(1, n_seq):

@@ -215,3 +215,73 @@ def test_generate_bad_arguments():
         generate(engine, PROMPTS[:2], max_new_tokens=2, key=jax.random.PRNGKey(0), n_parallel=2)
     with pytest.raises(ValueError, match="lengths"):
         engine.decode([1, 2], [0], [[0], [0]])
+
+
+def test_parallel_context_shift_keeps_every_continuation_exact():
+    """n_parallel sequences share the prompt; each shifts its own context without moving the others."""
+    prompt = PROMPTS[0]
+    out = generate(make_engine(size=128, cfg=CFG_1), [prompt], max_new_tokens=30, key=jax.random.PRNGKey(0),
+                   sampling=GREEDY, n_parallel=3, n_ctx=24, n_keep=4)
+    expected = reference_greedy(prompt, 30, n_ctx=24, n_keep=4, cfg=CFG_1)
+    assert out.context_shifts >= 3
+    assert out.tokens == [expected] * 3
+
+
+def test_shift_of_shared_cells_is_refused():
+    engine = make_engine(size=128, cfg=CFG_1)
+    with pytest.raises(ValueError, match=r"the shared prompt \(20 tokens\) would be moved by a context shift"):
+        generate(engine, [list(range(1, 21))], max_new_tokens=30, key=jax.random.PRNGKey(0), n_parallel=2,
+                 n_ctx=24, n_keep=2)
+    engine = make_engine(size=128, cfg=CFG_1)
+    engine.decode(list(range(1, 11)), list(range(10)), [[0]] * 10)
+    engine.cache = kvjax.seq_cp(engine.cache, 0, 1)
+    before = kvjax.cell_table(engine.cache)
+    with pytest.raises(ValueError, match="would move cells it shares with other sequences"):
+        engine.context_shift(0, 2, 3)
+    np.testing.assert_array_equal(kvjax.cell_table(engine.cache).pos, before.pos)
+
+
+def test_generate_refuses_busy_sequences_and_empty_budgets():
+    engine = make_engine()
+    engine.decode([1, 2], [0, 1], [[1], [1]])
+    with pytest.raises(ValueError, match=r"sequences \[1\] already hold cells"):
+        generate(engine, PROMPTS[:2], max_new_tokens=2, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"max_new_tokens=0 is out of range: allowed >= 1"):
+        generate(make_engine(), PROMPTS[:1], max_new_tokens=0, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"n_ctx=500 is out of range"):
+        generate(make_engine(), PROMPTS[:1], max_new_tokens=2, key=jax.random.PRNGKey(0), n_ctx=500)
+
+
+def test_decode_validates_tokens():
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"tokens contains 48: allowed ids in \[0, 48\)"):
+        engine.decode([48], [0], [[0]])
+    with pytest.raises(ValueError, match=r"tokens contains -5"):
+        engine.decode([-5], [0], [[0]])
+    with pytest.raises(ValueError, match=r"tokens has dtype float64"):
+        engine.decode([1.5], [0], [[0]])
+
+
+def test_multi_ubatch_batch_that_does_not_fit_places_nothing():
+    engine = make_engine(size=32, n_seq_max=2, n_ubatch=4)
+    engine.decode(list(range(1, 21)), list(range(20)), [[0]] * 20)
+    before = kvjax.cell_table(engine.cache)
+    with pytest.raises(kvjax.CacheFullError):  # 3 ubatches; the first two would fit
+        engine.decode(list(range(1, 14)), list(range(13)), [[1]] * 13)
+    for a, b in zip(before, kvjax.cell_table(engine.cache)):
+        np.testing.assert_array_equal(a, b)
+    logits = engine.decode(list(range(1, 13)), list(range(12)), [[1]] * 12)
+    np.testing.assert_allclose(np.asarray(logits[-1]), uncached_last_logits(list(range(1, 13))), atol=1e-4)
+
+
+def test_defrag_threshold_schedules_and_the_next_decode_applies_it():
+    engine = make_engine(size=2048, n_seq_max=2, n_ubatch=512, defrag_thold=0.5)
+    seq1 = [7, 8, 9, 10] * 25
+    engine.decode([3] * 1940 + seq1, list(range(1940)) + list(range(100)), [[0]] * 1940 + [[1]] * 100)
+    assert not bool(engine.cache.cells.defrag)  # full cache: no fragmentation
+    engine.cache = kvjax.seq_rm(engine.cache, 0)
+    engine.decode([11], [100], [[1]])  # fragmentation 1 - (101 + 32) / 2048 > 0.5: scheduled
+    assert bool(engine.cache.cells.defrag) and int(kvjax.cell_max(engine.cache)) > 2000
+    logits = engine.decode([12], [101], [[1]])  # update applies the defrag first
+    assert int(kvjax.cell_max(engine.cache)) == 102 and not bool(engine.cache.cells.defrag)
+    np.testing.assert_allclose(np.asarray(logits[0]), uncached_last_logits(seq1 + [11, 12]), atol=1e-4)

@@ -227,11 +227,13 @@ def window_for(cache: KVCache, n_tokens: int) -> int:
     return _bucket(cache, int(_needed(cache.cells, np.int32(n))))
 
 
-def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]]) -> List[int]:
+def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]], *, cell_max_now: Optional[int] = None
+                ) -> List[int]:
     """The exact window of each ubatch of a batch, from the slots of ``kvjax.prepare``.
 
     After ubatch ``i`` is placed the last used cell is the larger of the cache's ``cell_max`` and
-    the largest slot of ubatches ``0..i`` (cells are only added during a batch).
+    the largest slot of ubatches ``0..i`` (cells are only added during a batch). A caller that
+    read ``cell_max`` already (with the slots, in one transfer) passes it as ``cell_max_now``.
 
     Example:
         >>> import kvjax
@@ -243,7 +245,7 @@ def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]]) -> List[int]:
     """
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
-    top = int(jax.device_get(cell_max(cache.cells)))
+    top = int(jax.device_get(cell_max(cache.cells))) if cell_max_now is None else int(cell_max_now)
     out = []
     for slot in jax.device_get(tuple(slots)):
         slot = np.asarray(slot)
