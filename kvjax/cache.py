@@ -117,6 +117,11 @@ def total_size(x: Union[KVCache, CacheConfig]) -> int:
 # -- K/V rows ----------------------------------------------------------------------------------
 
 
+def _require_cache(cache) -> None:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+
+
 def _layer_index(config: CacheConfig, layer):
     """(group, index in group, valid) for a static or traced model layer id."""
     if not is_traced(layer):
@@ -166,6 +171,7 @@ def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"]
         >>> kvjax.view(cache, 0, 32)[0][0, 2:5, 0].tolist()
         [0.0, 1.0, 0.0]
     """
+    _require_cache(cache)
     cfg = cache.config
     g, index, layer_ok = _layer_index(cfg, layer)
     grp = cfg.groups[g]
@@ -199,12 +205,14 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
 
     Args:
         cache: the cache.
-        layer: model layer id (static int, or traced within a single layer group).
+        layer: model layer id (static int, or traced within a single layer group; a traced id
+            that is not a cached layer cannot raise and reads the group's first layer).
         n_kv: static window N, a positive multiple of ``padding`` and at most ``size``.
 
     Returns:
         ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes.
     """
+    _require_cache(cache)
     cfg = cache.config
     n_kv = check_window(n_kv, cfg.padding, cfg.size)
     g, index, _ = _layer_index(cfg, layer)

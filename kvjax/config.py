@@ -235,6 +235,9 @@ class CacheConfig:
             return tuple(range(self.n_layer))
         if callable(flt):
             return tuple(il for il in range(self.n_layer) if flt(il))
+        flt = tuple(flt)
+        for il in flt:
+            _require(_is_int(il), "layer_filter", il, "integer layer ids")
         layers = tuple(sorted(set(int(il) for il in flt)))
         for il in layers:
             _require(0 <= il < self.n_layer, "layer_filter", il, f"layer ids in [0, {self.n_layer})")

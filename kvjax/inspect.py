@@ -41,6 +41,8 @@ class CellTable(NamedTuple):
 
 def cell_table(cache: KVCache) -> CellTable:
     """The cells as numpy arrays (one device-to-host transfer)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
     cells = cache.cells
     words = np.asarray(cells.seq)
     bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [C, W, 32]
@@ -64,6 +66,8 @@ def cell_map(cache: KVCache, width: int = 64) -> str:
     A-Z; ``#`` beyond), ``+`` a cell shared by several sequences. The first line gives the
     counts.
     """
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
+        raise ValueError(f"width={width!r} is out of range: allowed an integer >= 1")
     table = cell_table(cache)
     used = int(table.seqs.any(axis=1).sum())
     size = table.pos.shape[0]

@@ -48,6 +48,11 @@ def _check_cache(cache):
     return cache.config.n_seq_max
 
 
+def _check_flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool (True or False)")
+
+
 def _range_args(p0, p1):
     check_position("p0", p0)
     check_position("p1", p1)
@@ -189,6 +194,14 @@ def n_kv(cache: KVCache) -> Int[Array, ""]:
 def _check_ubatch(cache: KVCache, ubatch: Ubatch):
     if not isinstance(ubatch, Ubatch):
         raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
+    t = np.shape(ubatch.pos)
+    if len(t) != 1 or np.shape(ubatch.valid) != t or len(np.shape(ubatch.seq_ids)) != 2 or \
+            np.shape(ubatch.seq_ids)[0] != t[0]:
+        raise ValueError(f"ubatch has pos {np.shape(ubatch.pos)}, seq_ids {np.shape(ubatch.seq_ids)}, valid "
+                         f"{np.shape(ubatch.valid)}: allowed [T], [T, M], [T] (build it with kvjax.make_ubatch)")
+    for name in ("pos", "seq_ids"):
+        if not jnp.issubdtype(jnp.result_type(getattr(ubatch, name)), jnp.integer):
+            raise ValueError(f"ubatch.{name} has dtype {jnp.result_type(getattr(ubatch, name))}: allowed integers")
     if any(is_traced(x) for x in (ubatch.pos, ubatch.seq_ids, ubatch.valid)):
         return
     valid = np.asarray(ubatch.valid)
@@ -225,6 +238,7 @@ def find_slot(cache: KVCache, ubatch: Ubatch, *, contiguous: bool = True
     """
     _check_cache(cache)
     _check_ubatch(cache, ubatch)
+    _check_flag("contiguous", contiguous)
     cells, slot, ok = _slots.find_slot_cells(cache.cells, ubatch, contiguous=bool(contiguous))
     return cache.replace(cells=cells), slot, ok
 
@@ -239,6 +253,7 @@ def prepare(cache: KVCache, ubatches: Sequence[Ubatch], *, contiguous: bool = Tr
         :func:`find_slot`, which finds the same slots.
     """
     _check_cache(cache)
+    _check_flag("contiguous", contiguous)
     for ub in ubatches:
         _check_ubatch(cache, ub)
     return _slots.prepare_cells(cache.cells, tuple(ubatches), contiguous=bool(contiguous))

@@ -37,6 +37,12 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name}={value!r} must be a number")
+        if isinstance(self.top_k, bool):
+            raise ValueError(f"top_k={self.top_k!r} is out of range: allowed an integer >= 0 (0 = off)")
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature} is out of range: allowed >= 0 (0 = greedy)")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):

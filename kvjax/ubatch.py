@@ -83,6 +83,14 @@ def bucket_length(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _int_array(name: str, values) -> np.ndarray:
+    """Integers as int64; floats and other kinds are refused rather than truncated."""
+    arr = np.asarray(values)
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+        raise ValueError(f"{name} has dtype {arr.dtype}: allowed integers")
+    return arr.astype(np.int64)
+
+
 def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length: Optional[int] = None,
                 n_seq_max: Optional[int] = None) -> Ubatch:
     """Build a :class:`Ubatch` from host lists or numpy arrays.
@@ -102,9 +110,9 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         ValueError: on mismatched lengths, empty or negative sequence lists, positions out of
             range, or ``length < n``.
     """
-    pos = np.asarray(pos, dtype=np.int64).reshape(-1)
+    pos = _int_array("pos", pos).reshape(-1)
     n = pos.shape[0]
-    seq_lists = [list(np.asarray(s, dtype=np.int64).reshape(-1)) for s in seq_ids]
+    seq_lists = [list(_int_array(f"seq_ids[{i}]", s).reshape(-1)) for i, s in enumerate(seq_ids)]
     if len(seq_lists) != n:
         raise ValueError(f"seq_ids has {len(seq_lists)} entries: allowed exactly one per token (len(pos)={n})")
     if n and (pos.min() < 0 or pos.max() > INT32_MAX):
@@ -136,7 +144,7 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
 
 
 def _check_split(seq_ids, n_ubatch):
-    if int(n_ubatch) < 1:
+    if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, (int, np.integer)) or n_ubatch < 1:
         raise ValueError(f"n_ubatch={n_ubatch} is out of range: allowed >= 1")
     return [tuple(sorted(set(int(x) for x in s))) for s in seq_ids]
 

@@ -106,6 +106,13 @@ def test_write_bad_input(bad, match):
         kvjax.write(cache, args["layer"], args["slot"], args["k"], args["v"])
 
 
+def test_write_and_view_need_a_cache():
+    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+        kvjax.view(None, 0, 16)
+    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+        kvjax.write({}, 0, jnp.array([0]), jnp.ones((1, 2, 8)), jnp.ones((1, 2, 8)))
+
+
 @pytest.mark.parametrize("n_kv, match", [(8, "multiple of padding=16"), (80, "at most size=64"), (0, "n_kv=0")])
 def test_view_bad_window(n_kv, match):
     with pytest.raises(ValueError, match=match):

@@ -44,6 +44,7 @@ def test_dtypes_normalized():
     ("head_dim", 0, r"head_dim=0"),
     ("k_dtype", "int8", r"k_dtype='int8' is not a supported storage dtype"),
     ("layer_filter", [5], r"layer_filter=5 is out of range: allowed layer ids in \[0, 2\)"),
+    ("layer_filter", [0.5], r"layer_filter=0.5 is out of range: allowed integer layer ids"),
     ("swa_type", "sideways", r"swa_type='sideways' is not a sliding-window kind"),
     ("n_swa", -1, r"n_swa=-1"),
 ])

@@ -24,3 +24,11 @@ def test_cell_map_lines():
     lines = text.splitlines()
     assert lines[0] == "cells 5/64 used, head 0, n_kv 16, cell_max 5"
     assert lines[1] == "01+30" + "." * 27 and lines[2] == "." * 32
+
+
+def test_inspection_bad_input():
+    import pytest
+    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+        kvjax.cell_table(None)
+    with pytest.raises(ValueError, match=r"width=0 is out of range: allowed an integer >= 1"):
+        kvjax.cell_map(kvjax.init(small_config()), width=0)

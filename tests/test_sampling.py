@@ -47,3 +47,9 @@ def test_same_key_same_tokens_and_temperature_sharpens():
 def test_bad_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=True), dict(temperature="a"), dict(top_p=None)])
+def test_bad_config_types(kwargs):
+    with pytest.raises(ValueError):
+        SamplingConfig(**kwargs)

@@ -116,3 +116,21 @@ def test_prepare_reports_and_keeps_nothing(jit):
     with CompileCounter() as counter:
         prepare(c2, fits)
     assert counter.count == 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: kvjax.make_ubatch([0.7, 1.9], [[0], [0]]), r"pos has dtype float64: allowed integers"),
+    (lambda: kvjax.make_ubatch([0], [[0.5]]), r"seq_ids\[0\] has dtype float64: allowed integers"),
+    (lambda: kvjax.split_simple([[0]], 2.5), r"n_ubatch=2.5 is out of range"),
+    (lambda: kvjax.find_slot(kvjax.init(small_config()), kvjax.make_ubatch([0], [[0]]), contiguous="no"),
+     r"contiguous='no' must be a bool"),
+    (lambda: kvjax.find_slot(kvjax.init(small_config()),
+                             kvjax.Ubatch(pos=np.zeros(2, np.float32), seq_ids=np.zeros((2, 1), np.int32),
+                                          valid=np.ones(2, bool))), r"ubatch.pos has dtype float32"),
+    (lambda: kvjax.find_slot(kvjax.init(small_config()),
+                             kvjax.Ubatch(pos=np.zeros(2, np.int32), seq_ids=np.zeros((3, 1), np.int32),
+                                          valid=np.ones(2, bool))), r"allowed \[T\], \[T, M\], \[T\]"),
+])
+def test_no_silent_truncation(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
