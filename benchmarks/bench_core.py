@@ -50,9 +50,15 @@ def _ops(size):
         ("seq_keep", lambda c: kvjax.seq_keep(c, 0), lambda r: r.seq_keep(0)),
         ("seq_add", lambda c: kvjax.seq_add(c, 3, q, -1, -7), lambda r: r.seq_add(3, q, -1, -7)),
         ("seq_div", lambda c: kvjax.seq_div(c, 3, 0, -1, 2), lambda r: r.seq_div(3, 0, -1, 2)),
+        ("seq_pos_min", lambda c: kvjax.seq_pos_min(c, 1), lambda r: r.seq_pos_min(1)),
         ("seq_pos_max", lambda c: kvjax.seq_pos_max(c, 1), lambda r: r.seq_pos_max(1)),
-        ("used_cells", lambda c: kvjax.used_cells(c), lambda r: r.used_cells()),
+        ("pos_max", lambda c: kvjax.pos_max(c), lambda r: r.pos_max()),
+        ("n_tokens", lambda c: kvjax.n_tokens(c), lambda r: r.n_tokens()),
+        ("used_cells (reference: a counter)", lambda c: kvjax.used_cells(c), lambda r: r.used_cells()),
+        ("cell_max", lambda c: kvjax.cell_max(c), lambda r: r.cell_max()),
         ("n_kv", lambda c: kvjax.n_kv(c), lambda r: r.n_kv()),
+        ("has_shift", lambda c: kvjax.has_shift(c), lambda r: any(cell.delta for cell in r.cells)),
+        ("clear", lambda c: kvjax.clear(c), lambda r: r.clear()),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvjax demo | bench | inspect``.
+"""Command line: ``python -m kvjax demo | train | bench``.
 
 - ``demo``: the main job (see :mod:`kvjax.demo`).
 - ``train [--steps N]``: train the demo's character model (writes ``kvjax/data/charlm.npz``).

@@ -6,9 +6,9 @@ Two policies:
   search restarts at cell 0; then the first window of ``n`` free cells is taken, scanning start
   positions from ``head`` up to ``size - n`` and then wrapping to ``[0, head)``. ``head`` ends at
   the window's first cell. It fails when no window is free or ``n > size``.
-- **scattered** (``contiguous=False``, what newer llama.cpp does): the first ``n`` free cells in
-  cyclic order from ``head`` (after the same reset rule), in any arrangement, so fragmentation
-  never refuses a batch that fits; ``head`` ends one past the last cell used.
+- **scattered** (``contiguous=False``, in the spirit of newer llama.cpp's non-contiguous slots):
+  the first ``n`` free cells in cyclic order from ``head`` (after the same reset rule), so
+  fragmentation never refuses a batch that fits; ``head`` ends one past the last cell used.
 
 The seed scans cell by cell in a host loop; here the search is a prefix sum of occupied cells
 (window occupancy in O(1) per start) and an argmin over the cyclic order, O(C) on device.

@@ -152,8 +152,10 @@ def test_donated_step_updates_buffers_in_place():
             cache = kvjax.write(cache, layer, slot, k, v)
         return cache
 
-    jstep = jax.jit(step, donate_argnums=0)
     rows = jnp.ones((1, 4, 64))
+    kept = jax.jit(step)(cache, ub, rows, rows)  # without donation: a new buffer every call
+    assert kept.k[0].unsafe_buffer_pointer() != cache.k[0].unsafe_buffer_pointer()
+    jstep = jax.jit(step, donate_argnums=0)
     cache = jstep(cache, ub, rows, rows)  # warm-up (the first output is a fresh buffer)
     k_ptr, v_ptr = cache.k[0].unsafe_buffer_pointer(), cache.v[0].unsafe_buffer_pointer()
     for p in range(1, 4):

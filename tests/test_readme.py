@@ -1,0 +1,12 @@
+"""The README's Python example runs as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_example_runs(capsys):
+    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    exec(compile(code, str(README), "exec"), {})
+    assert capsys.readouterr().out.startswith("cells 3/256 used")
