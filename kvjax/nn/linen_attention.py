@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from kvjax._typing import Array, Float, Int
 from kvjax.cache import KVCache
 from kvjax.config import RopeConfig, SwaType
-from kvjax.nn.nnx_attention import (alibi_slopes, attend_cached, attend_uncached, check_heads,
+from kvjax.nn.nnx_attention import (alibi_slopes, attend_cached, attend_uncached, check_heads, project_qkv,
                                     check_layer_cache)
 from kvjax.ubatch import Ubatch
 
@@ -85,11 +85,7 @@ class LinenCachedAttention(nn.Module):
         return dict(rope=self.rope, alibi=alibi, swa_type=SwaType(self.swa_type), n_swa=int(self.n_swa))
 
     def _qkv(self, x):
-        lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(lead + (self.n_heads, self.head_dim))
-        k = self.k_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
-        return q, k, v
+        return project_qkv(self, x)
 
     def __call__(self, x: Float[Array, "T E"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
                  n_kv: int, mask: Optional[Float[Array, "T N"]] = None

@@ -218,6 +218,19 @@ class MLP(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+def block_cached(block, x, cache, ubatch, slot, *, n_kv, mask=None):
+    """Pre-norm residual block through the cache (shared by the NNX and linen blocks)."""
+    h, cache = block.attn(block.attn_norm(x), cache, ubatch, slot, n_kv=n_kv, mask=mask)
+    x = x + h
+    return x + block.mlp(block.mlp_norm(x)), cache
+
+
+def block_uncached(block, x, pos):
+    """The same block without a cache."""
+    x = x + block.attn.uncached(block.attn_norm(x), pos)
+    return x + block.mlp(block.mlp_norm(x))
+
+
 class Block(nnx.Module):
     """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
@@ -233,14 +246,11 @@ class Block(nnx.Module):
         self.mlp = MLP(config.d_model, config.ff_size, rngs=rngs)
 
     def __call__(self, x, cache, ubatch, slot, *, n_kv, mask=None):
-        h, cache = self.attn(self.attn_norm(x), cache, ubatch, slot, n_kv=n_kv, mask=mask)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        return block_cached(self, x, cache, ubatch, slot, n_kv=n_kv, mask=mask)
 
     def uncached(self, x, pos):
         """``x [B, T, E]``, ``pos i32[B, T]``: the block without a cache."""
-        x = x + self.attn.uncached(self.attn_norm(x), pos)
-        return x + self.mlp(self.mlp_norm(x))
+        return block_uncached(self, x, pos)
 
 
 class Llama(nnx.Module):

@@ -31,7 +31,7 @@ from flax import nnx
 from kvjax._typing import Array, Float, Int
 from kvjax.cache import KVCache
 from kvjax.nn.linen_attention import LinenCachedAttention
-from kvjax.nn.llama import Llama, LlamaConfig, check_tokens
+from kvjax.nn.llama import Llama, LlamaConfig, block_cached, block_uncached, check_tokens
 from kvjax.nn.nnx_attention import layer_mask
 from kvjax.ubatch import Ubatch
 
@@ -68,13 +68,10 @@ class _Block(nn.Module):
         self.mlp = _MLP(cfg.ff_size, cfg.d_model)
 
     def __call__(self, x, cache, ubatch, slot, *, n_kv, mask=None):
-        h, cache = self.attn(self.attn_norm(x), cache, ubatch, slot, n_kv=n_kv, mask=mask)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        return block_cached(self, x, cache, ubatch, slot, n_kv=n_kv, mask=mask)
 
     def uncached(self, x, pos):
-        x = x + self.attn.uncached(self.attn_norm(x), pos)
-        return x + self.mlp(self.mlp_norm(x))
+        return block_uncached(self, x, pos)
 
 
 class LlamaLinen(nn.Module):

@@ -240,6 +240,18 @@ def check_layer_cache(cache: KVCache, layer: int, n_kv_heads: int, head_dim: int
                          f"head_dim={head_dim}")
 
 
+def project_qkv(layer, x):
+    """Q ``[..., Hq, D]``, K and V ``[..., H, D]`` of ``x [..., E]`` through ``layer``'s projections.
+
+    Shared by the NNX and linen layers, which both name them ``q_proj``, ``k_proj``, ``v_proj``.
+    """
+    lead = x.shape[:-1]
+    q = layer.q_proj(x).reshape(lead + (layer.n_heads, layer.head_dim))
+    k = layer.k_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
+    v = layer.v_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
+    return q, k, v
+
+
 class CachedAttention(nnx.Module):
     """Multi-head attention with grouped-query heads that reads and writes a kvjax cache.
 
@@ -279,11 +291,7 @@ class CachedAttention(nnx.Module):
         self.o_proj = nnx.Linear(n_heads * head_dim, d_model, **lin)
 
     def _qkv(self, x):
-        lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(lead + (self.n_heads, self.head_dim))
-        k = self.k_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(lead + (self.n_kv_heads, self.head_dim))
-        return q, k, v
+        return project_qkv(self, x)
 
     def __call__(self, x: Float[Array, "T E"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
                  n_kv: int, mask: Optional[Float[Array, "T N"]] = None
