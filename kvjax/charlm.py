@@ -18,7 +18,6 @@ import pathlib
 import time
 from typing import Optional, Tuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

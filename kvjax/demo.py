@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 
 import jax
-import numpy as np
 
 import kvjax
 from kvjax import charlm

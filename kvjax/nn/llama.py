@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import kvjax
 from kvjax._typing import Array, Float, Int
 from kvjax.cache import KVCache
 from kvjax.config import CacheConfig, RopeConfig, SwaType
@@ -253,6 +252,39 @@ class Block(nnx.Module):
         return block_uncached(self, x, pos)
 
 
+def model_cached(model, tokens, cache, ubatch, slot, *, n_kv):
+    """The cached pass of a Llama (shared by the NNX model and its linen twin)."""
+    cfg = model.config
+    cfg.check_cache(cache)
+    check_tokens(tokens, ubatch, cfg.vocab_size)
+    kinds = cfg.mask_kinds()
+    # one mask per kind of layer (the cells do not change between layers, only K/V do)
+    masks = {kind: layer_mask(cache, ubatch, n_kv, alibi=kind[0], swa_type=kind[1], n_swa=kind[2])
+             for kind in set(kinds.values())}
+    x = model.embed(tokens)
+    for il, block in enumerate(model.layers):
+        x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[kinds[il]])
+    return model._logits(x), cache
+
+
+def model_uncached(model, tokens, positions=None):
+    """The uncached pass of a Llama (shared by the NNX model and its linen twin)."""
+    tokens = jnp.asarray(tokens)
+    squeeze = tokens.ndim == 1
+    if squeeze:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens has shape {tokens.shape}: allowed [B, T] or [T]")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    positions = jnp.asarray(positions, jnp.int32).reshape(tokens.shape)
+    x = model.embed(tokens)
+    for block in model.layers:
+        x = block.uncached(x, positions)
+    out = model._logits(x)
+    return out[0] if squeeze else out
+
+
 class Llama(nnx.Module):
     """The reference decoder-only model (see the module docstring).
 
@@ -290,16 +322,7 @@ class Llama(nnx.Module):
             ``(logits f32[T, V], cache)``: the logits of every row (padding rows carry no meaning)
             and the cache with every layer's K/V written.
         """
-        self.config.check_cache(cache)
-        check_tokens(tokens, ubatch, self.config.vocab_size)
-        kinds = self.config.mask_kinds()
-        # one mask per kind of layer (the cells do not change between layers, only K/V do)
-        masks = {kind: layer_mask(cache, ubatch, n_kv, alibi=kind[0], swa_type=kind[1], n_swa=kind[2])
-                 for kind in set(kinds.values())}
-        x = self.embed(tokens)
-        for il, block in enumerate(self.layers):
-            x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[kinds[il]])
-        return self._logits(x), cache
+        return model_cached(self, tokens, cache, ubatch, slot, n_kv=n_kv)
 
     def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
                 ) -> Float[Array, "B T V"]:
@@ -313,18 +336,4 @@ class Llama(nnx.Module):
             ``f32[B, T, V]`` logits (``[T, V]`` for a 1-d input). Trailing padding of a row does
             not change the logits of the tokens before it (attention is causal by position).
         """
-        tokens = jnp.asarray(tokens)
-        squeeze = tokens.ndim == 1
-        if squeeze:
-            tokens = tokens[None]
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens has shape {tokens.shape}: allowed [B, T] or [T]")
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        positions = jnp.asarray(positions, jnp.int32).reshape(tokens.shape)
-
-        x = self.embed(tokens)
-        for block in self.layers:
-            x = block.uncached(x, positions)
-        out = self._logits(x)
-        return out[0] if squeeze else out
+        return model_uncached(self, tokens, positions)

@@ -25,14 +25,12 @@ from typing import Optional, Tuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
 from kvjax.cache import KVCache
 from kvjax.nn.linen_attention import LinenCachedAttention
-from kvjax.nn.llama import Llama, LlamaConfig, block_cached, block_uncached, check_tokens
-from kvjax.nn.nnx_attention import layer_mask
+from kvjax.nn.llama import Llama, LlamaConfig, block_cached, block_uncached, model_cached, model_uncached
 from kvjax.ubatch import Ubatch
 
 __all__ = ["LlamaLinen", "params_from_nnx"]
@@ -102,34 +100,12 @@ class LlamaLinen(nn.Module):
 
         Arguments as :meth:`kvjax.nn.Llama.__call__`.
         """
-        cfg = self.config
-        cfg.check_cache(cache)
-        check_tokens(tokens, ubatch, cfg.vocab_size)
-        kinds = cfg.mask_kinds()
-        masks = {kind: layer_mask(cache, ubatch, n_kv, alibi=kind[0], swa_type=kind[1], n_swa=kind[2])
-                 for kind in set(kinds.values())}
-        x = self.embed(tokens)
-        for il, block in enumerate(self.layers):
-            x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[kinds[il]])
-        return self._logits(x), cache
+        return model_cached(self, tokens, cache, ubatch, slot, n_kv=n_kv)
 
     def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
                 ) -> Float[Array, "B T V"]:
         """The uncached pass, each row one sequence (see :meth:`kvjax.nn.Llama.forward`)."""
-        tokens = jnp.asarray(tokens)
-        squeeze = tokens.ndim == 1
-        if squeeze:
-            tokens = tokens[None]
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens has shape {tokens.shape}: allowed [B, T] or [T]")
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        positions = jnp.asarray(positions, jnp.int32).reshape(tokens.shape)
-        x = self.embed(tokens)
-        for block in self.layers:
-            x = block.uncached(x, positions)
-        out = self._logits(x)
-        return out[0] if squeeze else out
+        return model_uncached(self, tokens, positions)
 
 
 def params_from_nnx(model: Llama) -> dict:
