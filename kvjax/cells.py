@@ -104,6 +104,19 @@ def seq_bits(seq_id: Int[Array, "..."], n_words: int) -> UInt32[Array, "... W"]:
     return jnp.where(hit, bit, jnp.uint32(0))
 
 
+def prefix_sum(x: Int[Array, "C"]) -> Int[Array, "C"]:
+    """Inclusive prefix sum as int32 (``jnp.cumsum``'s result, computed faster).
+
+    ``jnp.cumsum`` lowers to a ``reduce_window`` as wide as the array, which XLA's CPU backend
+    ran at ~230 us for 32768 cells; a log-depth ``associative_scan`` took ~60 us.
+
+    Example:
+        >>> prefix_sum(jnp.array([1, 0, 1, 1])).tolist()
+        [1, 1, 2, 3]
+    """
+    return jax.lax.associative_scan(jnp.add, x.astype(jnp.int32))
+
+
 def is_used(cells: Cells) -> Bool[Array, "C"]:
     """Cells that hold at least one sequence."""
     return jnp.any(cells.seq != 0, axis=-1)

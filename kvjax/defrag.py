@@ -97,7 +97,7 @@ from flax import struct
 
 from kvjax._typing import Array, Bool, Float, Int, IntLike
 from kvjax.cache import KVCache
-from kvjax.cells import Cells, has_seq, is_used, n_kv as _cells_n_kv
+from kvjax.cells import Cells, has_seq, is_used, n_kv as _cells_n_kv, prefix_sum
 from kvjax.errors import ErrorFlag
 from kvjax.validate import check_seq_id, concrete_int, is_traced
 
@@ -260,7 +260,7 @@ def _seed_plan(cells: Cells, max_moves) -> DefragPlan:
     n_used = jnp.sum(used, dtype=jnp.int32)
     # Holes are the empty cells below n_used; the seed fills them in cell order, so rank them.
     hole = ~used & (idx < n_used)
-    rank = jnp.cumsum(hole, dtype=jnp.int32) - 1
+    rank = prefix_sum(hole) - 1
     first = hole & ~_shift_down(hole, False)
     last = hole & ~_shift_up(hole, False)
     run_lo = jax.lax.cummax(jnp.where(first, rank, -1))                       # rank of the hole's first cell
@@ -269,7 +269,7 @@ def _seed_plan(cells: Cells, max_moves) -> DefragPlan:
     # takes them from the end of the cache: a source's order is the number of used cells after it.
     # A hole takes the next run of them in that order and lays them out in increasing cell order,
     # so the hole cell of rank r receives the source of order run_lo + run_hi - r.
-    after = n_used - jnp.cumsum(used, dtype=jnp.int32)
+    after = n_used - prefix_sum(used)
     is_src = used & (idx >= n_used)
     by_order = jnp.zeros(size, jnp.int32).at[jnp.where(is_src, after, size)].set(idx, mode="drop")
     take = jnp.where(hole, run_lo + run_hi - rank, 0)
@@ -277,7 +277,7 @@ def _seed_plan(cells: Cells, max_moves) -> DefragPlan:
     # The seed counts a move per run of adjacent sources within one hole and stops once the cap
     # is reached: a cell moves iff its run's number (in planning order) is within the cap.
     starts = _run_starts(hole, jnp.where(hole, from_cell, -2))
-    move_no = jnp.cumsum(starts, dtype=jnp.int32)
+    move_no = prefix_sum(starts)
     moved = hole & (move_no <= max_moves)
     # Metadata permutation: the moved cell's content goes to the hole, the empty hole to the source.
     src = idx.at[jnp.where(moved, idx, size)].set(from_cell, mode="drop")

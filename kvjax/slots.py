@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Bool, Int
-from kvjax.cells import Cells, is_used
+from kvjax.cells import Cells, is_used, prefix_sum
 from kvjax.errors import ErrorFlag
 from kvjax.ubatch import Ubatch
 
@@ -50,7 +50,7 @@ def _contiguous_start(cells: Cells, head, n):
     """First start of ``n`` free cells in cyclic start order from ``head``; (found, start)."""
     size = cells.size
     occupied = (cells.pos >= 0).astype(jnp.int32)
-    prefix = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(occupied, dtype=jnp.int32)])
+    prefix = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(occupied)])
     starts = jnp.arange(size, dtype=jnp.int32)
     ends = starts + n
     fits = ends <= size
@@ -69,7 +69,7 @@ def _scattered_cells(cells: Cells, head, length: int):
     after = free & (idx >= head)
     before = free & (idx < head)
     n_after = jnp.sum(after, dtype=jnp.int32)
-    rank = jnp.where(after, jnp.cumsum(after) - 1, n_after + jnp.cumsum(before) - 1)
+    rank = jnp.where(after, prefix_sum(after) - 1, n_after + prefix_sum(before) - 1)
     rank = jnp.where(free & (rank < length), rank, length)
     picked = jnp.full((length,), size, jnp.int32).at[rank].set(idx, mode="drop")
     return jnp.sum(free, dtype=jnp.int32), picked
@@ -101,7 +101,7 @@ def find_slot_cells(cells: Cells, ubatch: Ubatch, contiguous: bool = True
     length = ubatch.length
     n = ubatch.n_tokens()
     head = _reset_head(cells, n)
-    rank = jnp.cumsum(ubatch.valid, dtype=jnp.int32) - 1
+    rank = prefix_sum(ubatch.valid) - 1
     tokens_ok = _token_ok(cells, ubatch)
     if contiguous:
         found, start = _contiguous_start(cells, head, n)
