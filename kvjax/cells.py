@@ -230,10 +230,13 @@ def seq_add(cells: Cells, seq_id, p0, p1, delta) -> Cells:
     """Add ``delta`` to the positions of ``seq_id`` in ``[p0, p1)`` and record it for K-shift.
 
     Cells pushed below position 0 are freed. ``head`` goes to the first freed cell, or to 0 when
-    none was freed. ``delta == 0`` or an empty normalized range ``p0 == p1`` does nothing.
+    none was freed. ``delta == 0`` or an empty normalized range ``p0 == p1`` does nothing. A
+    shift that would push a position past int32 is skipped and flagged (``ErrorFlag.OVERFLOW``).
     """
     p0, p1 = _bounds(p0, p1)
     target = _in_range(cells, p0, p1) & has_seq(cells, seq_id)
+    # positions are >= 0, so only a positive delta can wrap around int32
+    overflow = jnp.any(target & (delta > 0) & (cells.pos > _I32_MAX - delta))
     pos = jnp.where(target, cells.pos + delta, cells.pos)
     moved = cells.replace(pos=pos, delta=jnp.where(target, cells.delta + delta, cells.delta))
     freed = target & (pos < 0)
@@ -241,6 +244,7 @@ def seq_add(cells: Cells, seq_id, p0, p1, delta) -> Cells:
     any_freed, first = _first(freed)
     new = new.replace(head=jnp.where(any_freed, first, 0))
     new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, new)
+    new = guard(cells, new, ~overflow, ErrorFlag.OVERFLOW)
     return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
 
 

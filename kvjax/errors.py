@@ -37,6 +37,7 @@ class ErrorFlag(enum.IntFlag):
     UBATCH = 8
     LAYER = 16
     MAX_MOVES = 32
+    OVERFLOW = 64
 
 
 ERROR_MESSAGES = {
@@ -47,6 +48,7 @@ ERROR_MESSAGES = {
                       "(find_slot refused the ubatch)",
     ErrorFlag.LAYER: "layer id not cached (the write was dropped)",
     ErrorFlag.MAX_MOVES: "defrag max_moves < 0 (nothing was moved)",
+    ErrorFlag.OVERFLOW: "seq_add would push a position past int32 (an op was skipped)",
 }
 
 
