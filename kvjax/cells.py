@@ -157,10 +157,15 @@ def _free(cells: Cells, freed: Bool[Array, "C"]) -> Cells:
     )
 
 
-def guard(old: Cells, new: Cells, valid: Bool[Array, ""], flag: ErrorFlag) -> Cells:
-    """``new`` when ``valid``, else ``old`` with ``flag`` raised in its error word."""
-    kept = jax.tree.map(lambda a, b: jnp.where(valid, b, a), old, new)
-    return kept.replace(error=jnp.where(valid, kept.error, old.error | jnp.uint32(flag)))
+def guard(old: Cells, new: Cells, *checks) -> Cells:
+    """``new`` when every ``(valid, flag)`` check holds, else ``old`` with each failed flag raised."""
+    ok = jnp.bool_(True)
+    error = old.error
+    for valid, flag in checks:
+        ok = ok & valid
+        error = error | jnp.where(valid, jnp.uint32(0), jnp.uint32(flag))
+    kept = jax.tree.map(lambda a, b: jnp.where(ok, b, a), old, new)
+    return kept.replace(error=jnp.where(ok, kept.error, error))
 
 
 def _valid_seq(cells: Cells, seq_id, allow_all: bool):
@@ -192,7 +197,7 @@ def seq_rm(cells: Cells, seq_id, p0, p1) -> Cells:
     new = _free(cells.replace(seq=seq), freed)
     any_freed, first = _first(freed)
     new = new.replace(head=jnp.where(any_freed & (first < cells.head), first, cells.head))
-    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+    return guard(cells, new, (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 
 @jax.jit
@@ -207,7 +212,7 @@ def seq_cp(cells: Cells, src, dst, p0, p1) -> Cells:
     new = cells.replace(seq=seq, head=jnp.zeros((), jnp.int32))
     new = jax.tree.map(lambda a, b: jnp.where(src == dst, a, b), cells, new)
     valid = _valid_seq(cells, src, False) & _valid_seq(cells, dst, False)
-    return guard(cells, new, valid, ErrorFlag.SEQ_ID)
+    return guard(cells, new, (valid, ErrorFlag.SEQ_ID))
 
 
 @jax.jit
@@ -222,7 +227,7 @@ def seq_keep(cells: Cells, seq_id) -> Cells:
     any_other, first = _first(~keep)
     new = new.replace(head=jnp.where(any_other & (first < cells.head), first, cells.head))
     new = jax.tree.map(lambda a, b: jnp.where(seq_id < 0, a, b), cells, new)
-    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+    return guard(cells, new, (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 
 @jax.jit
@@ -244,8 +249,8 @@ def seq_add(cells: Cells, seq_id, p0, p1, delta) -> Cells:
     any_freed, first = _first(freed)
     new = new.replace(head=jnp.where(any_freed, first, 0))
     new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, new)
-    new = guard(cells, new, ~overflow, ErrorFlag.OVERFLOW)
-    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+    return guard(cells, new, (~overflow, ErrorFlag.OVERFLOW),
+                 (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 
 @jax.jit
@@ -259,8 +264,8 @@ def seq_div(cells: Cells, seq_id, p0, p1, d) -> Cells:
     safe_d = jnp.where(d > 0, d, 1)
     pos = jnp.where(target, cells.pos // safe_d, cells.pos)
     new = cells.replace(pos=pos, delta=cells.delta + (pos - cells.pos))
-    new = guard(cells, new, d > 0, ErrorFlag.DIVISOR)
-    return guard(cells, new, _valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID)
+    return guard(cells, new, (d > 0, ErrorFlag.DIVISOR),
+                 (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 
 # -- queries ------------------------------------------------------------------------------------
