@@ -7,7 +7,6 @@ to ~4, whose half-ulp is ~2e-3, plus the rotation).
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -174,7 +173,6 @@ def test_without_rope_config():
         kvjax.can_shift(None)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kvjax.defrag") is None, reason="kvjax.defrag not written yet")
 def test_update_then_pending_defrag():
     cache, raw = _scene(ROPES["shared"])
     moved = _moved(cache)
