@@ -234,7 +234,7 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
 
     Args:
-        engine: the engine (its cache should have no cells of sequences ``0..n-1``).
+        engine: the engine; its cache must hold no cells of sequences ``0..n-1`` (checked).
         prompts: one token list per sequence; or one prompt with ``n_parallel > 1``.
         max_new_tokens: most tokens generated per sequence.
         key: PRNG key for sampling.
