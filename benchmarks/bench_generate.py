@@ -8,6 +8,7 @@ heads; random weights: speed does not depend on them). Every configuration runs 
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 import time
 
@@ -70,6 +71,7 @@ def run(quick: bool = False) -> str:
     ttft_rows.append(["ratio without / with", "", f"{results[False] / results[True]:.2f}x", ""])
     ttft = table(["prefix sharing", "prompt tokens evaluated", "time to first token", "first run incl. compile"],
                  ttft_rows)
+    picture = _plot([(r[0], float(r[2])) for r in rows], results)
     return "\n\n".join([
         "## Generation (decode driver, end to end)",
         f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads over {cfg.n_kv_heads} kv heads, "
@@ -78,4 +80,29 @@ def run(quick: bool = False) -> str:
         gen,
         f"### Time to first token: {n_seq} sequences sharing a {prompt_len}-token prompt (+{suffix} own tokens each)",
         ttft,
-    ])
+    ] + ([picture] if picture else []))
+
+
+def _plot(throughput, ttft) -> str:
+    """Bar charts of tokens/s per sequence count and of time to first token; a Markdown image link."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ""
+    out = pathlib.Path(__file__).resolve().parent / "plots" / "generation.png"
+    out.parent.mkdir(exist_ok=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.bar([str(n) for n, _ in throughput], [t for _, t in throughput], color="#4878a8")
+    a.set_xlabel("parallel sequences")
+    a.set_ylabel("generated tokens / s")
+    a.set_title("generation throughput")
+    b.bar(["without", "with"], [ttft[False] * 1e3, ttft[True] * 1e3], color=["#b0b0b0", "#4878a8"])
+    b.set_ylabel("ms")
+    b.set_title("time to first token, prefix sharing")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return "![generation throughput and time to first token](benchmarks/plots/generation.png)"

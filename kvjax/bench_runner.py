@@ -2,7 +2,9 @@
 
 Each ``benchmarks/bench_<name>.py`` defines ``run(quick: bool) -> str`` (a Markdown section).
 The header of the output records the date, the machine, the versions, the allocator and the
-command, so that numbers from different runs are never compared as if they were one run.
+command, so that numbers from different runs are never compared as if they were one run; each
+section carries the time it was run. ``--only NAME ...`` reruns some modules and keeps the other
+sections of the file as they were.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import os
 import pathlib
 import platform
+import re
 import sys
 import time
 
@@ -85,6 +88,14 @@ def _reexec_with_tcmalloc() -> None:
     os.execvpe(sys.executable, [sys.executable, "-m", "kvjax"] + sys.argv[1:], env)
 
 
+_SECTION = re.compile(r"<!-- bench:(\w+) -->\n(.*?)\n<!-- /bench:\1 -->", re.S)
+
+
+def _read_sections(path: pathlib.Path):
+    """(name, body) of every module section of an existing results file (``--only`` keeps the others)."""
+    return _SECTION.findall(path.read_text())
+
+
 def main(quick: bool = False, only=None, out=None) -> int:
     _reexec_with_tcmalloc()
     root = checkout_root()
@@ -96,13 +107,17 @@ def main(quick: bool = False, only=None, out=None) -> int:
             raise SystemExit(f"unknown benchmark(s) {unknown}: allowed {names}")
         names = [n for n in names if n in only]
     command = "python -m kvjax bench" + (" --quick" if quick else "") + (f" --only {' '.join(only)}" if only else "")
-    sections = [machine_header(command)]
+    path = pathlib.Path(out) if out else root / "BENCHMARKS.md"
+    sections = dict(_read_sections(path)) if only and path.exists() else {}
     for name in tqdm(names, desc="benchmarks", unit="module"):
         t0 = time.perf_counter()
         module = importlib.import_module(f"benchmarks.bench_{name}")
-        sections.append(module.run(quick=quick).rstrip() + f"\n\n_(module took {time.perf_counter() - t0:.0f} s)_\n")
-    text = "\n".join(sections)
-    path = pathlib.Path(out) if out else root / "BENCHMARKS.md"
+        body = module.run(quick=quick).rstrip()
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        sections[name] = f"{body}\n\n_(module took {time.perf_counter() - t0:.0f} s; run {stamp}" \
+                         f"{', quick sizes' if quick else ''})_"
+    text = machine_header(command) + "\n" + "\n".join(
+        f"<!-- bench:{name} -->\n{sections[name]}\n<!-- /bench:{name} -->\n" for name in sorted(sections))
     path.write_text(text)
     print(text)
     print(f"\nwritten to {path}")
