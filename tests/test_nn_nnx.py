@@ -252,9 +252,11 @@ def test_shifted_equals_recomputed_rope():
 
 
 def test_shifted_equals_recomputed_alibi():
-    """With ALiBi positions live only in the mask: the shifted cells attend as recomputed."""
-    got, ref = _nnx_shift("alibi", use_update=False)
-    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=1e-5)
+    """With ALiBi positions live only in the mask: the shifted cells attend as recomputed, and
+    ``update`` (nothing to rotate without RoPE) only clears the pending deltas."""
+    for use_update in (False, True):
+        got, ref = _nnx_shift("alibi", use_update=use_update)
+        np.testing.assert_allclose(got, ref, atol=ATOL, rtol=1e-5)
 
 
 # -- the layer alone --------------------------------------------------------------------------------
