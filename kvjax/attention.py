@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.validate import check_window
 
 _NEG_INF = -jnp.inf
@@ -195,8 +195,7 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
         >>> out.shape, out[0, 0].tolist(), lse.round(3)[0, 0].item()
         ((1, 4, 4), [2.0, 2.0, 2.0, 2.0], 2.0)
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     cfg = cache.config
     if isinstance(layer, bool) or not hasattr(layer, "__index__"):
         raise ValueError(f"layer={layer!r} must be a static Python int (a cached layer id)")

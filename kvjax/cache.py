@@ -117,7 +117,8 @@ def total_size(x: Union[KVCache, CacheConfig]) -> int:
 # -- K/V rows ----------------------------------------------------------------------------------
 
 
-def _require_cache(cache) -> None:
+def require_cache(cache) -> None:
+    """Raise ``ValueError`` unless ``cache`` is a :class:`KVCache` (every public entry point calls it)."""
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
 
@@ -171,7 +172,7 @@ def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"]
         >>> kvjax.view(cache, 0, 32)[0][0, 2:5, 0].tolist()
         [0.0, 1.0, 0.0]
     """
-    _require_cache(cache)
+    require_cache(cache)
     cfg = cache.config
     g, index, layer_ok = _layer_index(cfg, layer)
     grp = cfg.groups[g]
@@ -212,7 +213,7 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
     Returns:
         ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes.
     """
-    _require_cache(cache)
+    require_cache(cache)
     cfg = cache.config
     n_kv = check_window(n_kv, cfg.padding, cfg.size)
     g, index, _ = _layer_index(cfg, layer)

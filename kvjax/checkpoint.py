@@ -32,7 +32,7 @@ from typing import Union
 
 import jax
 
-from kvjax.cache import KVCache, abstract
+from kvjax.cache import KVCache, abstract, require_cache
 from kvjax.cells import Cells
 from kvjax.config import CacheConfig
 from kvjax.errors import StateError
@@ -97,8 +97,7 @@ def checkpoint_save(path, cache: KVCache, *, force: bool = False) -> None:
         ImportError: orbax-checkpoint is not installed.
         ValueError: a bad argument.
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(cache)):
         raise ValueError("checkpoint_save runs on the host: call it outside jax.jit")
     path = _check_path(path)

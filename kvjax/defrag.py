@@ -96,10 +96,10 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Bool, Float, Int, IntLike
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.cells import Cells, has_seq, is_used, n_kv as _cells_n_kv, prefix_sum
 from kvjax.errors import ErrorFlag
-from kvjax.validate import check_seq_id, concrete_int, is_traced
+from kvjax.validate import as_int32, check_seq_id, concrete_int, is_traced
 
 #: Fragmentation is not measured for windows below this many cells (the seed's rule).
 MIN_WINDOW = 2048
@@ -140,11 +140,6 @@ class DefragPlan:
 # -- argument checks ----------------------------------------------------------------------------
 
 
-def _check_cache(cache) -> None:
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
-
-
 def _max_moves_arg(max_moves) -> Int[Array, ""]:
     """``max_moves`` as int32 (None: no cap); a concrete negative value raises."""
     if max_moves is None:
@@ -152,14 +147,7 @@ def _max_moves_arg(max_moves) -> Int[Array, ""]:
     value = concrete_int("max_moves", max_moves)
     if value is not None and value < 0:
         raise ValueError(f"max_moves={value} is out of range: allowed max_moves >= 0, or None for no cap")
-    return _i32(max_moves)
-
-
-def _i32(x):
-    """An int32 scalar argument (host values as ``np.int32``: no device transfer per call)."""
-    if isinstance(x, jax.Array):
-        return x.astype(jnp.int32)
-    return np.int32(x)
+    return as_int32(max_moves)
 
 
 # -- fragmentation ------------------------------------------------------------------------------
@@ -192,7 +180,7 @@ def fragmentation(cache: KVCache) -> Float[Array, ""]:
         >>> float(kvjax.fragmentation(cache))
         0.6875
     """
-    _check_cache(cache)
+    require_cache(cache)
     return _fragmentation(cache.cells, cache.config.padding)
 
 
@@ -221,7 +209,7 @@ def defrag_sched(cache: KVCache, thold) -> KVCache:
         >>> [bool(kvjax.defrag_sched(cache, t).cells.defrag) for t in (0.9, 0.5)]
         [False, True]
     """
-    _check_cache(cache)
+    require_cache(cache)
     if not is_traced(thold):
         try:
             value = float(thold)
@@ -360,7 +348,7 @@ def defrag_plan(cache: KVCache, max_moves: Optional[IntLike] = None) -> DefragPl
         >>> plan.src[:6].tolist(), int(plan.n_moves), int(plan.head)
         ([0, 4, 5, 3, 1, 2], 1, 4)
     """
-    _check_cache(cache)
+    require_cache(cache)
     return _plan(cache.cells, _max_moves_arg(max_moves), kind="defrag")
 
 
@@ -376,7 +364,7 @@ def compact_plan(cache: KVCache) -> DefragPlan:
         >>> plan.src[:6].tolist(), int(plan.n_cells), int(plan.n_moves)
         ([0, 3, 4, 5, 1, 2], 3, 1)
     """
-    _check_cache(cache)
+    require_cache(cache)
     return _plan(cache.cells, np.int32(0), kind="compact")
 
 
@@ -391,9 +379,9 @@ def compact_seq_plan(cache: KVCache, seq_id: IntLike) -> DefragPlan:
         >>> compact_seq_plan(cache, 1).src[:4].tolist()
         [1, 3, 0, 2]
     """
-    _check_cache(cache)
+    require_cache(cache)
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
-    return _plan(cache.cells, _i32(seq_id), kind="compact_seq")
+    return _plan(cache.cells, as_int32(seq_id), kind="compact_seq")
 
 
 # -- applying a plan ----------------------------------------------------------------------------
@@ -525,7 +513,7 @@ def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool 
         >>> kvjax.cell_table(kvjax.defrag(cache)).pos[:6].tolist()
         [0, 4, 5, 3, -1, -1]
     """
-    _check_cache(cache)
+    require_cache(cache)
     run = _run_donated if _donating(cache, donate) else _run
     return run(cache, _max_moves_arg(max_moves), kind="defrag")
 
@@ -546,7 +534,7 @@ def compact(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> kvjax.cell_table(out).pos[:6].tolist(), int(out.cells.head)
         ([0, 3, 4, 5, -1, -1], 4)
     """
-    _check_cache(cache)
+    require_cache(cache)
     run = _run_donated if _donating(cache, donate) else _run
     return run(cache, np.int32(0), kind="compact")
 
@@ -576,10 +564,10 @@ def compact_seq(cache: KVCache, seq_id: IntLike, *, donate: bool = False) -> KVC
         >>> print(kvjax.cell_map(kvjax.compact_seq(cache, 1), width=8).splitlines()[1])
         1100....
     """
-    _check_cache(cache)
+    require_cache(cache)
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
     run = _run_donated if _donating(cache, donate) else _run
-    return run(cache, _i32(seq_id), kind="compact_seq")
+    return run(cache, as_int32(seq_id), kind="compact_seq")
 
 
 def _apply_pending_impl(cache: KVCache) -> KVCache:
@@ -611,7 +599,7 @@ def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> kvjax.cell_table(out).pos[:4].tolist(), bool(out.cells.defrag)
         ([2, 3, -1, -1], False)
     """
-    _check_cache(cache)
+    require_cache(cache)
     return (_apply_pending_donated if _donating(cache, donate) else _apply_pending)(cache)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.cells import cell_max, has_shift
 from kvjax.slots import prepare_cells
 from kvjax.compiles import CompileCounter
@@ -81,8 +81,7 @@ class Engine:
 
     def __init__(self, model, cache: KVCache, *, state=None, n_ubatch: int = 64, contiguous: bool = True,
                  defrag_thold: Optional[float] = None):
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        require_cache(cache)
         if int(n_ubatch) < 1:
             raise ValueError(f"n_ubatch={n_ubatch} is out of range: allowed >= 1")
         if defrag_thold is not None and not 0 <= defrag_thold < 1:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -41,8 +41,7 @@ class CellTable(NamedTuple):
 
 def cell_table(cache: KVCache) -> CellTable:
     """The cells as numpy arrays (one device-to-host transfer)."""
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     cells = cache.cells
     words = np.asarray(cells.seq)
     bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [C, W, 32]

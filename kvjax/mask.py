@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.cells import Cells
 from kvjax.config import SwaType
 from kvjax.ubatch import Ubatch
@@ -68,8 +68,7 @@ T5_MAX_DISTANCE = 128
 
 
 def _check_args(cache, ubatch, n_kv) -> int:
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     if not isinstance(ubatch, Ubatch):
         raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
     cfg = cache.config

@@ -20,31 +20,20 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax import cells as _cells
 from kvjax import slots as _slots
 from kvjax._typing import Array, Bool, Int, IntLike
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.errors import decode_error_bits
 from kvjax.ubatch import Ubatch
-from kvjax.validate import check_position, check_seq_id, concrete_int, is_traced
-
-
-def _i32(x):
-    """An int32 scalar argument. Host values become ``np.int32`` (cheap to pass, strongly typed,
-    the same compiled program as traced int32); ``jnp.asarray`` of a Python int costs a
-    device transfer per argument (about 100 us here), more than the op itself."""
-    if isinstance(x, jax.Array):
-        return x.astype(jnp.int32) if x.dtype != jnp.int32 else x
-    return np.int32(x)
+from kvjax.validate import as_int32, check_position, check_seq_id, concrete_int, is_traced
 
 
 def _check_cache(cache):
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     return cache.config.n_seq_max
 
 
@@ -56,7 +45,7 @@ def _check_flag(name, value):
 def _range_args(p0, p1):
     check_position("p0", p0)
     check_position("p1", p1)
-    return _i32(p0), _i32(p1)
+    return as_int32(p0), as_int32(p1)
 
 
 # -- sequence operations ------------------------------------------------------------------------
@@ -83,7 +72,7 @@ def seq_rm(cache: KVCache, seq_id: IntLike, p0: IntLike = -1, p1: IntLike = -1) 
     """
     check_seq_id("seq_id", seq_id, _check_cache(cache), allow_all=True)
     p0, p1 = _range_args(p0, p1)
-    return cache.replace(cells=_cells.seq_rm(cache.cells, _i32(seq_id), p0, p1))
+    return cache.replace(cells=_cells.seq_rm(cache.cells, as_int32(seq_id), p0, p1))
 
 
 def seq_cp(cache: KVCache, seq_id_src: IntLike, seq_id_dst: IntLike, p0: IntLike = -1,
@@ -101,13 +90,13 @@ def seq_cp(cache: KVCache, seq_id_src: IntLike, seq_id_dst: IntLike, p0: IntLike
     check_seq_id("seq_id_src", seq_id_src, n_seq_max, allow_all=False)
     check_seq_id("seq_id_dst", seq_id_dst, n_seq_max, allow_all=False)
     p0, p1 = _range_args(p0, p1)
-    return cache.replace(cells=_cells.seq_cp(cache.cells, _i32(seq_id_src), _i32(seq_id_dst), p0, p1))
+    return cache.replace(cells=_cells.seq_cp(cache.cells, as_int32(seq_id_src), as_int32(seq_id_dst), p0, p1))
 
 
 def seq_keep(cache: KVCache, seq_id: IntLike) -> KVCache:
     """Remove every sequence except ``seq_id`` (in ``[-1, n_seq_max)``; -1 keeps them all)."""
     check_seq_id("seq_id", seq_id, _check_cache(cache), allow_all=True)
-    return cache.replace(cells=_cells.seq_keep(cache.cells, _i32(seq_id)))
+    return cache.replace(cells=_cells.seq_keep(cache.cells, as_int32(seq_id)))
 
 
 def seq_add(cache: KVCache, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: IntLike) -> KVCache:
@@ -125,7 +114,7 @@ def seq_add(cache: KVCache, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: In
     check_seq_id("seq_id", seq_id, _check_cache(cache), allow_all=True)
     p0, p1 = _range_args(p0, p1)
     concrete_int("delta", delta)
-    return cache.replace(cells=_cells.seq_add(cache.cells, _i32(seq_id), p0, p1, _i32(delta)))
+    return cache.replace(cells=_cells.seq_add(cache.cells, as_int32(seq_id), p0, p1, as_int32(delta)))
 
 
 def seq_div(cache: KVCache, seq_id: IntLike, p0: IntLike, p1: IntLike, d: IntLike) -> KVCache:
@@ -143,7 +132,7 @@ def seq_div(cache: KVCache, seq_id: IntLike, p0: IntLike, p1: IntLike, d: IntLik
     value = concrete_int("d", d)
     if value is not None and value <= 0:
         raise ValueError(f"d={value} is out of range: allowed d >= 1")
-    return cache.replace(cells=_cells.seq_div(cache.cells, _i32(seq_id), p0, p1, _i32(d)))
+    return cache.replace(cells=_cells.seq_div(cache.cells, as_int32(seq_id), p0, p1, as_int32(d)))
 
 
 # -- queries ------------------------------------------------------------------------------------
@@ -152,13 +141,13 @@ def seq_div(cache: KVCache, seq_id: IntLike, p0: IntLike, p1: IntLike, d: IntLik
 def seq_pos_min(cache: KVCache, seq_id: IntLike) -> Int[Array, ""]:
     """Smallest position of ``seq_id`` (in ``[-1, n_seq_max)``, -1: any), -1 when absent."""
     check_seq_id("seq_id", seq_id, _check_cache(cache), allow_all=True)
-    return _cells.seq_pos_min(cache.cells, _i32(seq_id))
+    return _cells.seq_pos_min(cache.cells, as_int32(seq_id))
 
 
 def seq_pos_max(cache: KVCache, seq_id: IntLike) -> Int[Array, ""]:
     """Largest position of ``seq_id`` (in ``[-1, n_seq_max)``, -1: any), -1 when absent."""
     check_seq_id("seq_id", seq_id, _check_cache(cache), allow_all=True)
-    return _cells.seq_pos_max(cache.cells, _i32(seq_id))
+    return _cells.seq_pos_max(cache.cells, as_int32(seq_id))
 
 
 def _cache_query(cell_fn, doc: str):

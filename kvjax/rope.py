@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.config import CacheConfig, RopeConfig, RopeMode
 
 # -- the per-pair constants (host, float64) ------------------------------------------------------
@@ -302,8 +302,7 @@ def can_shift(cache: KVCache) -> bool:
         >>> kvjax.can_shift(kvjax.init(cfg)), kvjax.can_shift(kvjax.init(cfg.replace(rope=kvjax.RopeConfig(n_rot=4))))
         (False, True)
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     return bool(cache.config.can_shift)
 
 
@@ -341,8 +340,7 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> bool(jnp.allclose(shifted.k[0][0, 0, 0], x[0, 0], atol=1e-6)), int(shifted.cells.delta[0])
         (True, 0)
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     if cache.config.rope is None:
         raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
                          "model's kvjax.RopeConfig (one for all layers or one per layer)")

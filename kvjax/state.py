@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import ops
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.config import GGML_TYPE_IDS, CacheConfig
 from kvjax.errors import StateError
 from kvjax.ubatch import Ubatch, bucket_length
@@ -515,8 +515,7 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int):
 
 
 def _check_host_cache(cache, name: str) -> CacheConfig:
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     if any(is_traced(x) for x in jax.tree.leaves(cache)):
         raise ValueError(f"{name} runs on the host (it reads or returns bytes): call it outside jax.jit")
     return cache.config

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.cells import has_shift as _has_shift
 from kvjax.defrag import apply_pending
 from kvjax.rope import _k_shift, k_shift
@@ -58,8 +58,7 @@ def update(cache: KVCache, *, donate: bool = False) -> KVCache:
         The cache with no pending shift (every ``delta`` 0) and no pending defrag.
 
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     if is_traced(cache.cells.delta) or is_traced(cache.cells.defrag):
         if cache.config.can_shift:
             cache = jax.lax.cond(_has_shift(cache.cells), _k_shift, lambda c: c, cache)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.ops import n_kv as _n_kv
 
 
@@ -109,7 +109,6 @@ def kv_window(cache: KVCache, *, min_window: Optional[int] = None) -> int:
         >>> int(kvjax.n_kv(cache)), kvjax.kv_window(cache)
         (96, 128)
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     cfg = cache.config
     return window_bucket(int(_n_kv(cache)), cfg.size, cfg.padding, min_window=min_window)

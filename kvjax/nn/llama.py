@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.config import CacheConfig, RopeConfig, SwaType
 from kvjax.nn.nnx_attention import CachedAttention, layer_mask
 from kvjax.ubatch import Ubatch
@@ -171,8 +171,7 @@ class LlamaConfig:
 
     def check_cache(self, cache: KVCache) -> None:
         """Raise ``ValueError`` unless ``cache`` stores every layer with this model's shapes."""
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        require_cache(cache)
         cfg = cache.config
         want = tuple(range(self.n_layer))
         if cfg.n_layer != self.n_layer or cfg.cached_layers != want:

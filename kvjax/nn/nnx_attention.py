@@ -44,7 +44,7 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.config import RopeConfig, SwaType
 from kvjax.ubatch import Ubatch
 
@@ -228,8 +228,7 @@ def check_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
 
 def check_layer_cache(cache: KVCache, layer: int, n_kv_heads: int, head_dim: int) -> None:
     """Validate that ``cache`` stores ``layer`` with the layer's kv heads and head size."""
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     cfg = cache.config
     if layer not in cfg.cached_layers:
         raise ValueError(f"layer={layer} is not cached by this cache: allowed {list(cfg.cached_layers)} "
@@ -353,8 +352,7 @@ class KVCacheVar(nnx.Cache):
     def replace_cache(self, cache: KVCache) -> None:
         """Hold ``cache`` instead of the current value (same config, shapes and dtypes only)."""
         old = self.get_value()
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        require_cache(cache)
         if cache.config != old.config:
             raise ValueError(f"cache has config {cache.config}: allowed only the held config {old.config}")
         if _signature(cache) != _signature(old):

@@ -55,7 +55,7 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, require_cache
 from kvjax.cells import cell_max
 from kvjax.ubatch import Ubatch
 from kvjax.validate import check_window
@@ -119,8 +119,7 @@ class Step:
             ValueError: a cache that is not a ``KVCache``, ``n_kv`` outside the allowed windows,
                 or tokens / slot whose shape does not match the ubatch.
         """
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+        require_cache(cache)
         if not isinstance(ubatch, Ubatch):
             raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
         cfg = cache.config
@@ -218,8 +217,7 @@ def window_for(cache: KVCache, n_tokens: int) -> int:
         >>> window_for(cache, 40)
         64
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     n = int(n_tokens)
     if n < 0:
         raise ValueError(f"n_tokens={n} is out of range: allowed >= 0")
@@ -243,8 +241,7 @@ def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]], *, cell_max_no
         >>> windows_for(cache, slots)
         [64, 128]
     """
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+    require_cache(cache)
     top = int(jax.device_get(cell_max(cache.cells))) if cell_max_now is None else int(cell_max_now)
     out = []
     for slot in jax.device_get(tuple(slots)):
