@@ -31,8 +31,8 @@ import numpy as np
 import kvjax
 from benchmarks.common import (compile_time, copy_bandwidth, dispatch_floor, fmt_rate, fmt_time,
                                inplace_copy_bandwidth, median_time, table)
-from kvjax.attention import chunk_size
-from kvjax.cells import Cells
+from kvjax.attn._attention import chunk_size
+from kvjax.memory._cells import Cells
 
 # -- yardsticks ---------------------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ def _bench_masks(quick: bool, rng) -> str:
         ub = kvjax.make_ubatch(tok_pos, [[s] for s in tok_seq], length=t)
         for n in windows:
             if compile_s is None:
-                from kvjax.mask import _mask_additive
+                from kvjax.attn._mask import _mask_additive
 
                 compile_s = compile_time(_mask_additive, cache.cells, ub, n_kv=n, causal=True, alibi=False,
                                          swa_type=kvjax.SwaType.NONE, n_swa=0)
@@ -147,7 +147,7 @@ def _shift_cache(size: int, n_layer: int, rng):
 
 def _fused_broadcast_shift(k, delta, rope_cfg):
     """The replaced formulation: one elementwise op over [L, H, C, D], tables broadcast over (L, H)."""
-    from kvjax.rope import _cos_sin, _rotate, pair_frequencies
+    from kvjax.attn._rope import _cos_sin, _rotate, pair_frequencies
 
     cos, sin = _cos_sin(delta, pair_frequencies(rope_cfg), 1.0)
     return _rotate(k, cos, sin, rope_cfg.n_rot, rope_cfg.mode)
@@ -298,7 +298,7 @@ def _bench_attention(quick: bool, rng) -> str:
     # one layer is a slice of the stacked storage)
     import importlib
 
-    module = importlib.import_module("kvjax.attention")
+    module = importlib.import_module("kvjax.attn._attention")
     stacked = _attention_cache(size, 4, size, rng)
     crows = []
     for n in windows:

@@ -18,7 +18,7 @@ import numpy as np
 import kvjax
 from benchmarks.common import (compile_time, copy_bandwidth, dispatch_floor, fmt_rate, fmt_time,
                                inplace_copy_bandwidth, median_time, table)
-from tests.reference.unified import UnifiedRef
+from kvjax.testing._unified_reference import UnifiedRef
 
 
 def _populated(size: int, n_seq_max: int, rng):

@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.cells import empty_cells
+from kvjax.memory._cells import empty_cells
 from benchmarks.common import (block, compile_time, copy_bandwidth, dispatch_floor, fmt_rate,
                                inplace_copy_bandwidth,
                                fmt_time, median_time, table)
 
-_defrag_mod = sys.modules["kvjax.defrag"]   # the module (``kvjax.defrag`` is the function)
+_defrag_mod = sys.modules["kvjax.memory._defrag"]   # the module (``kvjax.defrag`` is the function)
 
 LEVELS = (0.1, 0.5, 0.9)
 N_SEQ = 4

@@ -18,8 +18,8 @@ from flax import nnx
 
 import kvjax
 from benchmarks.common import fmt_time, table
-from kvjax.compiles import CompileCounter
-from kvjax.engine import Engine, generate
+from kvjax._compiles import CompileCounter
+from kvjax.engine._engine import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 
 GREEDY = kvjax.SamplingConfig(temperature=0)

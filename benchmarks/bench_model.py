@@ -42,9 +42,9 @@ from flax import nnx
 
 import kvjax
 from benchmarks.common import compile_time, fmt_time, table
-from kvjax.cells import cell_max
+from kvjax.memory._cells import cell_max
 from kvjax.nn import Llama, LlamaConfig, make_step, window_for
-from kvjax.ubatch import Ubatch
+from kvjax.memory._ubatch import Ubatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 import kvjax
 from benchmarks.common import copy_bandwidth, fmt_rate, fmt_time, median_time, table
-from kvjax import state as _state
+from kvjax.io import _state
 
 
 def _cache(size: int, n_layer: int):

@@ -13,32 +13,32 @@ Example:
     (3, 32)
 """
 
-from kvjax.cache import (KVCache, abstract, init, size_cells_bytes, size_k_bytes, size_v_bytes,
+from kvjax.memory._unified import (KVCache, abstract, init, size_cells_bytes, size_k_bytes, size_v_bytes,
                          total_size, view, write)
-from kvjax.cells import Cells
-from kvjax.config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
-from kvjax.defrag import (DefragPlan, compact, compact_seq, defrag, defrag_plan, defrag_sched,
+from kvjax.memory._cells import Cells
+from kvjax.memory._config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
+from kvjax.memory._defrag import (DefragPlan, compact, compact_seq, defrag, defrag_plan, defrag_sched,
                           fragmentation)
-from kvjax.errors import CacheFullError, ErrorFlag, StateError
-from kvjax.inspect import CellTable, cell_map, cell_table
-from kvjax.ops import (cell_max, check, clear, clear_errors, errors, find_slot, has_shift, n_kv,
+from kvjax._errors import CacheFullError, ErrorFlag, StateError
+from kvjax._inspect import CellTable, cell_map, cell_table
+from kvjax.memory._api import (cell_max, check, clear, clear_errors, errors, find_slot, has_shift, n_kv,
                        n_tokens, pos_max, prepare, seq_add, seq_cp, seq_div, seq_keep, seq_pos_max,
                        seq_pos_min, seq_rm, used_cells)
-from kvjax.ubatch import Ubatch, bucket_length, make_ubatch, split_equal, split_seq, split_simple
-from kvjax.mask import kq_mask, kq_mask_bool, pos_bucket
-from kvjax.rope import can_shift, k_shift, rope
-from kvjax.attention import attention
-from kvjax.windows import kv_window, window_bucket, window_buckets
-from kvjax.update import update
-from kvjax.state import state_read, state_write
-from kvjax.session import load, save
-from kvjax.checkpoint import checkpoint_restore, checkpoint_save
-from kvjax.sampling import SamplingConfig, sample
-from kvjax.compiles import CompileCounter
+from kvjax.memory._ubatch import Ubatch, bucket_length, make_ubatch, split_equal, split_seq, split_simple
+from kvjax.attn._mask import kq_mask, kq_mask_bool, pos_bucket
+from kvjax.attn._rope import can_shift, k_shift, rope
+from kvjax.attn._attention import attention
+from kvjax.attn._windows import kv_window, window_bucket, window_buckets
+from kvjax.memory._update import update
+from kvjax.io._state import state_read, state_write
+from kvjax.io._session import load, save
+from kvjax.io._checkpoint import checkpoint_restore, checkpoint_save
+from kvjax.engine._sampling import SamplingConfig, sample
+from kvjax._compiles import CompileCounter
 
 # The decode driver needs Flax (kvjax.nn); import it on first use so `import kvjax` stays light.
-_LAZY = {"Engine": "kvjax.engine", "generate": "kvjax.engine", "generate_stream": "kvjax.engine",
-         "GenerationResult": "kvjax.engine"}
+_LAZY = {"Engine": "kvjax.engine._engine", "generate": "kvjax.engine._engine", "generate_stream": "kvjax.engine._engine",
+         "GenerationResult": "kvjax.engine._engine"}
 
 
 def __getattr__(name):

@@ -1,6 +1,6 @@
 """Command line: ``python -m kvjax demo | train | bench``.
 
-- ``demo``: the main job (see :mod:`kvjax.demo`).
+- ``demo``: the main job (see :mod:`kvjax.app._demo`).
 - ``train [--steps N]``: train the demo's character model (writes ``kvjax/data/charlm.npz``).
 - ``bench [--quick] [--only NAME ...] [--out BENCHMARKS.md]``: run ``benchmarks/bench_*.py``
   from a source checkout and write the results.
@@ -27,17 +27,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "demo":
-        from kvjax import demo as demo_mod
+        from kvjax.app import _demo as demo_mod
 
         return demo_mod.main(quick=args.quick)
     if args.command == "train":
-        from kvjax import charlm
+        from kvjax.app import _charlm as charlm
 
         result = charlm.train(steps=args.steps, seed=args.seed)
         print(f"trained {args.steps} steps in {result.seconds:.0f} s, final loss "
               f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}; weights in {charlm.WEIGHTS}")
         return 0
-    from kvjax import bench_runner
+    from kvjax.app import _bench as bench_runner
 
     return bench_runner.main(quick=args.quick, only=args.only, out=args.out)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.cache import KVCache
-from kvjax.inspect import cell_table
+from kvjax.memory._unified import KVCache
+from kvjax._inspect import cell_table
 
 
 def _pyplot():

@@ -1,7 +1,7 @@
 """Assemble the demo's training text from the Python standard library's own docstrings.
 
 The docstrings are part of CPython's source, distributed under the PSF License Agreement, which
-permits redistribution; the assembled text is written to ``kvjax/data/corpus.txt`` with a header
+permits redistribution; the assembled text is written to ``kvjax/app/data/corpus.txt`` with a header
 that says where it comes from. Run: ``python scripts/build_corpus.py``.
 """
 

@@ -52,8 +52,8 @@ plot_mask(mask[:3]); plt.show()"""),
 The decode driver splits a batch into ubatches, dry-runs the placement of all of them (a batch that
 cannot fit raises `CacheFullError` and leaves the cache as it was), and runs one jitted step per
 ubatch. `generate` evaluates the common prefix of the prompts once and shares it."""),
-    ("code", """from kvjax import charlm
-from kvjax.engine import Engine, generate
+    ("code", """from kvjax.app import _charlm as charlm
+from kvjax.engine._engine import Engine, generate
 
 model, tok, trained = charlm.load()
 engine = Engine(model, kvjax.init(model.config.cache_config(size=256, n_seq_max=3, padding=32)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import kvjax
-from kvjax.compiles import CompileCounter  # noqa: F401  (re-exported for the tests)
+from kvjax._compiles import CompileCounter  # noqa: F401  (re-exported for the tests)
 
 
 @contextlib.contextmanager

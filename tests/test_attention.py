@@ -104,7 +104,7 @@ def test_attention_matches_naive_gather(layer, hq, mask_kind):
 @pytest.mark.parametrize("max_chunk,n_kv", [(16, 64), (32, 48), (32, 64)])
 def test_chunked_loop_matches(monkeypatch, max_chunk, n_kv):
     """Several online-softmax steps, also when the chunk does not divide the window (48 / 32)."""
-    module = importlib.import_module("kvjax.attention")
+    module = importlib.import_module("kvjax.attn._attention")
     monkeypatch.setattr(module, "MAX_CHUNK", max_chunk)
     monkeypatch.setattr(module, "SCORE_BLOCK_BYTES", 4 * 2 * 32 * max_chunk)  # [H=2, R=32, chunk] floats
     assert module.chunk_size(n_kv, 2, 32, 16) == max_chunk

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.errors import ERROR_MESSAGES, ErrorFlag
-from kvjax.ubatch import Ubatch
+from kvjax._errors import ERROR_MESSAGES, ErrorFlag
+from kvjax.memory._ubatch import Ubatch
 from tests.helpers import fill, no_recompile
 
 S = 4  # n_seq_max of the test cache

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import kvjax
 from tests.helpers import CompileCounter
-from tests.reference.unified import UnifiedRef
+from kvjax.testing._unified_reference import UnifiedRef
 
 #: Static shape of every ubatch: 8 rows, at most 3 sequence ids per token (one compilation).
 LENGTH, WIDTH = 8, 3

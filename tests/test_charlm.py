@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import charlm
+from kvjax.app import _charlm as charlm
 
 
 def test_committed_weights_load_and_model_the_text():
     model, tok, trained = charlm.load()
-    assert trained, "kvjax/data/charlm.npz should be committed; retrain with `python -m kvjax train`"
+    assert trained, "kvjax/app/data/charlm.npz should be committed; retrain with `python -m kvjax train`"
     text = charlm.read_corpus()
     windows = jnp.asarray(np.stack([tok.encode(text[s:s + 97]) for s in range(5_000, 200_000, 24_000)]))
     logits = model.forward(windows[:, :-1])  # windows of the training length (96 characters)

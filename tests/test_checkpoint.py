@@ -1,4 +1,4 @@
-"""kvjax.checkpoint: the whole pytree through orbax, into the same config only."""
+"""kvjax.io._checkpoint: the whole pytree through orbax, into the same config only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.errors import StateError
+from kvjax._errors import StateError
 from tests.helpers import fill
 from tests.test_state import MIXED, with_random_kv
 

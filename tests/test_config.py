@@ -3,7 +3,7 @@
 import pytest
 
 import kvjax
-from kvjax.config import MAX_SEQ
+from kvjax.memory._config import MAX_SEQ
 
 
 def test_issue_example_defaults():

@@ -9,16 +9,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.defrag import CHUNK, apply_pending
-from kvjax.errors import ErrorFlag
+from kvjax.memory._defrag import CHUNK, apply_pending
+from kvjax._errors import ErrorFlag
 from tests.helpers import CompileCounter, fill, no_recompile, small_config
-from tests.reference import defrag as ref
+from kvjax.testing import _defrag_reference as ref
 
 # Two layer groups with different shapes (every group's K and V must move), and a config with two
 # bitmask words (sequence ids >= 32).
 CFG_GROUPS = small_config(n_kv_heads=(2, 4), head_dim=(8, 4))
 CFG_WIDE = small_config(size=128, n_seq_max=40, n_layer=1, padding=32)
-# More cells than one chunk of the K/V mover (kvjax.defrag.CHUNK): several loop steps, a partial last chunk.
+# More cells than one chunk of the K/V mover (kvjax.memory._defrag.CHUNK): several loop steps, a partial last chunk.
 CFG_LONG = small_config(size=1024, n_kv_heads=1, head_dim=4, padding=64)
 CONFIGS = pytest.mark.parametrize("cfg", [CFG_GROUPS, CFG_LONG], ids=["groups", "long"])
 ALL_CONFIGS = pytest.mark.parametrize("cfg", [CFG_GROUPS, CFG_WIDE, CFG_LONG], ids=["groups", "wide", "long"])
@@ -329,7 +329,7 @@ def test_apply_pending_runs_defrag_only_when_flagged(jit):
         np.testing.assert_array_equal(a, b)
     pending = cache.replace(cells=cache.cells.replace(defrag=jnp.bool_(True)))
     check_result(cache, run(pending), ref.defrag_prepare(cells, head))
-    assert kvjax.defrag.apply_pending is apply_pending
+    assert kvjax.memory._defrag.apply_pending is apply_pending
 
 
 # -- one compilation, donation ------------------------------------------------------------------

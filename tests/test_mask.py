@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.cells import Cells
+from kvjax.memory._cells import Cells
 from tests.helpers import CompileCounter, fill, no_recompile, small_config
 
 SWA_KINDS = ["none", "standard", "chunked", "symmetric"]
@@ -183,7 +183,7 @@ def test_new_window_compiles_once():
 @pytest.mark.parametrize("n_buckets", [8, 16, 32, 64])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_relative_buckets_match_t5(n_buckets, bidirectional):
-    from kvjax.mask import _relative_bucket
+    from kvjax.attn._mask import _relative_bucket
 
     rel = np.arange(-400, 401, dtype=np.int32)
     got = np.asarray(_relative_bucket(jnp.asarray(rel), n_buckets, bidirectional, 128))

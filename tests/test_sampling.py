@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.sampling import SamplingConfig, filter_logits, sample
+from kvjax.engine._sampling import SamplingConfig, filter_logits, sample
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.5, 0.3, 0.15], [0.7, 0.1, 0.1, 0.1]]))
 

@@ -1,4 +1,4 @@
-"""kvjax.session: session files around a state blob, atomic writes, corrupt files."""
+"""kvjax.io._session: session files around a state blob, atomic writes, corrupt files."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import session
-from kvjax.errors import StateError
+from kvjax.io import _session as session
+from kvjax._errors import StateError
 from tests.helpers import fill
 from tests.test_state import PLAIN, assert_unchanged, records, snapshot, with_random_kv
 
@@ -48,7 +48,7 @@ def test_file_layout(tmp_path):
     data = path.read_bytes()
     magic, version, seq, fingerprint, n_tokens = struct.unpack_from("<8sIi32sQ", data)
     assert (magic, version, seq, n_tokens) == (b"KVJAXSES", 1, 2, 2)
-    assert fingerprint == kvjax.state.layout_fingerprint(CFG)
+    assert fingerprint == kvjax.io._state.layout_fingerprint(CFG)
     assert struct.unpack_from("<2i", data, 56) == (1, -2)
     (n_blob,) = struct.unpack_from("<Q", data, 64)
     assert data[72:] == kvjax.state_write(cache, 2) and n_blob == len(data) - 72

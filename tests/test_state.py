@@ -1,4 +1,4 @@
-"""kvjax.state: the seed's byte format, round trips, hand-built blobs and corrupt blobs."""
+"""kvjax.io._state: the seed's byte format, round trips, hand-built blobs and corrupt blobs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.errors import StateError
+from kvjax._errors import StateError
 from tests.helpers import CompileCounter, fill, no_recompile
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

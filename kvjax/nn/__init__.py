@@ -16,12 +16,12 @@ Example:
     1
 """
 
-from kvjax.nn.linen_attention import LinenCachedAttention
-from kvjax.nn.llama import Block, Llama, LlamaConfig, MLP
-from kvjax.nn.llama_linen import LlamaLinen, params_from_nnx
-from kvjax.nn.nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
+from kvjax.nn._linen_attention import LinenCachedAttention
+from kvjax.nn._llama import Block, Llama, LlamaConfig, MLP
+from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
+from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
                                     attend_uncached, layer_mask, swa_visible)
-from kvjax.nn.step import Step, make_step, window_for, windows_for
+from kvjax.nn._step import Step, make_step, window_for, windows_for
 
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",

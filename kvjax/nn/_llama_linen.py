@@ -28,10 +28,10 @@ import jax
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cache import KVCache
-from kvjax.nn.linen_attention import LinenCachedAttention
-from kvjax.nn.llama import Llama, LlamaConfig, block_cached, block_uncached, model_cached, model_uncached
-from kvjax.ubatch import Ubatch
+from kvjax.memory._unified import KVCache
+from kvjax.nn._linen_attention import LinenCachedAttention
+from kvjax.nn._llama import Llama, LlamaConfig, block_cached, block_uncached, model_cached, model_uncached
+from kvjax.memory._ubatch import Ubatch
 
 __all__ = ["LlamaLinen", "params_from_nnx"]
 

@@ -26,10 +26,10 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cells import Cells, empty_cells
-from kvjax.config import CacheConfig
-from kvjax.errors import ErrorFlag
-from kvjax.validate import check_window, is_traced
+from kvjax.memory._cells import Cells, empty_cells
+from kvjax.memory._config import CacheConfig
+from kvjax._errors import ErrorFlag
+from kvjax._validate import check_window, is_traced
 
 
 @struct.dataclass
@@ -37,7 +37,7 @@ class KVCache:
     """An immutable KV cache value.
 
     Attributes:
-        cells: the cell metadata (:class:`kvjax.cells.Cells`).
+        cells: the cell metadata (:class:`kvjax.memory._cells.Cells`).
         k: one ``[L, H, C, D]`` array per layer group.
         v: one ``[L, H, C, Dv]`` array per layer group.
         config: the static :class:`CacheConfig`.

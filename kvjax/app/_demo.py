@@ -1,7 +1,7 @@
 """``python -m kvjax demo``: the main job. A small model generates for several sequences at once.
 
 A character-level model (trained on the bundled standard-library docstrings, or random weights
-when ``kvjax/data/charlm.npz`` is missing) continues three prompts that share a prefix. The demo
+when ``kvjax/app/data/charlm.npz`` is missing) continues three prompts that share a prefix. The demo
 prints the cell map (``.`` empty, a digit the sequence holding the cell, ``+`` a cell shared by
 several sequences) before and after prefix sharing, around a context shift and around a defrag,
 with the numbers: cells used, tokens per second, time to first token, compilations.
@@ -14,8 +14,8 @@ import time
 import jax
 
 import kvjax
-from kvjax import charlm
-from kvjax.engine import Engine, generate
+from kvjax.app import _charlm as charlm
+from kvjax.engine._engine import Engine, generate
 
 PREFIX = "Return a new "
 PROMPTS = [PREFIX + "list of", PREFIX + "string with", PREFIX + "dictionary"]

@@ -1,6 +1,6 @@
 """The public cache operations: validate on the host, then run the jitted cell functions.
 
-Each op takes a :class:`~kvjax.cache.KVCache` and returns a new one; only the cells change, so
+Each op takes a :class:`~kvjax.memory._unified.KVCache` and returns a new one; only the cells change, so
 the K/V buffers are shared between the old and the new value (no copy). Arguments may be Python
 ints, numpy or jax scalars, or traced values inside ``jit``; one compilation serves every value.
 Concrete arguments are checked here and a bad one raises ``ValueError`` naming it and its allowed
@@ -23,13 +23,13 @@ from typing import Sequence, Tuple
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import cells as _cells
-from kvjax import slots as _slots
+from kvjax.memory import _cells
+from kvjax.memory import _slots
 from kvjax._typing import Array, Bool, Int, IntLike
-from kvjax.cache import KVCache, require_cache
-from kvjax.errors import decode_error_bits
-from kvjax.ubatch import Ubatch
-from kvjax.validate import as_int32, check_position, check_seq_id, concrete_int, is_traced
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax._errors import decode_error_bits
+from kvjax.memory._ubatch import Ubatch
+from kvjax._validate import as_int32, check_position, check_seq_id, concrete_int, is_traced
 
 
 def _check_cache(cache):

@@ -5,11 +5,11 @@ layers, tied or untied embeddings; sizes from :class:`LlamaConfig`. The same wei
 
 - **cached** (``model(tokens, cache, ubatch, slot, n_kv=...)``): a ubatch of tokens of any mix of
   sequences goes through the kvjax cache (placed first with ``kvjax.find_slot``; the jitted
-  :mod:`kvjax.nn.step` does both);
+  :mod:`kvjax.nn._step` does both);
 - **uncached** (``model.forward(tokens, positions)``): plain causal attention of each sequence over
   its own tokens, no cache at all; the reference the cached path must equal.
 
-The linen twin is :mod:`kvjax.nn.llama_linen` (same config, same parameter names).
+The linen twin is :mod:`kvjax.nn._llama_linen` (same config, same parameter names).
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -37,10 +37,10 @@ import numpy as np
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cache import KVCache, require_cache
-from kvjax.config import CacheConfig, RopeConfig, SwaType
-from kvjax.nn.nnx_attention import CachedAttention, layer_mask
-from kvjax.ubatch import Ubatch
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
+from kvjax.nn._nnx_attention import CachedAttention, layer_mask
+from kvjax.memory._ubatch import Ubatch
 
 __all__ = ["LlamaConfig", "Llama", "Block", "MLP"]
 

@@ -1,7 +1,7 @@
 """Attention of a ubatch's queries over the cache (grouped-query, masked, float32 softmax).
 
 ``attention(q, cache, layer, mask)`` reads ``view(cache, layer, N)`` with ``N = mask.shape[-1]``
-(the static window, see :mod:`kvjax.windows`) and returns ``softmax(q k^T * scale + mask + bias) v``
+(the static window, see :mod:`kvjax.attn._windows`) and returns ``softmax(q k^T * scale + mask + bias) v``
 per query head. Query head ``j`` uses kv head ``j // G`` with ``G = Hq / H`` (grouped-query
 attention, as ggml and llama.cpp lay heads out). Softmax and both contractions accumulate in
 float32 whatever the storage dtype; a row whose entries are all masked gives 0 and an lse of
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float
-from kvjax.cache import KVCache, require_cache
-from kvjax.validate import check_window
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax._validate import check_window
 
 _NEG_INF = -jnp.inf
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
-from kvjax.errors import ErrorFlag
+from kvjax._errors import ErrorFlag
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -42,7 +42,7 @@ class Cells:
         seq: ``u32[C, W]`` bitmask of the sequence ids sharing each cell.
         delta: ``i32[C]`` shift accumulated by ``seq_add``/``seq_div`` since the last K-shift.
         head: ``i32[]`` where the next contiguous slot search starts.
-        error: ``u32[]`` sticky :class:`kvjax.errors.ErrorFlag` bits set by traced calls.
+        error: ``u32[]`` sticky :class:`kvjax._errors.ErrorFlag` bits set by traced calls.
         defrag: ``bool[]`` a defragmentation is pending (set by ``kvjax.defrag_sched``, applied
             by ``kvjax.update`` after the K-shift, as in the seed).
         n_seq_max: static number of sequence ids S.

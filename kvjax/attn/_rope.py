@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cache import KVCache, require_cache
-from kvjax.config import CacheConfig, RopeConfig, RopeMode
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 
 # -- the per-pair constants (host, float64) ------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The demo's tiny character-level language model: tokenizer, training with optax, weights I/O.
 
-The model is the reference Llama of :mod:`kvjax.nn.llama`, trained on ``kvjax/data/corpus.txt``
+The model is the reference Llama of :mod:`kvjax.nn._llama`, trained on ``kvjax/app/data/corpus.txt``
 (docstrings of the Python standard library, PSF licence). ``python -m kvjax train`` reproduces
-the committed weights ``kvjax/data/charlm.npz`` (a few minutes on a laptop CPU); when that file is
+the committed weights ``kvjax/app/data/charlm.npz`` (a few minutes on a laptop CPU); when that file is
 missing, :func:`load` returns a model with random weights and says so.
 
 Example:
@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from kvjax.nn.llama import Llama, LlamaConfig
+from kvjax.nn._llama import Llama, LlamaConfig
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "corpus.txt"

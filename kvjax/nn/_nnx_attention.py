@@ -11,7 +11,7 @@ The core is two pure functions:
   in kvjax but RoPE: it is the reference the cached path is tested against.
 
 :class:`CachedAttention` is the NNX layer over them (Q/K/V/O projections, GQA, optional per-layer
-sliding window, RoPE or ALiBi); the linen twin lives in :mod:`kvjax.nn.linen_attention`.
+sliding window, RoPE or ALiBi); the linen twin lives in :mod:`kvjax.nn._linen_attention`.
 :class:`KVCacheVar` lets an NNX model hold its cache as state (like ``nnx.MultiHeadAttention``'s
 decode cache) and refuses a value whose shapes, dtypes or config differ from the one it holds.
 
@@ -44,9 +44,9 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.cache import KVCache, require_cache
-from kvjax.config import RopeConfig, SwaType
-from kvjax.ubatch import Ubatch
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._config import RopeConfig, SwaType
+from kvjax.memory._ubatch import Ubatch
 
 __all__ = ["CachedAttention", "KVCacheVar", "alibi_slopes", "attend_cached", "attend_uncached",
            "layer_mask", "swa_visible"]

@@ -55,10 +55,10 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.cache import KVCache, require_cache
-from kvjax.cells import cell_max
-from kvjax.ubatch import Ubatch
-from kvjax.validate import check_window
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._cells import cell_max
+from kvjax.memory._ubatch import Ubatch
+from kvjax._validate import check_window
 
 __all__ = ["Step", "make_step", "window_for", "windows_for"]
 

@@ -5,7 +5,7 @@ Both steps are paid only when needed:
 - outside ``jit`` the two pending flags (some ``delta != 0``; ``cells.defrag``) are read in one
   small device-to-host transfer, and only the pending steps run;
 - inside ``jit`` (the cache is traced) the K-shift sits in a ``lax.cond`` on "some delta is
-  non-zero", and defrag is :func:`kvjax.defrag.apply_pending`, itself a ``lax.cond`` on the flag.
+  non-zero", and defrag is :func:`kvjax.memory._defrag.apply_pending`, itself a ``lax.cond`` on the flag.
   With the cache donated (``jax.jit(kvjax.update, donate_argnums=0)``) the branch not taken costs
   a few microseconds and no copy.
 
@@ -28,11 +28,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import KVCache, require_cache
-from kvjax.cells import has_shift as _has_shift
-from kvjax.defrag import apply_pending
-from kvjax.rope import _k_shift, k_shift
-from kvjax.validate import is_traced
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._cells import has_shift as _has_shift
+from kvjax.memory._defrag import apply_pending
+from kvjax.attn._rope import _k_shift, k_shift
+from kvjax._validate import is_traced
 
 
 @jax.jit
@@ -51,7 +51,7 @@ def update(cache: KVCache, *, donate: bool = False) -> KVCache:
     Args:
         cache: the cache (concrete, or traced inside ``jit``).
         donate: (concrete cache) shift and defrag in place (see :func:`kvjax.k_shift` and
-            ``kvjax.defrag.apply_pending``); the input cache's buffers become invalid when a step
+            ``kvjax.memory._defrag.apply_pending``); the input cache's buffers become invalid when a step
             ran. Inside ``jit``, donate the cache to the jitted function instead.
 
     Returns:

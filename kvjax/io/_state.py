@@ -14,7 +14,7 @@ cached layers in model-layer order::
     v_trans = 1, per layer:  i32 V type, u32 V element size, u32 H*Dv,
                              H*Dv x { n x element }                 # V transposed: [H*Dv, n]
 
-ggml type ids: F32 = 0, F16 = 1, BF16 = 30 (``kvjax.config.GGML_TYPE_IDS``); quantized K/V
+ggml type ids: F32 = 0, F16 = 1, BF16 = 30 (``kvjax.memory._config.GGML_TYPE_IDS``); quantized K/V
 blobs (Q4_0 = 2, Q8_0 = 8, ...) are refused with :class:`kvjax.StateError`. kvjax stores one
 layer's K as ``[H, C, D]``; the seed's row for cell ``c`` is ``k[:, c, :]`` flattened, so writing
 is a gather of the cells and a transpose to ``[n, H, D]``, done on device.
@@ -68,12 +68,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import ops
-from kvjax.cache import KVCache, require_cache
-from kvjax.config import GGML_TYPE_IDS, CacheConfig
-from kvjax.errors import StateError
-from kvjax.ubatch import Ubatch, bucket_length
-from kvjax.validate import check_seq_id, is_traced
+from kvjax.memory import _api as ops
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._config import GGML_TYPE_IDS, CacheConfig
+from kvjax._errors import StateError
+from kvjax.memory._ubatch import Ubatch, bucket_length
+from kvjax._validate import check_seq_id, is_traced
 
 #: ggml type ids of quantized types that llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1,
 #: Q8_0, IQ4_NL): recognised in messages, refused until block-quantized K/V lands.
@@ -653,7 +653,7 @@ def state_read(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = Tru
         >>> kvjax.state_read(cache, b"\\x01\\x00")
         Traceback (most recent call last):
         ...
-        kvjax.errors.StateError: cell_count: expected 4 bytes at offset 0, found 2 (truncated blob)
+        kvjax._errors.StateError: cell_count: expected 4 bytes at offset 0, found 2 (truncated blob)
     """
     cfg = _check_host_cache(cache, "state_read")
     seq_id = _check_seq(seq_id, cfg)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvjax.cache import KVCache, require_cache
+from kvjax.memory._unified import KVCache, require_cache
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 

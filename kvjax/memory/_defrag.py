@@ -65,8 +65,8 @@ buffers it was taken with: restoring cells from before a defrag onto buffers aft
 update that runs a defrag, or keep the whole old cache, buffers included.
 
 ``kvjax.defrag`` is the function once the package is imported (it hides this module's name);
-``from kvjax.defrag import ...`` still reaches the module, and ``kvjax.defrag.apply_pending`` and
-``kvjax.defrag.plan`` are attributes of the function.
+``from kvjax.memory._defrag import ...`` still reaches the module, and ``kvjax.memory._defrag.apply_pending`` and
+``kvjax.memory._defrag.plan`` are attributes of the function.
 
 Deliberate differences from the seed (also in ``docs/architecture.md``):
 
@@ -96,10 +96,10 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Bool, Float, Int, IntLike
-from kvjax.cache import KVCache, require_cache
-from kvjax.cells import Cells, has_seq, is_used, n_kv as _cells_n_kv, prefix_sum
-from kvjax.errors import ErrorFlag
-from kvjax.validate import as_int32, check_seq_id, concrete_int, is_traced
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._cells import Cells, has_seq, is_used, n_kv as _cells_n_kv, prefix_sum
+from kvjax._errors import ErrorFlag
+from kvjax._validate import as_int32, check_seq_id, concrete_int, is_traced
 
 #: Fragmentation is not measured for windows below this many cells (the seed's rule).
 MIN_WINDOW = 2048
@@ -357,7 +357,7 @@ def compact_plan(cache: KVCache) -> DefragPlan:
 
     Example:
         >>> import kvjax
-        >>> from kvjax.defrag import compact_plan
+        >>> from kvjax.memory._defrag import compact_plan
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0]] * 6))
         >>> plan = compact_plan(kvjax.seq_rm(cache, 0, 1, 3))
@@ -373,7 +373,7 @@ def compact_seq_plan(cache: KVCache, seq_id: IntLike) -> DefragPlan:
 
     Example:
         >>> import kvjax
-        >>> from kvjax.defrag import compact_seq_plan
+        >>> from kvjax.memory._defrag import compact_seq_plan
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4), [[0], [1], [0], [1]]))
         >>> compact_seq_plan(cache, 1).src[:4].tolist()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reference.unified import POS_MAX, UnifiedRef
+from kvjax.testing._unified_reference import POS_MAX, UnifiedRef
 
 
 def make(size, cells, head=0, padding=4, n_seq_max=4):

@@ -8,7 +8,7 @@ plus the config's layout fingerprint so that a file is never read into a cache o
     0       8     magic b"KVJAXSES"
     8       4     u32 format version (FORMAT_VERSION)
     12      4     i32 seq_id the blob was written for (-1: the whole cache)
-    16      32    layout fingerprint of the config (kvjax.state.layout_fingerprint)
+    16      32    layout fingerprint of the config (kvjax.io._state.layout_fingerprint)
     48      8     u64 number of tokens t
     56      4t    i32 tokens
     56+4t   8     u64 blob length b
@@ -44,10 +44,10 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from kvjax.cache import KVCache
-from kvjax.errors import StateError
-from kvjax.state import _check_host_cache, _check_seq, layout_fingerprint, state_read, state_write
-from kvjax.validate import INT32_MAX, INT32_MIN
+from kvjax.memory._unified import KVCache
+from kvjax._errors import StateError
+from kvjax.io._state import _check_host_cache, _check_seq, layout_fingerprint, state_read, state_write
+from kvjax._validate import INT32_MAX, INT32_MIN
 
 MAGIC = b"KVJAXSES"
 FORMAT_VERSION = 1

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from kvjax.cache import KVCache, require_cache
-from kvjax.ops import n_kv as _n_kv
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._api import n_kv as _n_kv
 
 
 def _check_geometry(size, padding, min_window):

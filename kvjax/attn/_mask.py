@@ -54,11 +54,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.cache import KVCache, require_cache
-from kvjax.cells import Cells
-from kvjax.config import SwaType
-from kvjax.ubatch import Ubatch
-from kvjax.validate import check_window
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._cells import Cells
+from kvjax.memory._config import SwaType
+from kvjax.memory._ubatch import Ubatch
+from kvjax._validate import check_window
 
 #: T5's default ``max_distance`` (the seed hard-codes 128 as well).
 T5_MAX_DISTANCE = 128

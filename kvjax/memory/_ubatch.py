@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
-from kvjax.validate import INT32_MAX
+from kvjax._validate import INT32_MAX
 
 
 @struct.dataclass

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Bool, Int
-from kvjax.cells import Cells, is_used, prefix_sum
-from kvjax.errors import ErrorFlag
-from kvjax.ubatch import Ubatch
+from kvjax.memory._cells import Cells, is_used, prefix_sum
+from kvjax._errors import ErrorFlag
+from kvjax.memory._ubatch import Ubatch
 
 
 def _reset_head(cells: Cells, n) -> Int[Array, ""]:

@@ -1,6 +1,6 @@
 """Checkpointing the whole cache pytree with orbax, for programs that already use orbax.
 
-Unlike the seed's state format (:mod:`kvjax.state`), a checkpoint keeps every leaf exactly as it
+Unlike the seed's state format (:mod:`kvjax.io._state`), a checkpoint keeps every leaf exactly as it
 is: cells at their indices, pending shifts, ``head``, the error and defrag flags, and the full
 K/V buffers (empty cells included). It is restored into a cache of the same config only; the
 config is saved beside the arrays as JSON and compared field by field on restore, and a
@@ -32,10 +32,10 @@ from typing import Union
 
 import jax
 
-from kvjax.cache import KVCache, abstract, require_cache
-from kvjax.cells import Cells
-from kvjax.config import CacheConfig
-from kvjax.errors import StateError
+from kvjax.memory._unified import KVCache, abstract, require_cache
+from kvjax.memory._cells import Cells
+from kvjax.memory._config import CacheConfig
+from kvjax._errors import StateError
 
 FORMAT = "kvjax-cache"
 VERSION = 1

@@ -29,11 +29,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Float, Int
-from kvjax.cache import KVCache
-from kvjax.config import RopeConfig, SwaType
-from kvjax.nn.nnx_attention import (alibi_slopes, attend_cached, attend_uncached, check_heads, project_qkv,
+from kvjax.memory._unified import KVCache
+from kvjax.memory._config import RopeConfig, SwaType
+from kvjax.nn._nnx_attention import (alibi_slopes, attend_cached, attend_uncached, check_heads, project_qkv,
                                     check_layer_cache)
-from kvjax.ubatch import Ubatch
+from kvjax.memory._ubatch import Ubatch
 
 __all__ = ["LinenCachedAttention"]
 

@@ -47,14 +47,14 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.cache import KVCache, require_cache
-from kvjax.cells import cell_max, has_shift
-from kvjax.slots import prepare_cells
-from kvjax.compiles import CompileCounter
-from kvjax.errors import CacheFullError
-from kvjax.nn.step import make_step, windows_for
-from kvjax.sampling import SamplingConfig, sample
-from kvjax.ubatch import bucket_length, make_ubatch, split_simple
+from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._cells import cell_max, has_shift
+from kvjax.memory._slots import prepare_cells
+from kvjax._compiles import CompileCounter
+from kvjax._errors import CacheFullError
+from kvjax.nn._step import make_step, windows_for
+from kvjax.engine._sampling import SamplingConfig, sample
+from kvjax.memory._ubatch import bucket_length, make_ubatch, split_simple
 
 
 @functools.partial(jax.jit, static_argnames="contiguous")

@@ -1,0 +1,11 @@
+"""Testing helpers shipped with kvjax: pure-Python reference models of the seed's memories.
+
+They are deliberately naive (plain loops over cells, in cell order, as the seed runs them) and
+independent of kvjax's vectorized code, so a property test can run one beside a memory and
+compare every cell.
+"""
+
+from kvjax.testing import _defrag_reference as defrag_reference
+from kvjax.testing._unified_reference import Cell, UnifiedRef
+
+__all__ = ["Cell", "UnifiedRef", "defrag_reference"]
