@@ -36,7 +36,7 @@ def _populated(size: int, n_seq_max: int, rng):
     cache = kvjax.seq_cp(cache, 0, n_seq_max - 1, 0, chunk // 2)
     ref.seq_cp(0, n_seq_max - 1, 0, chunk // 2)
     # a few holes
-    cache = kvjax.seq_rm(cache, 1, chunk // 4, chunk // 2)
+    cache, _ = kvjax.seq_rm(cache, 1, chunk // 4, chunk // 2)
     ref.seq_rm(1, chunk // 4, chunk // 2)
     return cache, ref
 

@@ -21,12 +21,13 @@ from kvjax.memory._defrag import (DefragPlan, compact, compact_seq, defrag, defr
                           fragmentation)
 from kvjax._errors import CacheFullError, ErrorFlag, StateError
 from kvjax._inspect import CellTable, cell_map, cell_table
-from kvjax.memory._api import (cell_max, check, clear, clear_errors, errors, find_slot, has_shift, n_kv,
+from kvjax.memory._protocol import Memory, NotDefinedError
+from kvjax.memory._api import (can_shift, cell_max, check, clear, clear_errors, commit, errors, find_slot, has_shift, n_kv,
                        n_tokens, pos_max, prepare, seq_add, seq_cp, seq_div, seq_keep, seq_pos_max,
                        seq_pos_min, seq_rm, used_cells)
 from kvjax.memory._ubatch import Ubatch, bucket_length, make_ubatch, split_equal, split_seq, split_simple
 from kvjax.attn._mask import kq_mask, kq_mask_bool, pos_bucket
-from kvjax.attn._rope import can_shift, k_shift, rope
+from kvjax.attn._rope import k_shift, rope
 from kvjax.attn._attention import attention
 from kvjax.attn._windows import kv_window, window_bucket, window_buckets
 from kvjax.memory._update import update
@@ -59,7 +60,9 @@ __all__ = [
     "pos_max", "n_tokens", "used_cells", "cell_max", "n_kv", "has_shift",
     # ubatches and placement
     "Ubatch", "make_ubatch", "bucket_length", "split_simple", "split_equal", "split_seq",
-    "find_slot", "prepare",
+    "find_slot", "prepare", "commit",
+    # the memory protocol
+    "Memory", "NotDefinedError",
     # K/V rows
     "write", "view",
     # the attention path: masks, RoPE, K-shift, attention, window buckets, update

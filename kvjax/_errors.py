@@ -10,7 +10,7 @@ argument turns the op into a no-op on the cells (or drops the offending write) a
 Example:
     >>> import jax, kvjax
     >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=4))
-    >>> bad = jax.jit(kvjax.seq_rm)(cache, 7, 0, -1)   # seq id 7 >= n_seq_max=2: traced, so flagged
+    >>> bad, ok = jax.jit(kvjax.seq_rm)(cache, 7, 0, -1)   # seq id 7 >= n_seq_max=2: traced, so flagged
     >>> kvjax.errors(bad)
     ['seq_id out of range (an op was skipped)']
 """
@@ -50,6 +50,11 @@ ERROR_MESSAGES = {
     ErrorFlag.MAX_MOVES: "defrag max_moves < 0 (nothing was moved)",
     ErrorFlag.OVERFLOW: "seq_add would push a position past int32 (an op was skipped)",
 }
+
+
+# The name a traceback prints is the one users can import: kvjax.StateError, not kvjax._errors.StateError.
+for _cls in (CacheFullError, StateError, ErrorFlag):
+    _cls.__module__ = "kvjax"
 
 
 def decode_error_bits(bits: int) -> list[str]:

@@ -4,7 +4,7 @@ Example:
     >>> import kvjax
     >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=4))
     >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4), [[0], [0], [0, 1], [1]]))
-    >>> cache = kvjax.seq_rm(cache, 0, 1, 2)
+    >>> cache, _ = kvjax.seq_rm(cache, 0, 1, 2)
     >>> print(kvjax.cell_map(cache))
     cells 3/32 used, head 0, n_kv 32, cell_max 4
     0.+1............................
@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvjax.memory._seqbits import unpack
 from kvjax.memory._unified import KVCache, require_cache
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -43,9 +44,7 @@ def cell_table(cache: KVCache) -> CellTable:
     """The cells as numpy arrays (one device-to-host transfer)."""
     require_cache(cache)
     cells = cache.cells
-    words = np.asarray(cells.seq)
-    bits = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1  # [C, W, 32]
-    seqs = bits.reshape(words.shape[0], -1)[:, : cells.n_seq_max].astype(bool)
+    seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)
     return CellTable(np.asarray(cells.pos), seqs, np.asarray(cells.delta), int(cells.head))
 
 

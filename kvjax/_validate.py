@@ -78,3 +78,10 @@ def check_window(n_kv, padding: int, size: int) -> int:
         raise ValueError(f"n_kv={value} is out of range: allowed a positive multiple of "
                          f"padding={padding}, at most size={size}")
     return value
+
+
+def check_flag(name: str, value) -> bool:
+    """A host flag must be a real bool (``"False"`` is truthy, ``1`` is not a flag)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool (True or False)")
+    return bool(value)

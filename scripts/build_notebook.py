@@ -78,7 +78,7 @@ plot_cells(engine.cache, n_cells=96, show_pos=False); plt.show()"""),
 
 Dropping a sequence leaves holes; `defrag` fills them with cells from the end of the cache, moving
 K/V of every layer in one jitted program, so attention reads fewer cells."""),
-    ("code", """engine.cache = kvjax.seq_rm(engine.cache, 1)
+    ("code", """engine.cache, _ = kvjax.seq_rm(engine.cache, 1)
 print("n_kv before:", int(kvjax.n_kv(engine.cache)))
 engine.cache = kvjax.defrag(engine.cache)
 print("n_kv after: ", int(kvjax.n_kv(engine.cache)))

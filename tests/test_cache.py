@@ -107,9 +107,9 @@ def test_write_bad_input(bad, match):
 
 
 def test_write_and_view_need_a_cache():
-    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+    with pytest.raises(ValueError, match="must be a kvjax.*KVCache"):
         kvjax.view(None, 0, 16)
-    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+    with pytest.raises(ValueError, match="must be a kvjax.*KVCache"):
         kvjax.write({}, 0, jnp.array([0]), jnp.ones((1, 2, 8)), jnp.ones((1, 2, 8)))
 
 
@@ -168,5 +168,5 @@ def test_donated_step_updates_buffers_in_place():
 
 def test_sequence_ops_share_kv_buffers():
     cache = fill(kvjax.init(small_config()), range(4), [[0]] * 4)
-    out = kvjax.seq_rm(kvjax.seq_cp(cache, 0, 1), 0, 2, -1)
+    out, _ = kvjax.seq_rm(kvjax.seq_cp(cache, 0, 1), 0, 2, -1)
     assert out.k[0] is cache.k[0] and out.v[0] is cache.v[0]

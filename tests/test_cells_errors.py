@@ -26,7 +26,7 @@ def cache():
     """A few cells of several sequences, one shared, one with a pending shift."""
     c = fill(kvjax.init(CONFIG), [0, 1, 2, 3, 4], [[0], [0, 1], [1], [2], [3]])
     c = kvjax.seq_add(c, 3, 0, -1, 2)
-    return kvjax.seq_rm(c, 0, 0, 1)  # head moves back to cell 0
+    return kvjax.seq_rm(c, 0, 0, 1)[0]  # head moves back to cell 0
 
 
 def snapshot(cache):
@@ -53,7 +53,7 @@ def ubatch(pos, seq_ids, length=8):
 
 # Every op taking a sequence id: (name, call with the id in that place, allowed range).
 SEQ_ARGS = [
-    ("seq_rm", "seq_id", lambda c, s: kvjax.seq_rm(c, s, 0, -1), -1),
+    ("seq_rm", "seq_id", lambda c, s: kvjax.seq_rm(c, s, 0, -1)[0], -1),
     ("seq_cp", "seq_id_src", lambda c, s: kvjax.seq_cp(c, s, 1, 0, -1), 0),
     ("seq_cp", "seq_id_dst", lambda c, s: kvjax.seq_cp(c, 1, s, 0, -1), 0),
     ("seq_keep", "seq_id", lambda c, s: kvjax.seq_keep(c, s), -1),
@@ -146,9 +146,9 @@ PUBLIC_OPS = [
 
 @pytest.mark.parametrize("op", PUBLIC_OPS)
 def test_every_op_rejects_a_non_cache(cache, op):
-    with pytest.raises(ValueError, match=r"cache must be a kvjax.KVCache, got (Cells|dict)"):
+    with pytest.raises(ValueError, match=r"(cache|memory) must be a kvjax.*KVCache.*, got (Cells|dict)"):
         op(cache.cells)
-    with pytest.raises(ValueError, match=r"cache must be a kvjax.KVCache, got dict"):
+    with pytest.raises(ValueError, match=r"(cache|memory) must be a kvjax.*KVCache.*, got dict"):
         op({"cells": cache.cells})
 
 
@@ -241,7 +241,7 @@ def test_error_bits_are_sticky_until_cleared(cache):
     bad = jax.jit(kvjax.seq_keep)(cache, S)
     bad = jax.jit(kvjax.seq_div)(bad, 0, 0, -1, 0)
     assert int(bad.cells.error) == ErrorFlag.SEQ_ID | ErrorFlag.DIVISOR
-    later = kvjax.seq_rm(bad, 2, -1, -1)       # a valid op keeps the bits
+    later, _ = kvjax.seq_rm(bad, 2, -1, -1)       # a valid op keeps the bits
     assert int(later.cells.error) == int(bad.cells.error)
     with pytest.raises(ValueError, match="error flags set: seq_id out of range"):
         kvjax.check(later)

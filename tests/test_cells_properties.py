@@ -150,6 +150,10 @@ def apply_kvjax(api, cache, op, ubatch):
     if kind == "find_slot":
         cache, slot, ok = api.find_slot(cache, ubatch, contiguous=args[1])
         return cache, (np.asarray(slot).tolist(), bool(ok))
+    if kind == "seq_rm":
+        cache, ok = api.seq_rm(cache, *args)
+        assert bool(ok), "the unified cache never refuses a seq_rm"
+        return cache, None
     return getattr(api, kind)(cache, *args), None
 
 

@@ -115,7 +115,7 @@ def _greedy_loop(engine, prompts, steps, at_step=None):
 def test_defrag_mid_generation_changes_no_token():
     def drop_then_defrag(i, engine, active):
         if i == 6:
-            engine.cache = kvjax.seq_rm(engine.cache, 1)
+            engine.cache, _ = kvjax.seq_rm(engine.cache, 1)
             return [0, 2]
         if i == 9:
             before = int(kvjax.cell_max(engine.cache))
@@ -125,7 +125,7 @@ def test_defrag_mid_generation_changes_no_token():
 
     def drop_only(i, engine, active):
         if i == 6:
-            engine.cache = kvjax.seq_rm(engine.cache, 1)
+            engine.cache, _ = kvjax.seq_rm(engine.cache, 1)
             return [0, 2]
         return active
 
@@ -279,7 +279,7 @@ def test_defrag_threshold_schedules_and_the_next_decode_applies_it():
     seq1 = [7, 8, 9, 10] * 25
     engine.decode([3] * 1940 + seq1, list(range(1940)) + list(range(100)), [[0]] * 1940 + [[1]] * 100)
     assert not bool(engine.cache.cells.defrag)  # full cache: no fragmentation
-    engine.cache = kvjax.seq_rm(engine.cache, 0)
+    engine.cache, _ = kvjax.seq_rm(engine.cache, 0)
     engine.decode([11], [100], [[1]])  # fragmentation 1 - (101 + 32) / 2048 > 0.5: scheduled
     assert bool(engine.cache.cells.defrag) and int(kvjax.cell_max(engine.cache)) > 2000
     logits = engine.decode([12], [101], [[1]])  # update applies the defrag first

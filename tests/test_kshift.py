@@ -44,7 +44,7 @@ def _scene(rope, dtype="float32", seed=0):
     cache = fill(cache, list(range(24)), [[0]] * 24)
     cache = kvjax.seq_cp(cache, 0, 1, 0, 6)
     cache = fill(cache, list(range(6, 16)), [[1]] * 10)
-    cache = kvjax.seq_rm(cache, 0, 18, 21)  # a hole
+    cache, _ = kvjax.seq_rm(cache, 0, 18, 21)  # a hole
     rng = np.random.default_rng(seed)
     raw = {il: rng.standard_normal((cfg.size, cfg.n_kv_heads[il], cfg.head_dim[il])).astype(np.float32)
            for il in range(cfg.n_layer)}
@@ -167,9 +167,9 @@ def test_without_rope_config():
         np.testing.assert_array_equal(np.asarray(done.k[0]), np.asarray(moved.k[0]))
         assert kvjax.cell_table(done).pos[:3].tolist() == [2, 3, 4]
     assert kvjax.update(cache) is cache  # nothing pending
-    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+    with pytest.raises(ValueError, match="must be a kvjax.*KVCache"):
         kvjax.update(moved.cells)
-    with pytest.raises(ValueError, match="cache must be a kvjax.KVCache"):
+    with pytest.raises(ValueError, match="must be a kvjax.*KVCache"):
         kvjax.can_shift(None)
 
 

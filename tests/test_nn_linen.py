@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.nn import LinenCachedAttention, LlamaConfig, LlamaLinen, make_step, params_from_nnx
+from kvjax.nn import UbatchInputs, LinenCachedAttention, LlamaConfig, LlamaLinen, make_step, params_from_nnx
 from tests.test_nn_nnx import (ATOL, BASE, check_against_uncached, eager_runner, make_model, model_config,
                                new_cache, nnx_forward, run_scenario, shift_case, step_runner)
 
@@ -47,8 +47,8 @@ def test_cached_equals_uncached_eager():
     params = linen_params(cfg, seed=8)
     model = LlamaLinen(cfg)
 
-    def call(tokens, cache, ub, slot, *, n_kv):
-        return model.apply(params, tokens, cache, ub, slot, n_kv=n_kv)
+    def call(tokens, cache, inputs):
+        return model.apply(params, tokens, cache, inputs)
 
     rec, _ = run_scenario(eager_runner(call), new_cache(cfg), cfg.vocab_size, seed=9, decode_rounds=1)
     check_against_uncached(rec, functools.partial(linen_forward(cfg), params))
@@ -86,4 +86,4 @@ def test_bad_input():
     ub = kvjax.make_ubatch([0], [[0]])
     wrong = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=2, n_kv_heads=4, head_dim=8))
     with pytest.raises(ValueError, match="n_kv_heads"):
-        LlamaLinen(cfg).apply(params, jnp.array([1]), wrong, ub, jnp.array([0]), n_kv=32)
+        LlamaLinen(cfg).apply(params, jnp.array([1]), wrong, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))

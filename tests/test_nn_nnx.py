@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.nn import (CachedAttention, KVCacheVar, Llama, LlamaConfig, attend_uncached, alibi_slopes,
+from kvjax.nn import (UbatchInputs, CachedAttention, KVCacheVar, Llama, LlamaConfig, attend_uncached, alibi_slopes,
                       make_step, swa_visible, window_for)
 
 ATOL = 3e-5  # float32 logits of a 2-layer width-32 model: kvjax's and the reference's sums differ in order
@@ -164,9 +164,8 @@ def eager_runner(model):
     def run(cache, ub, tokens):
         cache, slot, ok = kvjax.find_slot(cache, ub)
         assert bool(ok)
-        return model(tokens, cache, ub, slot, n_kv=int(kvjax.window_bucket(int(kvjax.n_kv(cache)),
-                                                                           cache.config.size,
-                                                                           cache.config.padding)))
+        n_kv = int(kvjax.window_bucket(int(kvjax.n_kv(cache)), cache.config.size, cache.config.padding))
+        return model(tokens, cache, UbatchInputs(ubatch=ub, placement=slot, windows=(n_kv,)))
     return run
 
 
@@ -216,7 +215,7 @@ def shift_case(cfg: LlamaConfig, state, step, forward, use_update: bool):
     ub = kvjax.make_ubatch(range(20), [[0]] * 20, length=32)
     _, cache, ok = step(state, cache, ub, jnp.asarray(np.pad(prompt, (0, 12))), n_kv=window_for(cache, 20))
     assert bool(ok)
-    cache = kvjax.seq_rm(cache, 0, 6, 12)
+    cache, _ = kvjax.seq_rm(cache, 0, 6, 12)
     cache = kvjax.seq_add(cache, 0, 12, -1, -6)
     assert bool(kvjax.has_shift(cache))
     if use_update:
@@ -275,7 +274,7 @@ def test_layer_matches_uncached():
     @nnx.jit
     def both(a, x, cache):
         cache, slot, ok = kvjax.find_slot(cache, ub)
-        y, cache = a(x, cache, ub, slot, n_kv=16)
+        y, cache = a(x, cache, UbatchInputs(ubatch=ub, placement=slot, windows=(16,)))
         ref = a.uncached(x.reshape(2, 4, 32), jnp.tile(jnp.arange(4), (2, 1))).reshape(8, 32)
         return y, ref, cache
 
@@ -295,14 +294,14 @@ def test_layer_bad_input():
     ub = kvjax.make_ubatch([0], [[0]])
     wrong = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=8))
     with pytest.raises(ValueError, match="n_kv_heads"):
-        attn(jnp.ones((1, 32)), wrong, ub, jnp.array([0]), n_kv=32)
+        attn(jnp.ones((1, 32)), wrong, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
     other_layer = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=2, n_kv_heads=2, head_dim=8,
                                                layer_filter=[1]))
     with pytest.raises(ValueError, match="layer=0"):
-        attn(jnp.ones((1, 32)), other_layer, ub, jnp.array([0]), n_kv=32)
+        attn(jnp.ones((1, 32)), other_layer, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
     right = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
     with pytest.raises(ValueError, match="x has shape"):
-        attn(jnp.ones((2, 32)), right, ub, jnp.array([0]), n_kv=32)
+        attn(jnp.ones((2, 32)), right, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
 
 
 def test_model_bad_input():
@@ -314,12 +313,12 @@ def test_model_bad_input():
     model = make_model(cfg)
     ub = kvjax.make_ubatch([0], [[0]])
     with pytest.raises(ValueError, match="layers"):
-        model(jnp.array([1]), kvjax.init(cfg.cache_config(32, 1, layer_filter=[0])), ub, jnp.array([0]), n_kv=32)
+        model(jnp.array([1]), kvjax.init(cfg.cache_config(32, 1, layer_filter=[0])), UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
     cache = kvjax.init(cfg.cache_config(32, 1))
     with pytest.raises(ValueError, match="tokens contains 64"):
-        model(jnp.array([64]), cache, ub, jnp.array([0]), n_kv=32)
+        model(jnp.array([64]), cache, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
     with pytest.raises(ValueError, match="tokens has shape"):
-        model(jnp.array([1, 2]), cache, ub, jnp.array([0]), n_kv=32)
+        model(jnp.array([1, 2]), cache, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
 
 
 def test_reference_pieces():
@@ -357,7 +356,7 @@ class _Holder(nnx.Module):
 
     def __call__(self, tokens, ubatch, *, n_kv):
         cache, slot, ok = kvjax.find_slot(self.kv.get_value(), ubatch)
-        logits, cache = self.model(tokens, cache, ubatch, slot, n_kv=n_kv)
+        logits, cache = self.model(tokens, cache, UbatchInputs(ubatch=ubatch, placement=slot, windows=(n_kv,)))
         self.kv.replace_cache(cache)
         return logits, ok
 

@@ -102,7 +102,7 @@ def test_crash_mid_write_leaves_no_half_file(tmp_path, monkeypatch, fail_at):
 
         monkeypatch.setattr(session.os, "fdopen", half_fdopen)
     with pytest.raises(OSError):
-        kvjax.save(path, kvjax.seq_rm(cache, 0), tokens=[9])
+        kvjax.save(path, kvjax.seq_rm(cache, 0)[0], tokens=[9])
     monkeypatch.undo()
     assert path.read_bytes() == old  # the old file is intact ...
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kvjax"]  # ... and no temp left

@@ -46,7 +46,7 @@ def apply_ops(cache, steps):
             ub = kvjax.make_ubatch(range(start, start + n), [seqs] * n, length=16)
             cache, _, _ = kvjax.find_slot(cache, ub, contiguous=contiguous)
         elif step[0] == "rm":
-            cache = kvjax.seq_rm(cache, *step[1:])
+            cache, _ = kvjax.seq_rm(cache, *step[1:])
         else:
             cache = kvjax.seq_cp(cache, *step[1:])
     return cache
@@ -142,7 +142,7 @@ def test_sequence_round_trip(name, steps, dest_steps, src, dst, where, contiguou
     blob = kvjax.state_write(cache, src)
     dest = {"fresh": kvjax.init(cfg), "same": cache,
             "other": random_cache(cfg, dest_steps, seed + 1)}[where]
-    base = kvjax.seq_rm(dest, dst, -1, -1)
+    base, _ = kvjax.seq_rm(dest, dst, -1, -1)
     moved = [(p, k, v) for p, seqs, k, v in records(cache) if src in seqs]
     try:
         restored = kvjax.state_read(dest, blob, dst, contiguous=contiguous)
@@ -162,7 +162,7 @@ def test_scattered_read_fits_where_contiguous_does_not():
     src = with_random_kv(fill(kvjax.init(cfg), range(10), [[0]] * 10), 1)
     blob = kvjax.state_write(src, 0)
     dest = fill(kvjax.init(cfg), range(64), [[1] if i % 4 == 0 or i >= 48 else [2] for i in range(64)])
-    dest = kvjax.seq_rm(dest, 2)  # 36 free cells in holes of 3
+    dest, _ = kvjax.seq_rm(dest, 2)  # 36 free cells in holes of 3
     snap = snapshot(dest)
     with pytest.raises(StateError, match="contiguous=False"):
         kvjax.state_read(dest, blob, 3)
@@ -296,7 +296,7 @@ def hand_built(v_trans, k_dtype="float32", v_dtype="float32"):
         v_vals[layer] = (np.arange(6 * h * 3).reshape(6, h, 3) % 53 - 20) / 4.0 - layer
         cache = kvjax.write(cache, layer, slot[:6], jnp.asarray(k_vals[layer], jnp.float32),
                             jnp.asarray(v_vals[layer], jnp.float32))
-    cache = kvjax.seq_rm(cache, 0, 13, 14)  # empties cell 3 (position 13)
+    cache, _ = kvjax.seq_rm(cache, 0, 13, 14)  # empties cell 3 (position 13)
     kept = [0, 1, 2, 4, 5]
     whole = seed_blob([(10 + c, sorted(seqs[c])) for c in kept],
                       [([k_vals[ly][c].reshape(-1).tolist() for c in kept],

@@ -91,9 +91,10 @@ def test_caller_placed_equals_step_placed():
 
 def test_apply_function_step():
     """make_step also takes a plain function: here attention-free, writing zeros for every layer."""
-    def apply(state, tokens, cache, ubatch, slot, n_kv):
+    def apply(state, tokens, cache, inputs):
+        ubatch, (n_kv,) = inputs.ubatch, inputs.windows
         rows = jnp.zeros((ubatch.length, 2, 8))
-        cache = kvjax.write(cache, 0, slot, rows + state, rows)
+        cache = kvjax.write(cache, 0, inputs.placement, rows + state, rows)
         return jnp.zeros((ubatch.length, 3)) + kvjax.kq_mask_bool(cache, ubatch, n_kv).sum(-1, keepdims=True), cache
 
     step = make_step(apply)
@@ -114,7 +115,7 @@ def test_window_for_covers_every_placement():
             s, n = int(rng.integers(4)), int(rng.integers(1, 40))
             if rng.random() < 0.3 and pos[s] > 4:
                 cut = int(rng.integers(pos[s]))
-                cache = kvjax.seq_rm(cache, s, cut, -1)
+                cache, _ = kvjax.seq_rm(cache, s, cut, -1)
                 pos[s] = cut
                 continue
             bound = window_for(cache, n)

@@ -79,7 +79,7 @@ def main(quick: bool = False) -> int:
           f"{tok.decode(cont)!r}")
 
     # 3. drop sequence 1, then defragment
-    engine.cache = kvjax.seq_rm(engine.cache, 1)
+    engine.cache, _ = kvjax.seq_rm(engine.cache, 1)
     _show("sequence 1 dropped (seq_rm): holes", engine.cache)
     t0 = time.perf_counter()
     engine.cache = jax.block_until_ready(kvjax.defrag(engine.cache))

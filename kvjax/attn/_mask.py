@@ -55,6 +55,7 @@ import jax.numpy as jnp
 
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._seqbits import holds
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import SwaType
 from kvjax.memory._ubatch import Ubatch
@@ -127,12 +128,7 @@ def is_masked_swa(p0: Int[Array, "..."], p1: Int[Array, "..."], swa_type: SwaTyp
 
 def _member(cells: Cells, n_kv: int, seq0: Int[Array, "T"]) -> Bool[Array, "T N"]:
     """Whether each of the first ``n_kv`` cells holds each token's sequence (False for id < 0)."""
-    words = cells.seq[:n_kv].T  # [W, N]
-    n_words = words.shape[0]
-    word = jnp.where(seq0 >= 0, seq0 // 32, n_words)  # -1 (padding) reads no word at all
-    row = jnp.take(words, word, axis=0, mode="fill", fill_value=0)  # [T, N]; id >= 32 W: all zero
-    bit = (seq0 % 32).astype(jnp.uint32)[:, None]
-    return ((row >> bit) & jnp.uint32(1)) != 0
+    return holds(cells.seq[:n_kv].T, seq0)  # padding (-1) and ids >= 32 W: held by no cell
 
 
 def _visible(cells: Cells, ubatch: Ubatch, n_kv: int, causal: bool, swa_type: SwaType,

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Float, Int
+from kvjax._jit import JitTwins, donating
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 
@@ -283,27 +284,13 @@ def _shift_impl(ks, cells, config: CacheConfig):
     return new_k, cells.replace(delta=jnp.zeros_like(delta))
 
 
-_shift = jax.jit(_shift_impl, static_argnums=2)
-_shift_donated = jax.jit(_shift_impl, static_argnums=2, donate_argnums=0)
+_shift = JitTwins(_shift_impl, static_argnums=2, donate_argnums=0)
 
 
 def _k_shift(cache: KVCache) -> KVCache:
     """The K-shift as a function of the cache (traceable; used by ``update`` inside ``lax.cond``)."""
     ks, cells = _shift_impl(cache.k, cache.cells, cache.config)
     return cache.replace(k=ks, cells=cells)
-
-
-def can_shift(cache: KVCache) -> bool:
-    """Whether the cache can apply a K-shift: its config carries RoPE parameters.
-
-    Example:
-        >>> import kvjax
-        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4)
-        >>> kvjax.can_shift(kvjax.init(cfg)), kvjax.can_shift(kvjax.init(cfg.replace(rope=kvjax.RopeConfig(n_rot=4))))
-        (False, True)
-    """
-    require_cache(cache)
-    return bool(cache.config.can_shift)
 
 
 def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
@@ -344,6 +331,5 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
     if cache.config.rope is None:
         raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
                          "model's kvjax.RopeConfig (one for all layers or one per layer)")
-    fn = _shift_donated if donate else _shift
-    ks, cells = fn(cache.k, cache.cells, cache.config)
+    ks, cells = _shift(cache.k, cache.cells, cache.config, donate=donating(donate, cache.cells.pos))
     return cache.replace(k=ks, cells=cells)

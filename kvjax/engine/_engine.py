@@ -47,31 +47,32 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.memory._unified import KVCache, require_cache
-from kvjax.memory._cells import cell_max, has_shift
-from kvjax.memory._slots import prepare_cells
 from kvjax._compiles import CompileCounter
 from kvjax._errors import CacheFullError
-from kvjax.nn._step import make_step, windows_for
 from kvjax.engine._sampling import SamplingConfig, sample
+from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_ubatch, split_simple
+from kvjax.nn._step import make_step
 
 
 @functools.partial(jax.jit, static_argnames="contiguous")
-def _plan(cells, ubatches, contiguous):
-    """Pending flags, the dry run of every ubatch and ``cell_max``, for one device-to-host read."""
-    ok, slots = prepare_cells(cells, ubatches, contiguous=contiguous)
-    return jnp.stack([has_shift(cells), cells.defrag]), ok, slots, cell_max(cells)
+def _plan(rest: Memory, ubatches, contiguous):
+    """Pending work, the dry run of every ubatch and the extent, for one device-to-host read.
+
+    ``rest`` is the memory without its buffers (``memory.split()``): the plan reads metadata only.
+    """
+    ok, placements = rest.prepare(ubatches, contiguous=contiguous)
+    return rest.pending(), ok, placements, rest.extent()
 
 
 class Engine:
     """A model, its state and a kvjax cache, driven batch by batch.
 
     Args:
-        model: an NNX model called as ``model(tokens, cache, ubatch, slot, n_kv=...)`` (e.g.
+        model: an NNX model called as ``model(tokens, memory, inputs)`` (e.g.
             :class:`kvjax.nn.Llama`), or a linen module with ``state`` given.
-        cache: the cache (``kvjax.init(...)``); the engine owns it from now on (its buffers are
-            donated to each step: use ``engine.cache``, never the value passed in).
+        cache: the memory (``kvjax.init(...)``, any kind); the engine owns it from now on (its
+            buffers are donated to each step: use ``engine.cache``, never the value passed in).
         state: the model state; default ``nnx.state(model)``.
         n_ubatch: most tokens per ubatch (the seed's ``n_ubatch``).
         contiguous: the seed's contiguous placement (True) or scattered (False).
@@ -79,9 +80,9 @@ class Engine:
             (None: never, as the seed's default).
     """
 
-    def __init__(self, model, cache: KVCache, *, state=None, n_ubatch: int = 64, contiguous: bool = True,
+    def __init__(self, model, cache: Memory, *, state=None, n_ubatch: int = 64, contiguous: bool = True,
                  defrag_thold: Optional[float] = None):
-        require_cache(cache)
+        require_memory(cache, "cache")
         if int(n_ubatch) < 1:
             raise ValueError(f"n_ubatch={n_ubatch} is out of range: allowed >= 1")
         if defrag_thold is not None and not 0 <= defrag_thold < 1:
@@ -98,6 +99,10 @@ class Engine:
     @property
     def config(self):
         return self.cache.config
+
+    def _plan(self, ubatches):
+        _, rest = self.cache.split()
+        return _plan(rest, ubatches, contiguous=self.contiguous)
 
     def decode(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> jax.Array:
         """Evaluate a batch of tokens; return the logits of every token, in batch order.
@@ -131,25 +136,27 @@ class Engine:
         pos = np.asarray(pos)
         parts = split_simple(seq_ids, self.n_ubatch)
         ubatches = tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
-                                     n_seq_max=self.config.n_seq_max) for idx in parts)
+                                     n_seq_max=self.cache.n_seq_max) for idx in parts)
         # one transfer: pending work, whether the batch fits, where it goes, the current extent
-        pending, ok, slots, top = jax.device_get(_plan(self.cache.cells, ubatches, contiguous=self.contiguous))
-        if pending.any():  # the seed's order: apply the pending K-shift / defrag, then place
-            self.cache = kvjax.update(self.cache, donate=True)
-            pending, ok, slots, top = jax.device_get(_plan(self.cache.cells, ubatches, contiguous=self.contiguous))
+        pending, ok, placements, extent = jax.device_get(self._plan(ubatches))
+        if bool(pending):  # the seed's order: apply the pending work (K-shift, defrag), then place
+            self.cache = self.cache.update(donate=True)
+            pending, ok, placements, extent = jax.device_get(self._plan(ubatches))
         if not bool(ok):
-            free = self.config.size - int(kvjax.used_cells(self.cache))
+            size = self.cache.size
+            free = size - int(self.cache.used_cells())
             raise CacheFullError(f"batch of {len(tokens)} tokens does not fit ({free} free cells of "
-                                 f"{self.config.size}{', contiguous placement' if self.contiguous else ''}); "
-                                 f"nothing was placed (a pending K-shift or defrag was applied first, as "
+                                 f"{size}{', contiguous placement' if self.contiguous else ''}); "
+                                 f"nothing was placed (pending work was applied first, as "
                                  f"llama_decode does): free cells with seq_rm or shift the context")
-        windows = windows_for(self.cache, slots, cell_max_now=top)
+        windows = self.cache.windows_for(placements, extent)
         outputs = []
-        for idx, ub, n_kv in zip(parts, ubatches, windows):
+        for idx, ub, ub_windows in zip(parts, ubatches, windows):
             toks = np.zeros(ub.length, np.int32)
             toks[: len(idx)] = tokens[idx]
-            logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, n_kv=n_kv)
+            logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows)
             outputs.append(logits[: len(idx)])
+        self.cache = self.cache.commit(ubatches)  # the seed's commit (the iSWA memory prunes here)
         if self.defrag_thold is not None:
             self.cache = kvjax.defrag_sched(self.cache, self.defrag_thold)
         self.n_decoded += len(tokens)
@@ -158,8 +165,17 @@ class Engine:
     # -- sequence management ----------------------------------------------------------------
 
     def rollback(self, seq_id: int, pos: int) -> None:
-        """Forget the tokens of ``seq_id`` at positions ``>= pos`` (e.g. a rejected speculative draft)."""
-        self.cache = kvjax.seq_rm(self.cache, seq_id, pos, -1)
+        """Forget the tokens of ``seq_id`` at positions ``>= pos`` (e.g. a rejected speculative draft).
+
+        Raises:
+            ValueError: the memory refused the removal (e.g. a recurrent state that cannot be cut
+                there); nothing changed.
+        """
+        memory, ok = kvjax.seq_rm(self.cache, seq_id, pos, -1)
+        if not bool(ok):
+            raise ValueError(f"pos={pos} is out of range for a rollback of sequence {seq_id}: the "
+                             f"{type(self.cache).__name__} refused to remove positions >= {pos}; nothing changed")
+        self.cache = memory
 
     def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> int:
         """Drop ``n_discard`` tokens after the first ``n_keep`` of ``seq_id`` and shift the rest back.
@@ -177,13 +193,16 @@ class Engine:
         if not (n_keep >= 0 and n_discard >= 1 and n_keep + n_discard <= n_past):
             raise ValueError(f"n_keep={n_keep}, n_discard={n_discard} are out of range: allowed n_keep >= 0, "
                              f"n_discard >= 1, n_keep + n_discard <= {n_past} (the sequence's length)")
-        table = kvjax.cell_table(self.cache)
-        moved = table.seqs[:, seq_id] & (table.pos >= n_keep + n_discard) & (table.pos < n_past)
-        if (table.seqs[moved].sum(axis=1) > 1).any():
+        if bool(self.cache.seq_shared(np.int32(seq_id), np.int32(n_keep + n_discard), np.int32(n_past))):
             raise ValueError(f"context shift of sequence {seq_id} would move cells it shares with other "
                              f"sequences (seq_add moves a cell for all of them): allowed when every shared "
                              f"position is below n_keep + n_discard = {n_keep + n_discard}; raise n_keep")
-        self.cache = kvjax.seq_rm(self.cache, seq_id, n_keep, n_keep + n_discard)
+        memory, ok = kvjax.seq_rm(self.cache, seq_id, n_keep, n_keep + n_discard)
+        if not bool(ok):
+            raise ValueError(f"context shift of sequence {seq_id} is not possible on a "
+                             f"{type(self.cache).__name__}: it refused to remove positions [{n_keep}, "
+                             f"{n_keep + n_discard}); nothing changed")
+        self.cache = memory
         self.cache = kvjax.seq_add(self.cache, seq_id, n_keep + n_discard, n_past, -n_discard)
         return n_past - n_discard
 
@@ -259,11 +278,11 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be non-empty token lists")
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
-    if n_seq > engine.config.n_seq_max:
-        raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.config.n_seq_max}")
+    if n_seq > engine.cache.n_seq_max:
+        raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
     if int(max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is out of range: allowed >= 1")
-    size = engine.config.size
+    size = engine.cache.size
     n_ctx = size // n_seq if n_ctx is None else int(n_ctx)
     if not n_keep + 2 <= n_ctx <= size // n_seq:
         raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, size // n_seq = "

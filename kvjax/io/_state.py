@@ -69,11 +69,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.memory import _api as ops
+from kvjax.memory import _seqbits as seqbits
+from kvjax.memory._protocol import require_memory
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import GGML_TYPE_IDS, CacheConfig
 from kvjax._errors import StateError
 from kvjax.memory._ubatch import Ubatch, bucket_length
-from kvjax._validate import check_seq_id, is_traced
+from kvjax._jit import JitTwins
+from kvjax._validate import check_flag, check_seq_id, is_traced
 
 #: ggml type ids of quantized types that llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1,
 #: Q8_0, IQ4_NL): recognised in messages, refused until block-quantized K/V lands.
@@ -317,8 +320,7 @@ def _parse_meta_whole(cur: _Cursor, n: int, n_seq_max: int, n_words: int):
     if bad.size:
         j = int(bad[0])
         raise StateError(f"cell {int(cell[j])} seq id: expected [0, n_seq_max={n_seq_max}), found {int(ids[j])}")
-    masks = np.zeros((n, n_words), np.uint32)
-    np.bitwise_or.at(masks, (cell, ids // 32), np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    masks = seqbits.host_pack(cell, ids, n, n_words)
     distinct = np.unpackbits(masks.view(np.uint8), axis=1).sum(axis=1)  # popcount, numpy 1.x too
     dup = np.flatnonzero(distinct != counts)
     if dup.size:
@@ -382,8 +384,7 @@ def _encode_meta(pos: np.ndarray, masks: Optional[np.ndarray], n_seq_max: int) -
         return out.tobytes()
     if n == 0:
         return b""
-    bits = np.unpackbits(np.ascontiguousarray(masks, "<u4").view(np.uint8).reshape(n, -1), axis=1,
-                         bitorder="little")[:, :n_seq_max]
+    bits = seqbits.unpack(masks, n_seq_max)
     cell, ids = np.nonzero(bits)  # row-major: ids ascending within a cell, as std::set iterates
     counts = bits.sum(axis=1, dtype=np.int64)
     length = 2 + counts
@@ -453,10 +454,8 @@ def _place_impl(k_old, v_old, slot, k_rows, v_rows, *, v_trans: bool):
             tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)))
 
 
-_assemble = jax.jit(_assemble_impl, static_argnames="v_trans")
-_assemble_donated = jax.jit(_assemble_impl, static_argnames="v_trans", donate_argnums=(0, 1))
-_place = jax.jit(_place_impl, static_argnames="v_trans")
-_place_donated = jax.jit(_place_impl, static_argnames="v_trans", donate_argnums=(0, 1))
+_assemble = JitTwins(_assemble_impl, static_argnames="v_trans", donate_argnums=(0, 1))
+_place = JitTwins(_place_impl, static_argnames="v_trans", donate_argnums=(0, 1))
 
 
 #: Smallest row bucket: blobs of up to this many cells share one compilation (padding a few
@@ -530,9 +529,7 @@ def _check_seq(seq_id, config: CacheConfig) -> int:
 
 def _members(masks: np.ndarray, seq_id: int) -> np.ndarray:
     """``bool[C]`` cells holding ``seq_id`` (any sequence when -1)."""
-    if seq_id < 0:
-        return masks.any(axis=1)
-    return ((masks[:, seq_id // 32] >> np.uint32(seq_id % 32)) & 1).astype(bool)
+    return seqbits.host_holds(masks, seq_id)
 
 
 def _host_cells(cache: KVCache):
@@ -540,8 +537,8 @@ def _host_cells(cache: KVCache):
     return np.asarray(cells.pos), np.asarray(cells.seq), np.asarray(cells.delta)
 
 
-def state_write(cache: KVCache, seq_id: int = -1) -> bytes:
-    """Serialize the whole cache (``seq_id = -1``) or one sequence in the seed's state format.
+def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
+    """The unified cache's :func:`state_write`: serialize the whole cache (``seq_id = -1``) or one sequence in the seed's state format.
 
     A single-sequence blob holds the cells of ``seq_id`` (in cell order) with ``n_seq_id = 0``:
     it is read back into any destination sequence. A whole-cache blob holds every non-empty cell
@@ -612,9 +609,9 @@ def _as_view(data) -> memoryview:
         raise StateError(f"data: expected a bytes-like object, found {type(data).__name__}") from None
 
 
-def state_read(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True,
-               donate: bool = False) -> KVCache:
-    """Restore a blob written by :func:`state_write` (or by the seed) into a cache.
+def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True,
+                 donate: bool = False) -> KVCache:
+    """The unified cache's :func:`state_read`: restore a blob written by :func:`state_write` (or by the seed) into a cache.
 
     With ``seq_id = -1`` the blob must be a whole-cache blob: the cache is emptied and cell ``i``
     of the blob goes to cell ``i`` (from cell 0, as the seed does), ``head`` is 0. With
@@ -653,17 +650,17 @@ def state_read(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = Tru
         >>> kvjax.state_read(cache, b"\\x01\\x00")
         Traceback (most recent call last):
         ...
-        kvjax._errors.StateError: cell_count: expected 4 bytes at offset 0, found 2 (truncated blob)
+        kvjax.StateError: cell_count: expected 4 bytes at offset 0, found 2 (truncated blob)
     """
     cfg = _check_host_cache(cache, "state_read")
     seq_id = _check_seq(seq_id, cfg)
+    contiguous, donate = check_flag("contiguous", contiguous), check_flag("donate", donate)
     buf = _as_view(data)
     _, masks, _ = _host_cells(cache)
     if seq_id < 0:
         capacity, why = cfg.size, "the cache size"
     else:
-        kept = masks.copy()
-        kept[:, seq_id // 32] &= ~np.uint32(1 << (seq_id % 32))
+        kept = seqbits.host_without(masks, seq_id)
         capacity = int((~kept.any(axis=1)).sum())
         why = f"the free cells once sequence {seq_id} is removed"
     parsed = _parse(cfg, buf, seq_id, capacity, why)
@@ -684,8 +681,7 @@ def _read_whole(cache: KVCache, parsed: _Parsed, donate: bool) -> KVCache:
     if n == 0:
         return cache.replace(cells=cells)
     k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size))
-    fn = _assemble_donated if donate else _assemble
-    k, v = fn(cache.k, cache.v, k_rows, v_rows, v_trans=cfg.v_trans)
+    k, v = _assemble(cache.k, cache.v, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
     return cache.replace(cells=cells, k=k, v=v)
 
 
@@ -698,7 +694,7 @@ def _largest_free_run(free: np.ndarray) -> int:
 def _read_seq(cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, donate: bool,
               kept: np.ndarray) -> KVCache:
     cfg, n = cache.config, parsed.n
-    cleared = ops.seq_rm(cache, seq_id, -1, -1)
+    cleared, _ = ops.seq_rm(cache, seq_id, -1, -1)
     if n == 0:
         return cleared
     rows = _bucket(n, cfg.size)
@@ -714,10 +710,32 @@ def _read_seq(cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, do
                          f"cells once sequence {seq_id} is removed), found {n}; pass "
                          f"contiguous=False to place the cells in any free cells")
     k_rows, v_rows = _host_rows(cfg, parsed, rows)
-    fn = _place_donated if donate else _place
-    k, v = fn(cache.k, cache.v, slot, k_rows, v_rows, v_trans=cfg.v_trans)
+    k, v = _place(cache.k, cache.v, slot, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
     return placed.replace(k=k, v=v)
 
 
 __all__ = ["state_write", "state_read", "layer_layouts", "layout_fingerprint", "LayerLayout",
            "QUANTIZED_TYPE_IDS"]
+
+
+def state_write(memory, seq_id: int = -1) -> bytes:
+    """The seed's state blob of a memory: the whole memory (``seq_id = -1``) or one sequence.
+
+    Each memory writes its parts in the seed's order (the unified cache: :func:`write_unified`).
+
+    Example:
+        >>> import kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
+        >>> len(kvjax.state_write(cache))                  # an empty cache: cell count 0, layer layouts
+        36
+    """
+    return require_memory(memory).state_write(seq_id)
+
+
+def state_read(memory, data, seq_id: int = -1, **options):
+    """A memory restored from a :func:`state_write` blob (the one passed in is never changed).
+
+    Options are the memory's (the unified cache: ``contiguous``, ``donate``; see
+    :func:`read_unified`). A blob that does not fit raises :class:`kvjax.StateError` naming the field.
+    """
+    return require_memory(memory).state_read(data, seq_id, **options)

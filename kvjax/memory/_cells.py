@@ -29,6 +29,7 @@ from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax._errors import ErrorFlag
+from kvjax.memory._seqbits import n_words, seq_bits
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -75,10 +76,10 @@ def empty_cells(size: int, n_seq_max: int) -> Cells:
         >>> c.pos.shape, c.seq.shape, int(c.head)
         ((64,), (64, 2), 0)
     """
-    n_words = -(-n_seq_max // 32)
+    words = n_words(n_seq_max)
     return Cells(
         pos=jnp.full((size,), -1, jnp.int32),
-        seq=jnp.zeros((size, n_words), jnp.uint32),
+        seq=jnp.zeros((size, words), jnp.uint32),
         delta=jnp.zeros((size,), jnp.int32),
         head=jnp.zeros((), jnp.int32),
         error=jnp.zeros((), jnp.uint32),
@@ -88,20 +89,6 @@ def empty_cells(size: int, n_seq_max: int) -> Cells:
 
 
 # -- building blocks ----------------------------------------------------------------------------
-
-
-def seq_bits(seq_id: Int[Array, "..."], n_words: int) -> UInt32[Array, "... W"]:
-    """Bitmask words with only ``seq_id``'s bit set (all zero for an id < 0 or too large).
-
-    Example:
-        >>> seq_bits(jnp.int32(33), 2).tolist()
-        [0, 2]
-    """
-    seq_id = jnp.asarray(seq_id, jnp.int32)
-    word = jnp.arange(n_words, dtype=jnp.int32)
-    bit = jnp.left_shift(jnp.uint32(1), (seq_id % 32).astype(jnp.uint32))[..., None]
-    hit = (seq_id[..., None] // 32 == word) & (seq_id[..., None] >= 0)
-    return jnp.where(hit, bit, jnp.uint32(0))
 
 
 def prefix_sum(x: Int[Array, "C"]) -> Int[Array, "C"]:
@@ -321,3 +308,12 @@ def n_kv(cells: Cells, padding: int) -> Int[Array, ""]:
 def has_shift(cells: Cells) -> Bool[Array, ""]:
     """Whether some cell has a pending K-shift."""
     return jnp.any(cells.delta != 0)
+
+
+@jax.jit
+def seq_shared(cells: Cells, seq_id, p0, p1) -> Bool[Array, ""]:
+    """Whether a cell of ``seq_id`` with ``p0 <= pos < p1`` also holds another sequence."""
+    p0, p1 = _bounds(p0, p1)
+    mine = has_seq(cells, seq_id) & _in_range(cells, p0, p1)
+    shared = jnp.sum(jax.lax.population_count(cells.seq), axis=-1) > 1
+    return jnp.any(mine & shared)

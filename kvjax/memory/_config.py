@@ -23,6 +23,8 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from kvjax.memory import _seqbits as seqbits
+
 #: Largest ``n_seq_max`` accepted (32 words of sequence bitmask per cell).
 MAX_SEQ = 1024
 
@@ -266,7 +268,7 @@ class CacheConfig:
     @property
     def n_words(self) -> int:
         """W, the number of 32-bit words in each cell's sequence bitmask."""
-        return math.ceil(self.n_seq_max / 32)
+        return seqbits.n_words(self.n_seq_max)
 
     @property
     def groups(self) -> Tuple[LayerGroup, ...]:

@@ -80,7 +80,7 @@ Example:
     >>> import kvjax
     >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2))
     >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0], [1]] * 3))
-    >>> cache = kvjax.seq_rm(cache, 1, -1, -1)            # holes at cells 1, 3, 5
+    >>> cache, _ = kvjax.seq_rm(cache, 1, -1, -1)            # holes at cells 1, 3, 5
     >>> print(kvjax.cell_map(kvjax.compact(cache), width=8).splitlines()[1])
     000.....
 """
@@ -99,6 +99,7 @@ from kvjax._typing import Array, Bool, Float, Int, IntLike
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._cells import Cells, has_seq, is_used, n_kv as _cells_n_kv, prefix_sum
 from kvjax._errors import ErrorFlag
+from kvjax._jit import JitTwins, donating
 from kvjax._validate import as_int32, check_seq_id, concrete_int, is_traced
 
 #: Fragmentation is not measured for windows below this many cells (the seed's rule).
@@ -176,7 +177,7 @@ def fragmentation(cache: KVCache) -> Float[Array, ""]:
         >>> cache = kvjax.init(kvjax.CacheConfig(size=4096, n_seq_max=1, n_layer=1, n_kv_heads=1,
         ...                                      head_dim=2, padding=256))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4096), [[0]] * 4096))
-        >>> cache = kvjax.seq_rm(cache, 0, 0, 3072)        # 1024 tokens left at the end
+        >>> cache, _ = kvjax.seq_rm(cache, 0, 0, 3072)        # 1024 tokens left at the end
         >>> float(kvjax.fragmentation(cache))
         0.6875
     """
@@ -205,7 +206,7 @@ def defrag_sched(cache: KVCache, thold) -> KVCache:
         >>> cache = kvjax.init(kvjax.CacheConfig(size=4096, n_seq_max=1, n_layer=1, n_kv_heads=1,
         ...                                      head_dim=2, padding=256))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4096), [[0]] * 4096))
-        >>> cache = kvjax.seq_rm(cache, 0, 0, 3072)
+        >>> cache, _ = kvjax.seq_rm(cache, 0, 0, 3072)
         >>> [bool(kvjax.defrag_sched(cache, t).cells.defrag) for t in (0.9, 0.5)]
         [False, True]
     """
@@ -343,7 +344,7 @@ def defrag_plan(cache: KVCache, max_moves: Optional[IntLike] = None) -> DefragPl
         >>> import kvjax
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0]] * 6))
-        >>> cache = kvjax.seq_rm(cache, 0, 1, 3)          # holes at cells 1 and 2
+        >>> cache, _ = kvjax.seq_rm(cache, 0, 1, 3)          # holes at cells 1 and 2
         >>> plan = kvjax.defrag_plan(cache)
         >>> plan.src[:6].tolist(), int(plan.n_moves), int(plan.head)
         ([0, 4, 5, 3, 1, 2], 1, 4)
@@ -360,7 +361,7 @@ def compact_plan(cache: KVCache) -> DefragPlan:
         >>> from kvjax.memory._defrag import compact_plan
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0]] * 6))
-        >>> plan = compact_plan(kvjax.seq_rm(cache, 0, 1, 3))
+        >>> plan = compact_plan(kvjax.seq_rm(cache, 0, 1, 3)[0])
         >>> plan.src[:6].tolist(), int(plan.n_cells), int(plan.n_moves)
         ([0, 3, 4, 5, 1, 2], 3, 1)
     """
@@ -473,13 +474,12 @@ def _run_impl(cache: KVCache, arg, kind: str) -> KVCache:
     return _apply(cache, plan, valid, flag, staged=(kind == "compact_seq"))
 
 
-_run = jax.jit(_run_impl, static_argnames="kind")
-_run_donated = jax.jit(_run_impl, static_argnames="kind", donate_argnums=0)
+_run = JitTwins(_run_impl, static_argnames="kind", donate_argnums=0)
 
 
 def _donating(cache: KVCache, donate: bool) -> bool:
     """Donate only a concrete cache: inside an outer ``jit`` donation is that jit's business."""
-    return bool(donate) and not is_traced(cache.cells.pos)
+    return donating(donate, cache.cells.pos)
 
 
 def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool = False) -> KVCache:
@@ -509,12 +509,12 @@ def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool 
         >>> import kvjax
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0]] * 6))
-        >>> cache = kvjax.seq_rm(cache, 0, 1, 3)
+        >>> cache, _ = kvjax.seq_rm(cache, 0, 1, 3)
         >>> kvjax.cell_table(kvjax.defrag(cache)).pos[:6].tolist()
         [0, 4, 5, 3, -1, -1]
     """
     require_cache(cache)
-    run = _run_donated if _donating(cache, donate) else _run
+    run = functools.partial(_run, donate=_donating(cache, donate))
     return run(cache, _max_moves_arg(max_moves), kind="defrag")
 
 
@@ -529,13 +529,13 @@ def compact(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> import kvjax
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(6), [[0]] * 6))
-        >>> cache = kvjax.seq_rm(cache, 0, 1, 3)
+        >>> cache, _ = kvjax.seq_rm(cache, 0, 1, 3)
         >>> out = kvjax.compact(cache)
         >>> kvjax.cell_table(out).pos[:6].tolist(), int(out.cells.head)
         ([0, 3, 4, 5, -1, -1], 4)
     """
     require_cache(cache)
-    run = _run_donated if _donating(cache, donate) else _run
+    run = functools.partial(_run, donate=_donating(cache, donate))
     return run(cache, np.int32(0), kind="compact")
 
 
@@ -566,7 +566,7 @@ def compact_seq(cache: KVCache, seq_id: IntLike, *, donate: bool = False) -> KVC
     """
     require_cache(cache)
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
-    run = _run_donated if _donating(cache, donate) else _run
+    run = functools.partial(_run, donate=_donating(cache, donate))
     return run(cache, as_int32(seq_id), kind="compact_seq")
 
 
@@ -576,8 +576,7 @@ def _apply_pending_impl(cache: KVCache) -> KVCache:
                         lambda c: c, cache)
 
 
-_apply_pending = jax.jit(_apply_pending_impl)
-_apply_pending_donated = jax.jit(_apply_pending_impl, donate_argnums=0)
+_apply_pending = JitTwins(_apply_pending_impl, donate_argnums=0)
 
 
 def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
@@ -591,7 +590,7 @@ def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> import jax.numpy as jnp, kvjax
         >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
         >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(4), [[0]] * 4))
-        >>> cache = kvjax.seq_rm(cache, 0, 0, 2)
+        >>> cache, _ = kvjax.seq_rm(cache, 0, 0, 2)
         >>> kvjax.cell_table(apply_pending(cache)).pos[:4].tolist()       # not pending: unchanged
         [-1, -1, 2, 3]
         >>> pending = cache.replace(cells=cache.cells.replace(defrag=jnp.bool_(True)))
@@ -600,7 +599,7 @@ def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
         ([2, 3, -1, -1], False)
     """
     require_cache(cache)
-    return (_apply_pending_donated if _donating(cache, donate) else _apply_pending)(cache)
+    return _apply_pending(cache, donate=_donating(cache, donate))
 
 
 # ``kvjax.defrag`` is this function once the package imports it, which hides the module of the

@@ -64,12 +64,9 @@ class Ubatch:
 
     def seq_mask(self, n_words: int) -> UInt32[Array, "T W"]:
         """Per-token sequence bitmask with ``W = n_words`` words (padding rows are zero)."""
-        ids = self.seq_ids
-        word = jnp.arange(n_words, dtype=jnp.int32)
-        bit = jnp.left_shift(jnp.uint32(1), (ids % 32).astype(jnp.uint32))
-        hit = (ids[..., None] // 32 == word) & (ids[..., None] >= 0) & self.valid[:, None, None]
-        words = jnp.where(hit, bit[..., None], jnp.uint32(0))  # [T, M, W]
-        return jnp.bitwise_or.reduce(words, axis=1)
+        from kvjax.memory._seqbits import ids_mask
+
+        return jnp.where(self.valid[:, None], ids_mask(self.seq_ids, n_words), jnp.uint32(0))
 
 
 def bucket_length(n: int, minimum: int = 1) -> int:

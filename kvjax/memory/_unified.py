@@ -26,18 +26,24 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Float, Int
+from kvjax.memory import _cells
 from kvjax.memory._cells import Cells, empty_cells
 from kvjax.memory._config import CacheConfig
+from kvjax.memory._protocol import Memory, not_defined
 from kvjax._errors import ErrorFlag
 from kvjax._validate import check_window, is_traced
 
 
 @struct.dataclass
-class KVCache:
-    """An immutable KV cache value.
+class KVCache(Memory):
+    """An immutable KV cache value: the unified cache, kvjax's first memory.
+
+    It is one attention part (itself) serving every cached layer. The protocol methods
+    (:class:`kvjax.memory._protocol.Memory`) trust their arguments; call the validating free
+    functions (``kvjax.seq_rm(cache, ...)``) instead unless you are writing a memory.
 
     Attributes:
-        cells: the cell metadata (:class:`kvjax.memory._cells.Cells`).
+        cells: the cell metadata (:class:`kvjax.Cells`).
         k: one ``[L, H, C, D]`` array per layer group.
         v: one ``[L, H, C, Dv]`` array per layer group.
         config: the static :class:`CacheConfig`.
@@ -47,6 +53,138 @@ class KVCache:
     k: Tuple[Float[Array, "L H C D"], ...]
     v: Tuple[Float[Array, "L H C Dv"], ...]
     config: CacheConfig = struct.field(pytree_node=False)
+
+    # -- identity and sequences (the cells; K/V are shared with the old value) ----------------
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.config.n_seq_max
+
+    @property
+    def size(self) -> int:
+        return self.config.size
+
+    def _with_cells(self, cells: Cells) -> "KVCache":
+        return self.replace(cells=cells)
+
+    def clear(self) -> "KVCache":
+        return self._with_cells(_cells.clear(self.cells))
+
+    def seq_rm(self, seq_id, p0, p1):
+        # the unified cache never refuses a removal (llama.cpp's returns true)
+        return self._with_cells(_cells.seq_rm(self.cells, seq_id, p0, p1)), jnp.bool_(True)
+
+    def seq_cp(self, seq_id_src, seq_id_dst, p0, p1) -> "KVCache":
+        return self._with_cells(_cells.seq_cp(self.cells, seq_id_src, seq_id_dst, p0, p1))
+
+    def seq_keep(self, seq_id) -> "KVCache":
+        return self._with_cells(_cells.seq_keep(self.cells, seq_id))
+
+    def seq_add(self, seq_id, p0, p1, delta) -> "KVCache":
+        return self._with_cells(_cells.seq_add(self.cells, seq_id, p0, p1, delta))
+
+    def seq_div(self, seq_id, p0, p1, d) -> "KVCache":
+        return self._with_cells(_cells.seq_div(self.cells, seq_id, p0, p1, d))
+
+    def seq_pos_min(self, seq_id):
+        return _cells.seq_pos_min(self.cells, seq_id)
+
+    def seq_pos_max(self, seq_id):
+        return _cells.seq_pos_max(self.cells, seq_id)
+
+    def seq_shared(self, seq_id, p0, p1):
+        return _cells.seq_shared(self.cells, seq_id, p0, p1)
+
+    def used_cells(self):
+        return _cells.used_cells(self.cells)
+
+    def n_tokens(self):
+        return _cells.n_tokens(self.cells)
+
+    def pos_max(self):
+        return _cells.pos_max(self.cells)
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def find_slot(self, ubatch, *, contiguous: bool = True):
+        from kvjax.memory._slots import find_slot_cells
+
+        cells, slot, ok = find_slot_cells(self.cells, ubatch, contiguous=contiguous)
+        return self._with_cells(cells), slot, ok
+
+    def prepare(self, ubatches, *, contiguous: bool = True):
+        from kvjax.memory._slots import prepare_cells
+
+        return prepare_cells(self.cells, tuple(ubatches), contiguous=contiguous)
+
+    # -- the one attention part ---------------------------------------------------------------------
+
+    @property
+    def n_parts(self) -> int:
+        return 1
+
+    def layer_part(self, layer: int) -> int:
+        return 0
+
+    def part(self, index: int) -> "KVCache":
+        return self
+
+    def with_part(self, index: int, cache: "KVCache") -> "KVCache":
+        return cache
+
+    def part_slots(self, placement, index: int):
+        return placement
+
+    def extent(self):
+        return _cells.cell_max(self.cells)[None]
+
+    def extent_after(self, n_tokens):
+        # placement starts at or after head and every cell from cell_max on is free, so it never
+        # passes max(cell_max, head) + n_tokens
+        top = _cells.cell_max(self.cells)
+        return jnp.where(n_tokens == 0, top, jnp.maximum(top, self.cells.head) + n_tokens)[None]
+
+    # -- pending work -------------------------------------------------------------------------------
+
+    def pending(self):
+        return _cells.has_shift(self.cells) | self.cells.defrag
+
+    def update(self, *, donate: bool = False) -> "KVCache":
+        from kvjax.memory._update import apply_update
+
+        return apply_update(self, donate=donate)
+
+    @property
+    def can_shift(self) -> bool:
+        return bool(self.config.can_shift)
+
+    # -- donation, errors, sizes, state ---------------------------------------------------------------
+
+    def split(self):
+        return (self.k, self.v), self.replace(k=(), v=())
+
+    def join(self, buffers) -> "KVCache":
+        k, v = buffers
+        return self.replace(k=tuple(k), v=tuple(v))
+
+    def error_bits(self):
+        return self.cells.error
+
+    def clear_errors(self) -> "KVCache":
+        return self._with_cells(self.cells.replace(error=jnp.zeros((), jnp.uint32)))
+
+    def nbytes(self) -> int:
+        return total_size(self.config)
+
+    def state_write(self, seq_id: int = -1) -> bytes:
+        from kvjax.io._state import write_unified
+
+        return write_unified(self, seq_id)
+
+    def state_read(self, data, seq_id: int = -1, **options) -> "KVCache":
+        from kvjax.io._state import read_unified
+
+        return read_unified(self, data, seq_id, **options)
 
 
 def _storage_dtype(name: str):
@@ -117,10 +255,18 @@ def total_size(x: Union[KVCache, CacheConfig]) -> int:
 # -- K/V rows ----------------------------------------------------------------------------------
 
 
-def require_cache(cache) -> None:
-    """Raise ``ValueError`` unless ``cache`` is a :class:`KVCache` (every public entry point calls it)."""
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
+def require_cache(cache, operation: str = "this operation") -> None:
+    """Raise unless ``cache`` is a :class:`KVCache` (every unified-cache entry point calls it).
+
+    Another memory gets :class:`kvjax.NotDefinedError` naming ``operation`` (reach its attention
+    parts with ``memory.part(i)``); anything else a ``ValueError``.
+    """
+    if isinstance(cache, KVCache):
+        return
+    if isinstance(cache, Memory):
+        raise not_defined(cache, operation, "it is defined for a unified cache (kvjax.KVCache); "
+                                            "reach an attention part with memory.part(i)")
+    raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
 
 
 def _layer_index(config: CacheConfig, layer):

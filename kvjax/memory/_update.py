@@ -32,7 +32,8 @@ from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._cells import has_shift as _has_shift
 from kvjax.memory._defrag import apply_pending
 from kvjax.attn._rope import _k_shift, k_shift
-from kvjax._validate import is_traced
+from kvjax._validate import check_flag, is_traced
+from kvjax.memory._protocol import require_memory
 
 
 @jax.jit
@@ -45,8 +46,8 @@ def _clear_deltas(cache: KVCache) -> KVCache:
     return cache.replace(cells=cache.cells.replace(delta=jnp.zeros_like(cache.cells.delta)))
 
 
-def update(cache: KVCache, *, donate: bool = False) -> KVCache:
-    """Apply a pending K-shift (RoPE by ``delta``), then a pending defrag.
+def apply_update(cache: KVCache, *, donate: bool = False) -> KVCache:
+    """The unified cache's update: apply a pending K-shift (RoPE by ``delta``), then a pending defrag.
 
     Args:
         cache: the cache (concrete, or traced inside ``jit``).
@@ -71,3 +72,19 @@ def update(cache: KVCache, *, donate: bool = False) -> KVCache:
     if defrag:
         cache = apply_pending(cache, donate=bool(donate))
     return cache
+
+
+def update(memory, *, donate: bool = False):
+    """Apply what a memory has pending (the seed's ``update``): K-shift, defrag, copies.
+
+    Args:
+        memory: any memory (concrete, or traced inside ``jit``).
+        donate: (concrete memory) apply in place; the input's buffers become invalid when work
+            ran. Inside ``jit``, donate the memory to the jitted function instead.
+
+    Returns:
+        The memory with nothing pending (the unified cache: :func:`apply_update`).
+    """
+    require_memory(memory)
+    check_flag("donate", donate)
+    return memory.update(donate=bool(donate))

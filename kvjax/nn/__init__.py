@@ -6,7 +6,13 @@
 - :class:`Llama` (NNX) and :class:`LlamaLinen` (linen): a tiny Llama-style decoder, cached or
   uncached, configured by :class:`LlamaConfig`.
 - :func:`make_step`: one jitted program per (ubatch bucket, window bucket) that places a ubatch,
-  runs the model and donates the cache; :func:`window_for` / :func:`windows_for` pick the window.
+  runs the model and donates the memory's buffers; :func:`window_for` / :func:`windows_for` pick
+  the windows.
+- :class:`UbatchInputs`: the one per-ubatch input pytree every cached layer receives (ubatch,
+  placement, windows, one mask per :class:`MaskKind`); layers return ``(y, memory)``.
+
+The layers and the step are written against the memory protocol (:class:`kvjax.Memory`) only: a
+layer reaches the attention part it reads and writes by its layer id.
 
 See ``docs/flax.md`` for plugging kvjax into your own Flax model.
 
@@ -17,15 +23,16 @@ Example:
 """
 
 from kvjax.nn._linen_attention import LinenCachedAttention
+from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._llama import Block, Llama, LlamaConfig, MLP
 from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
 from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
-                                    attend_uncached, layer_mask, swa_visible)
+                                    attend_uncached, swa_visible)
 from kvjax.nn._step import Step, make_step, window_for, windows_for
 
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",
     "attend_cached", "attend_uncached", "layer_mask", "alibi_slopes", "swa_visible",
     "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx",
-    "Step", "make_step", "window_for", "windows_for",
+    "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
 ]

@@ -8,7 +8,7 @@ ordinary argument and result: no linen ``cache`` collection is involved, so ``ap
 
 Example:
     >>> import jax, jax.numpy as jnp, kvjax
-    >>> from kvjax.nn import LinenCachedAttention
+    >>> from kvjax.nn import LinenCachedAttention, UbatchInputs
     >>> attn = LinenCachedAttention(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, layer=0,
     ...                             rope=kvjax.RopeConfig(n_rot=8))
     >>> x, pos = jnp.ones((3, 32)), jnp.arange(3)
@@ -16,7 +16,7 @@ Example:
     >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
     >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3, length=3)
     >>> cache, slot, ok = kvjax.find_slot(cache, ub)
-    >>> y, cache = attn.apply(params, x, cache, ub, slot, n_kv=32)
+    >>> y, cache = attn.apply(params, x, cache, UbatchInputs(ubatch=ub, placement=slot, windows=(32,)))
     >>> bool(jnp.allclose(y, attn.apply(params, x[None], pos[None], method=attn.uncached)[0], atol=1e-5))
     True
 """
@@ -29,11 +29,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Float, Int
-from kvjax.memory._unified import KVCache
 from kvjax.memory._config import RopeConfig, SwaType
-from kvjax.nn._nnx_attention import (alibi_slopes, attend_cached, attend_uncached, check_heads, project_qkv,
-                                    check_layer_cache)
-from kvjax.memory._ubatch import Ubatch
+from kvjax.memory._protocol import Memory
+from kvjax.nn._inputs import UbatchInputs
+from kvjax.nn._nnx_attention import (alibi_slopes, attend_uncached, cached_attention_call, check_heads,
+                                    project_qkv)
 
 __all__ = ["LinenCachedAttention"]
 
@@ -87,20 +87,13 @@ class LinenCachedAttention(nn.Module):
     def _qkv(self, x):
         return project_qkv(self, x)
 
-    def __call__(self, x: Float[Array, "T E"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
-                 n_kv: int, mask: Optional[Float[Array, "T N"]] = None
-                 ) -> Tuple[Float[Array, "T E"], KVCache]:
-        """Attend the placed ubatch through the cache; returns ``(y [T, E], cache)``.
+    def __call__(self, x: Float[Array, "T E"], memory: Memory, inputs: UbatchInputs
+                 ) -> Tuple[Float[Array, "T E"], Memory]:
+        """Attend the placed ubatch through the memory; returns ``(y [T, E], memory)``.
 
         Arguments as :meth:`kvjax.nn.CachedAttention.__call__`.
         """
-        check_layer_cache(cache, self.layer, self.n_kv_heads, self.head_dim)
-        if x.ndim != 2 or x.shape[0] != ubatch.length:
-            raise ValueError(f"x has shape {tuple(x.shape)}: allowed [T, E] with T = ubatch.length = {ubatch.length}")
-        q, k, v = self._qkv(x)
-        out, cache = attend_cached(q, k, v, cache, self.layer, ubatch, slot, n_kv=n_kv, mask=mask,
-                                   **self._options())
-        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+        return cached_attention_call(self, x, memory, inputs, **self._options())
 
     def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
         """Attention of each sequence (row) over its own tokens, no cache."""

@@ -37,10 +37,11 @@ import numpy as np
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
-from kvjax.nn._nnx_attention import CachedAttention, layer_mask
+from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
+from kvjax.nn._inputs import MaskKind, UbatchInputs
+from kvjax.nn._nnx_attention import CachedAttention, check_inputs
 
 __all__ = ["LlamaConfig", "Llama", "Block", "MLP"]
 
@@ -169,24 +170,33 @@ class LlamaConfig:
         args.update(overrides)
         return CacheConfig(**args)
 
-    def check_cache(self, cache: KVCache) -> None:
-        """Raise ``ValueError`` unless ``cache`` stores every layer with this model's shapes."""
-        require_cache(cache)
-        cfg = cache.config
+    def check_cache(self, memory: Memory) -> None:
+        """Raise ``ValueError`` unless ``memory`` stores every layer with this model's shapes."""
+        require_memory(memory)
+        if memory.n_parts == 0:
+            raise ValueError(f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
+                             f"that stores the model's attention layers (kvjax.KVCache, ...)")
         want = tuple(range(self.n_layer))
-        if cfg.n_layer != self.n_layer or cfg.cached_layers != want:
-            raise ValueError(f"cache caches layers {list(cfg.cached_layers)} of n_layer={cfg.n_layer}: "
+        cached = tuple(sorted(il for p in range(memory.n_parts) for il in memory.part(p).config.cached_layers))
+        n_layer = memory.part(0).config.n_layer
+        if n_layer != self.n_layer or cached != want:
+            raise ValueError(f"cache caches layers {list(cached)} of n_layer={n_layer}: "
                              f"allowed all {self.n_layer} layers of the model")
         for il in want:
+            cfg = memory.part(memory.layer_part(il)).config
             if (cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il]) != (self.n_kv_heads,) + (self.head_size,) * 2:
                 raise ValueError(f"cache layer {il} has n_kv_heads={cfg.n_kv_heads[il]}, head_dim="
                                  f"{cfg.head_dim[il]}, head_dim_v={cfg.head_dim_v[il]}: allowed n_kv_heads="
                                  f"{self.n_kv_heads}, head_dim=head_dim_v={self.head_size}")
 
-    def mask_kinds(self) -> Dict[int, Tuple[bool, SwaType, int]]:
-        """The mask kind ``(alibi, swa_type, n_swa)`` of every layer (layers of one kind share a mask)."""
+    def mask_kinds(self, memory: Optional[Memory] = None) -> Dict[int, MaskKind]:
+        """The :class:`kvjax.nn.MaskKind` of every layer (layers of one kind share a mask).
+
+        The part of each layer comes from ``memory`` (its static routing), 0 without one.
+        """
         alibi = self.position == "alibi"
-        return {il: (alibi,) + self.layer_window(il) for il in range(self.n_layer)}
+        return {il: MaskKind(0 if memory is None else memory.layer_part(il), alibi, *self.layer_window(il))
+                for il in range(self.n_layer)}
 
 
 def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
@@ -216,11 +226,11 @@ class MLP(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-def block_cached(block, x, cache, ubatch, slot, *, n_kv, mask=None):
-    """Pre-norm residual block through the cache (shared by the NNX and linen blocks)."""
-    h, cache = block.attn(block.attn_norm(x), cache, ubatch, slot, n_kv=n_kv, mask=mask)
+def block_cached(block, x, memory, inputs):
+    """Pre-norm residual block through the memory (shared by the NNX and linen blocks)."""
+    h, memory = block.attn(block.attn_norm(x), memory, inputs)
     x = x + h
-    return x + block.mlp(block.mlp_norm(x)), cache
+    return x + block.mlp(block.mlp_norm(x)), memory
 
 
 def block_uncached(block, x, pos):
@@ -243,27 +253,26 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
         self.mlp = MLP(config.d_model, config.ff_size, rngs=rngs)
 
-    def __call__(self, x, cache, ubatch, slot, *, n_kv, mask=None):
-        return block_cached(self, x, cache, ubatch, slot, n_kv=n_kv, mask=mask)
+    def __call__(self, x, memory, inputs):
+        return block_cached(self, x, memory, inputs)
 
     def uncached(self, x, pos):
         """``x [B, T, E]``, ``pos i32[B, T]``: the block without a cache."""
         return block_uncached(self, x, pos)
 
 
-def model_cached(model, tokens, cache, ubatch, slot, *, n_kv):
+def model_cached(model, tokens, memory, inputs):
     """The cached pass of a Llama (shared by the NNX model and its linen twin)."""
     cfg = model.config
-    cfg.check_cache(cache)
-    check_tokens(tokens, ubatch, cfg.vocab_size)
-    kinds = cfg.mask_kinds()
+    cfg.check_cache(memory)
+    check_inputs(inputs)
+    check_tokens(tokens, inputs.ubatch, cfg.vocab_size)
     # one mask per kind of layer (the cells do not change between layers, only K/V do)
-    masks = {kind: layer_mask(cache, ubatch, n_kv, alibi=kind[0], swa_type=kind[1], n_swa=kind[2])
-             for kind in set(kinds.values())}
+    inputs = inputs.with_masks(memory, cfg.mask_kinds(memory).values())
     x = model.embed(tokens)
-    for il, block in enumerate(model.layers):
-        x, cache = block(x, cache, ubatch, slot, n_kv=n_kv, mask=masks[kinds[il]])
-    return model._logits(x), cache
+    for block in model.layers:
+        x, memory = block(x, memory, inputs)
+    return model._logits(x), memory
 
 
 def model_uncached(model, tokens, positions=None):
@@ -306,22 +315,21 @@ class Llama(nnx.Module):
         x = self.norm(x)
         return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
-    def __call__(self, tokens: Int[Array, "T"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
-                 n_kv: int) -> Tuple[Float[Array, "T V"], KVCache]:
-        """Run a placed ubatch through the cache.
+    def __call__(self, tokens: Int[Array, "T"], memory: Memory, inputs: UbatchInputs
+                 ) -> Tuple[Float[Array, "T V"], Memory]:
+        """Run a placed ubatch through the memory.
 
         Args:
             tokens: ``i32[T]`` token id of each ubatch row (anything in range for padding rows).
-            cache: the cache with the ubatch already placed (``kvjax.find_slot``).
-            ubatch: positions and sequences of the rows.
-            slot: ``i32[T]`` the cells ``find_slot`` returned.
-            n_kv: static attention window N covering every placed cell (``kvjax.window_bucket``).
+            memory: the memory with the ubatch already placed (``kvjax.find_slot``).
+            inputs: the ubatch, its placement and the static window of each attention part
+                (:class:`kvjax.nn.UbatchInputs`; the model adds the masks).
 
         Returns:
-            ``(logits f32[T, V], cache)``: the logits of every row (padding rows carry no meaning)
-            and the cache with every layer's K/V written.
+            ``(logits f32[T, V], memory)``: the logits of every row (padding rows carry no meaning)
+            and the memory with every layer's K/V written.
         """
-        return model_cached(self, tokens, cache, ubatch, slot, n_kv=n_kv)
+        return model_cached(self, tokens, memory, inputs)
 
     def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
                 ) -> Float[Array, "B T V"]:

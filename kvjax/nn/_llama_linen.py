@@ -28,10 +28,10 @@ import jax
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax.memory._unified import KVCache
+from kvjax.memory._protocol import Memory
+from kvjax.nn._inputs import UbatchInputs
 from kvjax.nn._linen_attention import LinenCachedAttention
 from kvjax.nn._llama import Llama, LlamaConfig, block_cached, block_uncached, model_cached, model_uncached
-from kvjax.memory._ubatch import Ubatch
 
 __all__ = ["LlamaLinen", "params_from_nnx"]
 
@@ -65,8 +65,8 @@ class _Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(epsilon=cfg.norm_eps)
         self.mlp = _MLP(cfg.ff_size, cfg.d_model)
 
-    def __call__(self, x, cache, ubatch, slot, *, n_kv, mask=None):
-        return block_cached(self, x, cache, ubatch, slot, n_kv=n_kv, mask=mask)
+    def __call__(self, x, memory, inputs):
+        return block_cached(self, x, memory, inputs)
 
     def uncached(self, x, pos):
         return block_uncached(self, x, pos)
@@ -94,13 +94,13 @@ class LlamaLinen(nn.Module):
         x = self.norm(x)
         return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
-    def __call__(self, tokens: Int[Array, "T"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
-                 n_kv: int) -> Tuple[Float[Array, "T V"], KVCache]:
-        """Run a placed ubatch through the cache; returns ``(logits f32[T, V], cache)``.
+    def __call__(self, tokens: Int[Array, "T"], memory: Memory, inputs: UbatchInputs
+                 ) -> Tuple[Float[Array, "T V"], Memory]:
+        """Run a placed ubatch through the memory; returns ``(logits f32[T, V], memory)``.
 
         Arguments as :meth:`kvjax.nn.Llama.__call__`.
         """
-        return model_cached(self, tokens, cache, ubatch, slot, n_kv=n_kv)
+        return model_cached(self, tokens, memory, inputs)
 
     def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
                 ) -> Float[Array, "B T V"]:

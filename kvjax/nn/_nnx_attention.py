@@ -21,13 +21,13 @@ N window); E is the model width.
 Example:
     >>> import jax.numpy as jnp, kvjax
     >>> from flax import nnx
-    >>> from kvjax.nn import CachedAttention
+    >>> from kvjax.nn import CachedAttention, UbatchInputs
     >>> attn = CachedAttention(32, n_heads=4, n_kv_heads=2, head_dim=8, layer=0,
     ...                        rope=kvjax.RopeConfig(n_rot=8), rngs=nnx.Rngs(0))
     >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
     >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3)
     >>> cache, slot, ok = kvjax.find_slot(cache, ub)
-    >>> y, cache = attn(jnp.ones((4, 32)), cache, ub, slot, n_kv=32)
+    >>> y, cache = attn(jnp.ones((4, 32)), cache, UbatchInputs(ubatch=ub, placement=slot, windows=(32,)))
     >>> y.shape, int(kvjax.used_cells(cache))
     ((4, 32), 3)
 """
@@ -44,12 +44,12 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._protocol import Memory, require_memory
+from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.memory._ubatch import Ubatch
 
-__all__ = ["CachedAttention", "KVCacheVar", "alibi_slopes", "attend_cached", "attend_uncached",
-           "layer_mask", "swa_visible"]
+__all__ = ["CachedAttention", "KVCacheVar", "alibi_slopes", "attend_cached", "attend_uncached", "swa_visible"]
 
 
 # -- framework-neutral core ---------------------------------------------------------------------
@@ -105,25 +105,6 @@ def swa_visible(p_cell: Int[Array, "..."], p_tok: Int[Array, "..."], swa_type: U
     return jnp.abs(p_tok - p_cell) <= n_swa // 2
 
 
-def layer_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, alibi: bool = False,
-               swa_type: Union[SwaType, str] = SwaType.NONE, n_swa: int = 0) -> Float[Array, "T N"]:
-    """The additive kvjax mask of one kind of layer (``kvjax.kq_mask`` with this layer's window).
-
-    A model computes it once per distinct ``(alibi, swa_type, n_swa)`` and hands it to every layer
-    of that kind, instead of letting each layer rebuild it.
-
-    Example:
-        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2))
-        >>> ub = kvjax.make_ubatch([0, 1], [[0], [0]])
-        >>> cache, slot, ok = kvjax.find_slot(cache, ub)
-        >>> layer_mask(cache, ub, 32)[:, :3].tolist()
-        [[0.0, -inf, -inf], [0.0, 0.0, -inf]]
-    """
-    kind = SwaType(swa_type)
-    return kvjax.kq_mask(cache, ubatch, n_kv, causal=True, alibi=alibi, swa_type=kind,
-                         n_swa=int(n_swa) if kind != SwaType.NONE else 0)
-
-
 def _alibi_bias(mask: Float[Array, "T N"], slopes) -> Float[Array, "Hq T N"]:
     """Per-head ALiBi bias from an ALiBi mask (``-|p_cell - p_tok|`` where visible)."""
     visible = jnp.isfinite(mask)
@@ -133,43 +114,46 @@ def _alibi_bias(mask: Float[Array, "T N"], slopes) -> Float[Array, "Hq T N"]:
 
 
 def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[Array, "T H Dv"],
-                  cache: KVCache, layer: int, ubatch: Ubatch, slot: Int[Array, "T"], *, n_kv: int,
-                  mask: Optional[Float[Array, "T N"]] = None, rope: Optional[RopeConfig] = None,
+                  memory: Memory, layer: int, inputs: UbatchInputs, *, rope: Optional[RopeConfig] = None,
                   alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
-                  n_swa: int = 0, scale: Optional[float] = None
-                  ) -> Tuple[Float[Array, "T Hq Dv"], KVCache]:
-    """One layer's attention through the kvjax cache.
+                  n_swa: int = 0, scale: Optional[float] = None) -> Tuple[Float[Array, "T Hq Dv"], Memory]:
+    """One layer's attention through a memory (any kind with attention parts).
 
-    The ubatch must already be placed (its cells hold the tokens: ``kvjax.find_slot``), so the
-    mask lets each token see the earlier tokens of its sequence, itself, and the tokens of this
-    ubatch before it.
+    The layer reaches its attention part by its id (``memory.layer_part(layer)``, static), writes
+    its K/V rows where the part placed the ubatch, and attends over the part's window with the
+    mask of its :class:`MaskKind` (from ``inputs`` when the model computed it once for every layer
+    of that kind, else built here). The ubatch must already be placed, so each token sees the
+    earlier tokens of its sequence, itself, and the tokens of this ubatch before it.
 
     Args:
         q: projected queries (before RoPE).
         k: projected keys of the ubatch tokens (before RoPE).
         v: projected values.
-        cache: the cache with the ubatch placed.
+        memory: the memory with the ubatch placed.
         layer: the model layer id (static int).
-        ubatch: the tokens' positions and sequences.
-        slot: ``i32[T]`` the cells ``find_slot`` chose (-1 rows are not written).
-        n_kv: static window N (a multiple of the cache padding, <= size) covering every placed cell.
-        mask: a precomputed :func:`layer_mask` of this layer's kind (built here when ``None``);
-            with ALiBi it must be the ALiBi form (``alibi=True``), whose distances become the bias.
+        inputs: the per-ubatch inputs (ubatch, placement, windows, masks).
         rope: RoPE parameters, or ``None`` for no rotation (ALiBi or NoPE layers).
         alibi: ``f32[Hq]`` ALiBi slopes (:func:`alibi_slopes`), or ``None``.
-        swa_type: this layer's sliding-window kind (used when ``mask`` is built here).
+        swa_type: this layer's sliding-window kind.
         n_swa: this layer's window size.
         scale: softmax scale (default ``1 / sqrt(D)``).
 
     Returns:
-        ``(out [T, Hq, Dv], cache)``: rows of fully masked (padding) tokens are 0.
+        ``(out [T, Hq, Dv], memory)``: rows of fully masked (padding) tokens are 0.
     """
+    part = memory.layer_part(layer)
+    cache = memory.part(part)
+    slot = memory.part_slots(inputs.placement, part)
+    kind = MaskKind(part, alibi is not None, SwaType(swa_type), int(n_swa) if SwaType(swa_type) != SwaType.NONE else 0)
     if rope is not None:
-        q = kvjax.rope(q, ubatch.pos, rope)
-        k = kvjax.rope(k, ubatch.pos, rope)
+        q = kvjax.rope(q, inputs.ubatch.pos, rope)
+        k = kvjax.rope(k, inputs.ubatch.pos, rope)
     cache = kvjax.write(cache, layer, slot, k, v)
-    if mask is None:
-        mask = layer_mask(cache, ubatch, n_kv, alibi=alibi is not None, swa_type=swa_type, n_swa=n_swa)
+    if kind in inputs.mask_kinds:
+        mask = inputs.mask(kind)
+    else:
+        mask = layer_mask(cache, inputs.ubatch, inputs.windows[part], alibi=kind.alibi, swa_type=kind.swa_type,
+                          n_swa=kind.n_swa)
     bias = None
     if alibi is not None:
         # ggml scales the ALiBi mask by each head's slope; an additive mask would add slope 1, so
@@ -177,7 +161,7 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
         bias = _alibi_bias(mask, alibi)
         mask = jnp.isfinite(mask)
     out = kvjax.attention(q, cache, layer, mask, scale=scale, bias=bias)
-    return out, cache
+    return out, memory.with_part(part, cache)
 
 
 def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: Float[Array, "B T H Dv"],
@@ -214,6 +198,28 @@ def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: 
     return out.astype(v.dtype)
 
 
+def cached_attention_call(layer, x, memory, inputs, **options):
+    """The cached call of an attention layer (shared by the NNX and linen layers).
+
+    ``options`` are :func:`attend_cached`'s (``rope``, ``alibi``, ``swa_type``, ``n_swa``).
+    """
+    check_layer_cache(memory, layer.layer, layer.n_kv_heads, layer.head_dim)
+    check_inputs(inputs)
+    t = inputs.ubatch.length
+    if x.ndim != 2 or x.shape[0] != t:
+        raise ValueError(f"x has shape {tuple(x.shape)}: allowed [T, E] with T = ubatch.length = {t}")
+    q, k, v = project_qkv(layer, x)
+    out, memory = attend_cached(q, k, v, memory, layer.layer, inputs, **options)
+    return layer.o_proj(out.reshape(t, -1)), memory
+
+
+def check_inputs(inputs) -> None:
+    """Validate the per-ubatch inputs of a cached layer."""
+    if not isinstance(inputs, UbatchInputs):
+        raise ValueError(f"inputs must be a kvjax.nn.UbatchInputs (ubatch, placement, windows), got "
+                         f"{type(inputs).__name__}")
+
+
 # -- the NNX layer ------------------------------------------------------------------------------
 
 
@@ -226,10 +232,13 @@ def check_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"n_heads={n_heads} is out of range: allowed a multiple of n_kv_heads={n_kv_heads} (GQA)")
 
 
-def check_layer_cache(cache: KVCache, layer: int, n_kv_heads: int, head_dim: int) -> None:
-    """Validate that ``cache`` stores ``layer`` with the layer's kv heads and head size."""
-    require_cache(cache)
-    cfg = cache.config
+def check_layer_cache(memory: Memory, layer: int, n_kv_heads: int, head_dim: int) -> None:
+    """Validate that ``memory`` stores ``layer`` (in the part the layer reads) with its kv heads and head size."""
+    require_memory(memory)
+    if memory.n_parts == 0:
+        raise ValueError(f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
+                         f"that stores attention layers (kvjax.KVCache, ...)")
+    cfg = memory.part(memory.layer_part(layer)).config
     if layer not in cfg.cached_layers:
         raise ValueError(f"layer={layer} is not cached by this cache: allowed {list(cfg.cached_layers)} "
                          f"(CacheConfig.layer_filter)")
@@ -292,29 +301,21 @@ class CachedAttention(nnx.Module):
     def _qkv(self, x):
         return project_qkv(self, x)
 
-    def __call__(self, x: Float[Array, "T E"], cache: KVCache, ubatch: Ubatch, slot: Int[Array, "T"], *,
-                 n_kv: int, mask: Optional[Float[Array, "T N"]] = None
-                 ) -> Tuple[Float[Array, "T E"], KVCache]:
-        """Attend the ubatch tokens through the cache.
+    def __call__(self, x: Float[Array, "T E"], memory: Memory, inputs: UbatchInputs
+                 ) -> Tuple[Float[Array, "T E"], Memory]:
+        """Attend the ubatch tokens through the memory.
 
         Args:
             x: ``[T, E]`` the ubatch's hidden states, one row per ubatch row.
-            cache: the cache with the ubatch already placed (``kvjax.find_slot``).
-            ubatch: the ubatch (positions and sequences of the rows).
-            slot: ``i32[T]`` cells of the rows (from ``find_slot``).
-            n_kv: static attention window N.
-            mask: this layer kind's :func:`layer_mask`, when the caller shares one between layers.
+            memory: the memory with the ubatch already placed (``kvjax.find_slot``).
+            inputs: the per-ubatch inputs (:class:`UbatchInputs`: ubatch, placement, windows and,
+                when the model shares them between layers, the masks).
 
         Returns:
-            ``(y [T, E], cache)`` with this layer's K/V rows written.
+            ``(y [T, E], memory)`` with this layer's K/V rows written.
         """
-        check_layer_cache(cache, self.layer, self.n_kv_heads, self.head_dim)
-        if x.ndim != 2 or x.shape[0] != ubatch.length:
-            raise ValueError(f"x has shape {tuple(x.shape)}: allowed [T, E] with T = ubatch.length = {ubatch.length}")
-        q, k, v = self._qkv(x)
-        out, cache = attend_cached(q, k, v, cache, self.layer, ubatch, slot, n_kv=n_kv, mask=mask,
-                                   rope=self.rope, alibi=self.alibi, swa_type=self.swa_type, n_swa=self.n_swa)
-        return self.o_proj(out.reshape(x.shape[0], -1)), cache
+        return cached_attention_call(self, x, memory, inputs, rope=self.rope, alibi=self.alibi,
+                                     swa_type=self.swa_type, n_swa=self.n_swa)
 
     def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
         """Attention of each sequence (row) over its own tokens, no cache (``attend_uncached``)."""
@@ -327,13 +328,13 @@ class CachedAttention(nnx.Module):
 # -- holding the cache as NNX state -------------------------------------------------------------
 
 
-def _signature(cache: KVCache):
+def _signature(cache: Memory):
     leaves, tree = jax.tree.flatten(cache)
     return tree, tuple((tuple(jnp.shape(x)), jnp.result_type(x)) for x in leaves)
 
 
 class KVCacheVar(nnx.Cache):
-    """An ``nnx.Cache`` variable holding a kvjax :class:`~kvjax.KVCache`.
+    """An ``nnx.Cache`` variable holding a kvjax memory (e.g. a :class:`~kvjax.KVCache`).
 
     Replace the held cache with :meth:`replace_cache`, which refuses a value of another config,
     pytree structure, shape or dtype (a silent change would recompile every jitted user and could
@@ -349,10 +350,10 @@ class KVCacheVar(nnx.Cache):
         ValueError: cache has config ...
     """
 
-    def replace_cache(self, cache: KVCache) -> None:
+    def replace_cache(self, cache: Memory) -> None:
         """Hold ``cache`` instead of the current value (same config, shapes and dtypes only)."""
         old = self.get_value()
-        require_cache(cache)
+        require_memory(cache, "cache")
         if cache.config != old.config:
             raise ValueError(f"cache has config {cache.config}: allowed only the held config {old.config}")
         if _signature(cache) != _signature(old):

@@ -13,7 +13,7 @@ already (to look at the slots first) passes ``slot=`` and the step skips placeme
 places each ubatch on the host before it builds the graph; here placement is part of the
 compiled program, which is why the window is chosen before it, below.)
 
-**Which window.** ``n_kv`` must cover every cell the ubatch may land in, so it is chosen on the
+**Which window.** ``n_kv`` (``windows=``, one per attention part, for memories with several) must cover every cell the ubatch may land in, so it is chosen on the
 host before the call:
 
 - with a dry run of the whole batch (``ok, slots = kvjax.prepare(cache, ubatches)``, what the
@@ -55,40 +55,60 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.memory._unified import KVCache, require_cache
-from kvjax.memory._cells import cell_max
+from kvjax._validate import check_flag, check_window
+from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._ubatch import Ubatch
-from kvjax._validate import check_window
+from kvjax.nn._inputs import UbatchInputs
 
-__all__ = ["Step", "make_step", "window_for", "windows_for"]
+__all__ = ["Step", "make_step", "window_for", "windows_for", "check_windows"]
 
-#: ``apply(state, tokens, cache, ubatch, slot, n_kv) -> (logits, cache)``: the model call a Step runs.
-ApplyFn = Callable[[Any, Array, KVCache, Ubatch, Array, int], Tuple[Array, KVCache]]
+#: ``apply(state, tokens, memory, inputs) -> (logits, memory)``: the model call a Step runs.
+ApplyFn = Callable[[Any, Array, Memory, UbatchInputs], Tuple[Array, Memory]]
 
 
-def _run(apply, contiguous, state, cells, kv, ubatch, tokens, slot, *, n_kv, config):
-    cache = KVCache(cells=cells, k=kv[0], v=kv[1], config=config)
-    if slot is None:
-        cache, slot, ok = kvjax.find_slot(cache, ubatch, contiguous=contiguous)
+def _run(apply, contiguous, state, rest, buffers, ubatch, tokens, placement, *, windows):
+    memory = rest.join(buffers)
+    if placement is None:
+        memory, placement, ok = memory.find_slot(ubatch, contiguous=contiguous)
     else:
         ok = jnp.bool_(True)
-    logits, cache = apply(state, tokens, cache, ubatch, slot, n_kv)
-    return logits, cache, ok
+    logits, memory = apply(state, tokens, memory, UbatchInputs(ubatch=ubatch, placement=placement, windows=windows))
+    return logits, memory, ok
 
 
 # One jitted function per (apply, contiguous), so that Steps of models with the same structure
 # (equal NNX graphdefs, equal linen modules) share their compiled programs.
 _jit_run = functools.lru_cache(maxsize=64)(
     lambda apply, contiguous: jax.jit(functools.partial(_run, apply, contiguous),
-                                      static_argnames=("n_kv", "config"), donate_argnames=("kv",)))
+                                      static_argnames=("windows",), donate_argnames=("buffers",)))
+
+
+def check_windows(memory: Memory, windows=None, n_kv=None) -> Tuple[int, ...]:
+    """The static window of each attention part, from ``windows`` (a tuple) or ``n_kv`` (one part)."""
+    if (windows is None) == (n_kv is None):
+        raise ValueError("pass exactly one of windows= (one static window per attention part) and n_kv= "
+                         "(the window of a memory with one attention part)")
+    if n_kv is not None:
+        if memory.n_parts != 1:
+            raise ValueError(f"n_kv={n_kv!r} names one window but the memory has {memory.n_parts} attention "
+                             f"parts: allowed windows= with one window per part")
+        windows = (n_kv,)
+    if not isinstance(windows, (tuple, list)) or len(windows) != memory.n_parts:
+        raise ValueError(f"windows={windows!r} is out of range: allowed a tuple of {memory.n_parts} static "
+                         f"windows, one per attention part")
+    out = []
+    for p, n in enumerate(windows):
+        cfg = memory.part(p).config
+        out.append(check_window(n, cfg.padding, cfg.size))
+    return tuple(out)
 
 
 class Step:
-    """A jitted model step over a kvjax cache (see the module docstring).
+    """A jitted model step over a kvjax memory (see the module docstring).
 
     Args:
-        apply: ``apply(state, tokens, cache, ubatch, slot, n_kv) -> (logits, cache)`` for a placed
-            ubatch (``make_step`` builds it for NNX and linen models). Steps with equal (hashable)
+        apply: ``apply(state, tokens, memory, inputs) -> (logits, memory)`` for a placed ubatch
+            (``make_step`` builds it for NNX and linen models). Steps with equal (hashable)
             ``apply`` share their compiled programs.
         contiguous: placement policy passed to ``kvjax.find_slot``.
     """
@@ -96,39 +116,44 @@ class Step:
     def __init__(self, apply: ApplyFn, *, contiguous: bool = True):
         if not callable(apply):
             raise ValueError(f"apply must be callable, got {type(apply).__name__}")
-        self.contiguous = bool(contiguous)
+        self.contiguous = check_flag("contiguous", contiguous)
         self._jitted = _jit_run(apply, self.contiguous)
 
-    def __call__(self, state, cache: KVCache, ubatch: Ubatch, tokens: Int[Array, "T"], *, n_kv: int,
-                 slot: Optional[Int[Array, "T"]] = None
-                 ) -> Tuple[Float[Array, "T V"], KVCache, Bool[Array, ""]]:
-        """Place ``ubatch`` (unless ``slot`` is given), run the model, return the new cache.
+    def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, "T"], *,
+                 n_kv: Optional[int] = None, windows: Optional[Tuple[int, ...]] = None,
+                 placement: Optional[Placement] = None, slot: Optional[Int[Array, "T"]] = None
+                 ) -> Tuple[Float[Array, "T V"], Memory, Bool[Array, ""]]:
+        """Place ``ubatch`` (unless a placement is given), run the model, return the new memory.
 
         Args:
             state: the model state (``nnx.state(model)`` for NNX, the variables for linen).
-            cache: the cache; its K/V buffers are donated (use the returned cache afterwards).
+            memory: the memory; its buffers are donated (use the returned memory afterwards).
             ubatch: the tokens' positions and sequences (``kvjax.make_ubatch``).
             tokens: ``i32[T]`` token ids of the ubatch rows.
-            n_kv: static window N (:func:`window_for` / :func:`windows_for`).
-            slot: ``i32[T]`` cells of an ubatch the caller already placed with ``find_slot``.
+            n_kv: static window N of a memory with one attention part (:func:`window_for`).
+            windows: static windows, one per attention part (instead of ``n_kv``).
+            placement: where the caller already placed the ubatch (``kvjax.find_slot``).
+            slot: the unified cache's name for ``placement`` (``i32[T]``).
 
         Returns:
-            ``(logits f32[T, V], cache, ok)``; when ``ok`` is false nothing was placed or written.
+            ``(logits f32[T, V], memory, ok)``; when ``ok`` is false nothing was placed or written.
 
         Raises:
-            ValueError: a cache that is not a ``KVCache``, ``n_kv`` outside the allowed windows,
-                or tokens / slot whose shape does not match the ubatch.
+            ValueError: not a memory, windows outside the allowed ones, or tokens / slot whose
+                shape does not match the ubatch.
         """
-        require_cache(cache)
+        require_memory(memory)
         if not isinstance(ubatch, Ubatch):
             raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
-        cfg = cache.config
-        n_kv = check_window(n_kv, cfg.padding, cfg.size)
+        windows = check_windows(memory, windows, n_kv)
         t = ubatch.length
         tokens = _int_rows("tokens", tokens, t)
         if slot is not None:
-            slot = _int_rows("slot", slot, t)
-        return self._jitted(state, cache.cells, (cache.k, cache.v), ubatch, tokens, slot, n_kv=n_kv, config=cfg)
+            if placement is not None:
+                raise ValueError("pass placement= or slot=, not both")
+            placement = _int_rows("slot", slot, t)
+        buffers, rest = memory.split()
+        return self._jitted(state, rest, buffers, ubatch, tokens, placement, windows=windows)
 
 
 def _int_rows(name, x, t):
@@ -146,15 +171,15 @@ def _int_rows(name, x, t):
 
 @functools.lru_cache(maxsize=64)
 def _nnx_apply(graphdef):
-    def apply(state, tokens, cache, ubatch, slot, n_kv):
-        return nnx.merge(graphdef, state)(tokens, cache, ubatch, slot, n_kv=n_kv)
+    def apply(state, tokens, memory, inputs):
+        return nnx.merge(graphdef, state)(tokens, memory, inputs)
     return apply
 
 
 @functools.lru_cache(maxsize=64)
 def _linen_apply(module):
-    def apply(variables, tokens, cache, ubatch, slot, n_kv):
-        return module.apply(variables, tokens, cache, ubatch, slot, n_kv=n_kv)
+    def apply(variables, tokens, memory, inputs):
+        return module.apply(variables, tokens, memory, inputs)
     return apply
 
 
@@ -165,7 +190,7 @@ def make_step(model, *, contiguous: bool = True) -> Step:
     their compiled programs, whatever the weights.
 
     Args:
-        model: an ``nnx.Module`` called as ``model(tokens, cache, ubatch, slot, n_kv=...)`` (pass
+        model: an ``nnx.Module`` called as ``model(tokens, memory, inputs)`` (pass
             ``nnx.state(model)`` as the step's state); a linen ``nn.Module`` with the same
             ``__call__`` (pass its variables); or an ``apply`` function (see :class:`Step`).
         contiguous: placement policy of ``kvjax.find_slot``.
@@ -191,25 +216,16 @@ def make_step(model, *, contiguous: bool = True) -> Step:
     return Step(apply, contiguous=contiguous)
 
 
-@jax.jit
-def _needed(cells, n):
-    """Cells a window must cover after placing ``n`` more tokens (``n = 0``: as they are)."""
-    top = cell_max(cells)
-    return jnp.where(n == 0, top, jnp.maximum(top, cells.head) + n)
-
-
-def _bucket(cache: KVCache, cells_needed: int) -> int:
-    cfg = cache.config
-    return int(kvjax.window_bucket(int(min(cfg.size, max(cells_needed, 1))), cfg.size, cfg.padding))
-
-
-def window_for(cache: KVCache, n_tokens: int) -> int:
+def window_for(memory: Memory, n_tokens: int):
     """A static window that covers every cell after ``n_tokens`` more tokens are placed.
 
     With ``n_tokens = 0`` it is the bucket of the cells as they are (``kvjax.n_kv``). Otherwise
     placement (contiguous or scattered) starts at or after ``head`` and never passes
     ``max(cell_max, head) + n_tokens``, because every cell from ``cell_max`` on is free. Reads one
-    scalar from the device.
+    small array from the device.
+
+    Returns:
+        An int for a memory with one attention part, else a tuple with one window per part.
 
     Example:
         >>> import kvjax
@@ -217,21 +233,36 @@ def window_for(cache: KVCache, n_tokens: int) -> int:
         >>> window_for(cache, 40)
         64
     """
-    require_cache(cache)
+    require_memory(memory)
     n = int(n_tokens)
     if n < 0:
         raise ValueError(f"n_tokens={n} is out of range: allowed >= 0")
-    # one small program and one scalar transfer: this runs once per decode step
-    return _bucket(cache, int(_needed(cache.cells, np.int32(n))))
+    # one small program and one transfer: this runs once per decode step
+    needed = jax.device_get(_needed(memory, np.int32(n)))
+    windows = tuple(_bucket(memory.part(p).config, int(x)) for p, x in enumerate(needed))
+    return windows[0] if len(windows) == 1 else windows
 
 
-def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]], *, cell_max_now: Optional[int] = None
-                ) -> List[int]:
-    """The exact window of each ubatch of a batch, from the slots of ``kvjax.prepare``.
+@jax.jit
+def _needed(memory, n):
+    return memory.extent_after(n)
 
-    After ubatch ``i`` is placed the last used cell is the larger of the cache's ``cell_max`` and
-    the largest slot of ubatches ``0..i`` (cells are only added during a batch). A caller that
-    read ``cell_max`` already (with the slots, in one transfer) passes it as ``cell_max_now``.
+
+def _bucket(config, cells_needed: int) -> int:
+    return int(kvjax.window_bucket(int(min(config.size, max(cells_needed, 1))), config.size, config.padding))
+
+
+def windows_for(memory: Memory, placements: Sequence[Placement], *, extent=None) -> list:
+    """The exact windows of each ubatch of a batch, from the placements of ``kvjax.prepare``.
+
+    After ubatch ``i`` is placed, each attention part extends to the larger of its ``cell_max``
+    and the largest cell of ubatches ``0..i`` in that part (cells are only added during a batch).
+    A caller that read ``memory.extent()`` already (with the placements, in one transfer) passes
+    it as ``extent``.
+
+    Returns:
+        One entry per ubatch: an int for a memory with one attention part, else a tuple with one
+        window per part.
 
     Example:
         >>> import kvjax
@@ -241,12 +272,7 @@ def windows_for(cache: KVCache, slots: Sequence[Int[Array, "T"]], *, cell_max_no
         >>> windows_for(cache, slots)
         [64, 128]
     """
-    require_cache(cache)
-    top = int(jax.device_get(cell_max(cache.cells))) if cell_max_now is None else int(cell_max_now)
-    out = []
-    for slot in jax.device_get(tuple(slots)):
-        slot = np.asarray(slot)
-        if slot.size:
-            top = max(top, int(slot.max()) + 1)
-        out.append(_bucket(cache, top))
-    return out
+    require_memory(memory)
+    extent = jax.device_get(memory.extent()) if extent is None else extent
+    windows = memory.windows_for(jax.device_get(tuple(placements)), extent)
+    return [w[0] if len(w) == 1 else w for w in windows]

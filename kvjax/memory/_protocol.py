@@ -1,0 +1,286 @@
+"""The memory protocol: what every kvjax memory is and does (llama.cpp's ``llama_memory_i``).
+
+A memory is an immutable pytree with a static config. Concrete memories are final
+``flax.struct`` dataclasses that subclass :class:`Memory` and implement its abstract methods; the
+docstrings below are the specification every memory meets, and ``tests/test_memory_contract.py``
+runs the same contract on every row of its table of memories.
+
+Methods trust their arguments: the public free functions (``kvjax.seq_rm(memory, ...)``, ...)
+validate concrete arguments on the host once, then call the method. Inside ``jit`` arguments are
+traced; a method then guards them on device (an invalid value makes the op a no-op and sets an
+error bit, see :func:`kvjax.errors`).
+
+Attention memories are made of **attention parts**: unified caches (:class:`kvjax.KVCache`), each
+serving some of the model's layers. The unified cache is one part (itself); the iSWA pair has
+two. A layer reaches the part it reads and writes through the memory, by its layer id
+(:meth:`Memory.layer_part`, static configuration, never a traced branch), and the per-part
+capabilities (``write``, ``view``, ``kq_mask``, ``attention``, ``k_shift``) act on that part.
+
+The optional capabilities that do not apply to a memory (defrag and compaction, K-shift, K/V
+rows, masks) raise :class:`NotDefinedError` naming the operation and the memory.
+
+Shape letters: see :mod:`kvjax._typing`; P is the number of attention parts.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, List, Sequence, Tuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax._typing import Array, Bool, Int
+
+#: A memory-specific pytree saying where a ubatch went (unified cache: the ``i32[T]`` slots).
+Placement = Any
+
+
+class NotDefinedError(ValueError):
+    """An optional capability (defrag, K-shift, K/V rows, masks, ...) that a memory does not have."""
+
+
+NotDefinedError.__module__ = "kvjax"
+
+
+def not_defined(memory, operation: str, why: str = "") -> NotDefinedError:
+    """The error for an optional capability that ``memory`` does not have."""
+    name = type(memory).__name__
+    return NotDefinedError(f"{operation} is not defined for {name}{': ' + why if why else ''}")
+
+
+class Memory(abc.ABC):
+    """The protocol (abstract; concrete memories are final ``flax.struct`` pytrees).
+
+    Sequence arguments follow the seed: ranges are ``[p0, p1)`` with ``p0 < 0`` meaning 0 and
+    ``p1 < 0`` meaning +infinity; ``seq_id = -1`` means every sequence where that has a meaning.
+    Scalars are ``int32`` (Python/numpy ints or traced values).
+    """
+
+    # -- identity --------------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def n_seq_max(self) -> int:
+        """S, the number of sequence ids (static)."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Cells of the memory's main part (what bounds a sequence's context; static)."""
+
+    # -- sequences --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def clear(self) -> "Memory":
+        """Every cell empty, nothing pending (the K/V or state bytes need not be zeroed)."""
+
+    @abc.abstractmethod
+    def seq_rm(self, seq_id, p0, p1) -> Tuple["Memory", Bool[Array, ""]]:
+        """Remove ``seq_id`` (-1: all) from positions ``[p0, p1)``.
+
+        Returns:
+            ``(memory, ok)``. A memory may refuse (the recurrent memory refuses to cut a state in
+            the middle): then ``ok`` is false and the memory returned equals the one passed in.
+        """
+
+    @abc.abstractmethod
+    def seq_cp(self, seq_id_src, seq_id_dst, p0, p1) -> "Memory":
+        """Make ``seq_id_dst`` share what ``seq_id_src`` holds at positions ``[p0, p1)``."""
+
+    @abc.abstractmethod
+    def seq_keep(self, seq_id) -> "Memory":
+        """Remove every sequence but ``seq_id`` (-1 keeps all)."""
+
+    @abc.abstractmethod
+    def seq_add(self, seq_id, p0, p1, delta) -> "Memory":
+        """Shift the positions of ``seq_id`` in ``[p0, p1)`` by ``delta`` (pending for K until update)."""
+
+    @abc.abstractmethod
+    def seq_div(self, seq_id, p0, p1, d) -> "Memory":
+        """Integer-divide the positions of ``seq_id`` in ``[p0, p1)`` by ``d >= 1``."""
+
+    @abc.abstractmethod
+    def seq_pos_min(self, seq_id) -> Int[Array, ""]:
+        """Smallest position ``seq_id`` (-1: any) holds, -1 when absent."""
+
+    @abc.abstractmethod
+    def seq_pos_max(self, seq_id) -> Int[Array, ""]:
+        """Largest position ``seq_id`` (-1: any) holds, -1 when absent."""
+
+    @abc.abstractmethod
+    def seq_shared(self, seq_id, p0, p1) -> Bool[Array, ""]:
+        """Whether some cell of ``seq_id`` in ``[p0, p1)`` is shared with another sequence.
+
+        ``seq_add`` moves a shared cell for every sequence in it, so the decode driver asks this
+        before a context shift.
+        """
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def used_cells(self) -> Int[Array, ""]:
+        """Non-empty cells (of the main part)."""
+
+    @abc.abstractmethod
+    def n_tokens(self) -> Int[Array, ""]:
+        """Sum of the sequence-set sizes over the cells (of the main part)."""
+
+    @abc.abstractmethod
+    def pos_max(self) -> Int[Array, ""]:
+        """Largest position held (of the main part), -1 when empty."""
+
+    # -- placement ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def find_slot(self, ubatch, *, contiguous: bool = True) -> Tuple["Memory", Placement, Bool[Array, ""]]:
+        """Place a ubatch.
+
+        Returns:
+            ``(memory, placement, ok)``; when ``ok`` is false the memory returned equals the one
+            passed in (a failed placement is a no-op).
+        """
+
+    def prepare(self, ubatches: Sequence, *, contiguous: bool = True) -> Tuple[Bool[Array, ""], Tuple[Placement, ...]]:
+        """The dry run of a batch: place every ubatch in turn on a scratch value, keep nothing.
+
+        Returns:
+            ``(ok, placements)``: whether every ubatch fits, and where each would go (placing
+            them for real, in order, finds the same placements).
+        """
+        memory, ok, placements = self, jnp.bool_(True), []
+        for ubatch in ubatches:
+            memory, placement, placed = memory.find_slot(ubatch, contiguous=contiguous)
+            ok = ok & placed
+            placements.append(placement)
+        return ok, tuple(placements)
+
+    def commit(self, ubatches: Sequence) -> "Memory":
+        """What follows a successful batch (the seed's ``commit``); nothing for most memories.
+
+        The iSWA memory prunes its window cache here: cells no later token can attend to.
+        """
+        del ubatches
+        return self
+
+    # -- attention parts and windows -------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def n_parts(self) -> int:
+        """P, the number of attention parts (0 for a memory without attention layers)."""
+
+    @abc.abstractmethod
+    def layer_part(self, layer: int) -> int:
+        """The attention part that model layer ``layer`` reads and writes (static routing)."""
+
+    @abc.abstractmethod
+    def part(self, index: int):
+        """Attention part ``index`` (a :class:`kvjax.KVCache`)."""
+
+    @abc.abstractmethod
+    def with_part(self, index: int, cache) -> "Memory":
+        """This memory with attention part ``index`` replaced by ``cache``."""
+
+    @abc.abstractmethod
+    def part_slots(self, placement: Placement, index: int) -> Int[Array, "T"]:
+        """The cells of attention part ``index`` where a ubatch went (``i32[T]``, -1 = not written)."""
+
+    @abc.abstractmethod
+    def extent(self) -> Int[Array, "P"]:
+        """Per attention part, one past its last non-empty cell (``cell_max``)."""
+
+    @abc.abstractmethod
+    def extent_after(self, n_tokens) -> Int[Array, "P"]:
+        """Per attention part, a bound on the extent after ``n_tokens`` more tokens are placed.
+
+        With ``n_tokens == 0`` it equals :meth:`extent`; it lets a caller pick a window before
+        placing a ubatch without a dry run.
+        """
+
+    def windows_for(self, placements: Sequence[Placement], extent) -> List[Tuple[int, ...]]:
+        """The static window of every attention part for each ubatch of a placed batch (host side).
+
+        Cells are only added during a batch, so after ubatch ``i`` part ``p`` extends to the larger
+        of ``extent[p]`` and one past the largest cell of ubatches ``0..i`` in that part; each is
+        rounded up to a window bucket (``kvjax.window_bucket``) so few programs are compiled.
+
+        Args:
+            placements: host (numpy) values of ``prepare``'s placements.
+            extent: host value of :meth:`extent`, read with them.
+        """
+        from kvjax.attn._windows import window_bucket
+
+        top = [int(x) for x in np.asarray(extent).reshape(-1)]
+        out = []
+        for placement in placements:
+            row = []
+            for p in range(self.n_parts):
+                slots = np.asarray(self.part_slots(placement, p))
+                if slots.size:
+                    top[p] = max(top[p], int(slots.max()) + 1)
+                cfg = self.part(p).config
+                row.append(int(window_bucket(min(cfg.size, max(top[p], 1)), cfg.size, cfg.padding)))
+            out.append(tuple(row))
+        return out
+
+    # -- pending work ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def pending(self) -> Bool[Array, ""]:
+        """Whether :meth:`update` has work to do (a K-shift, a defrag, copies)."""
+
+    @abc.abstractmethod
+    def update(self, *, donate: bool = False) -> "Memory":
+        """Apply the pending work (the seed's ``update``); a no-op when nothing is pending."""
+
+    @property
+    @abc.abstractmethod
+    def can_shift(self) -> bool:
+        """Whether positions may be moved (``seq_add``/``seq_div``) with K kept exact (static)."""
+
+    # -- donation -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def split(self) -> Tuple[Any, "Memory"]:
+        """``(buffers, rest)``: the large buffers a step donates, and the rest (kept, not donated).
+
+        ``rest.join(buffers)`` gives the memory back. A step donates ``buffers`` only, so a
+        reference to ``rest`` (the cell metadata) kept before the step stays a valid snapshot.
+        """
+
+    @abc.abstractmethod
+    def join(self, buffers) -> "Memory":
+        """The inverse of :meth:`split`, called on ``rest``."""
+
+    # -- errors and sizes ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def error_bits(self) -> Int[Array, ""]:
+        """The sticky error bits of every part, or-ed (``u32[]``; see :class:`kvjax.ErrorFlag`)."""
+
+    @abc.abstractmethod
+    def clear_errors(self) -> "Memory":
+        """This memory with every error bit cleared."""
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of the memory's buffers (K/V or states; metadata not included)."""
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def state_write(self, seq_id: int = -1) -> bytes:
+        """The seed's state blob of the whole memory (``seq_id = -1``) or of one sequence."""
+
+    @abc.abstractmethod
+    def state_read(self, data, seq_id: int = -1, **options) -> "Memory":
+        """A memory restored from a :meth:`state_write` blob; this one unchanged on error."""
+
+
+def require_memory(memory, name: str = "memory") -> Memory:
+    """Raise ``ValueError`` unless ``memory`` is a kvjax memory (every free function calls it)."""
+    if not isinstance(memory, Memory):
+        raise ValueError(f"{name} must be a kvjax memory (a kvjax.KVCache or another kvjax.Memory, made by "
+                         f"kvjax.init(config)), got {type(memory).__name__}")
+    return memory

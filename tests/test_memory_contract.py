@@ -1,0 +1,244 @@
+"""The memory contract, run on every row of the table of memories under test.
+
+Every memory kvjax offers must pass the same contract (optax's ``_OPTIMIZERS_UNDER_TEST`` idea):
+
+- it is a :class:`kvjax.Memory` and every public free function accepts it;
+- jitted equals eager for every sequence operation, placement and query;
+- new argument values never recompile;
+- an old value (a snapshot) stays valid and unchanged after operations on newer values, and the
+  metadata ``rest`` of ``split()`` stays valid after a donated step;
+- ``state_write`` / ``state_read`` round trip, whole and per sequence;
+- random programs of operations run in lock step with the memory's pure-Python reference model,
+  compared cell by cell after every operation;
+- a concrete bad argument raises ``ValueError`` naming it, and the memory is unchanged.
+
+A new memory is one more :class:`MemoryUnderTest` row in :data:`MEMORIES_UNDER_TEST`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.testing import UnifiedRef
+from tests.helpers import CompileCounter, no_recompile
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryUnderTest:
+    """One row of the table: how to make the memory, its reference model, and how to compare them.
+
+    Attributes:
+        name: the row's test id.
+        make: a new, empty memory.
+        reference: a new reference model of the same memory (pure Python).
+        compare: asserts that a memory and a reference hold the same cells (every field).
+        random_kv: fills the memory's buffers with random values (so round trips compare real bytes).
+    """
+
+    name: str
+    make: Callable[[], kvjax.Memory]
+    reference: Callable[[], object]
+    compare: Callable[[kvjax.Memory, object], None]
+    random_kv: Callable[[kvjax.Memory, int], kvjax.Memory]
+
+
+# -- the unified cache ---------------------------------------------------------------------------
+
+UNIFIED = kvjax.CacheConfig(size=48, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=8, padding=16,
+                            rope=kvjax.RopeConfig(n_rot=8))
+
+
+def _compare_unified(cache, ref):
+    table = kvjax.cell_table(cache)
+    seqs = np.zeros((ref.size, ref.n_seq_max), bool)
+    for i, cell in enumerate(ref.cells):
+        seqs[i, sorted(cell.seqs)] = True
+    np.testing.assert_array_equal(table.pos, [c.pos for c in ref.cells], err_msg="pos")
+    np.testing.assert_array_equal(table.seqs, seqs, err_msg="seqs")
+    np.testing.assert_array_equal(table.delta, [c.delta for c in ref.cells], err_msg="delta")
+    assert table.head == ref.head, f"head {table.head} != {ref.head}"
+    assert int(kvjax.used_cells(cache)) == ref.used
+
+
+def _random_unified(cache, seed):
+    rng = np.random.default_rng(seed)
+    k = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in cache.k)
+    v = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in cache.v)
+    return cache.replace(k=k, v=v)
+
+
+MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
+    MemoryUnderTest("unified", lambda: kvjax.init(UNIFIED),
+                    lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
+                    _compare_unified, _random_unified),
+]
+ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
+
+
+# -- programs of operations ----------------------------------------------------------------------
+
+
+def random_program(seed: int, n_seq_max: int, n_ops: int = 24):
+    """Operations as tuples ``(name, *args)``; placements are runs of tokens of one or two sequences."""
+    rng = np.random.default_rng(seed)
+    next_pos = [0] * n_seq_max
+    ops = []
+    for _ in range(n_ops):
+        kind = rng.choice(["place"] * 4 + ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"])
+        s = int(rng.integers(n_seq_max))
+        if kind == "place":
+            n = int(rng.integers(1, 6))
+            shared = [s] + ([int((s + 1) % n_seq_max)] if rng.random() < 0.2 else [])
+            ops.append(("place", [(next_pos[s] + i, shared) for i in range(n)]))
+            next_pos[s] += n
+        elif kind == "seq_rm":
+            ops.append(("seq_rm", s if rng.random() < 0.8 else -1, int(rng.integers(-1, 8)), int(rng.integers(-1, 12))))
+        elif kind == "seq_cp":
+            ops.append(("seq_cp", s, int(rng.integers(n_seq_max)), -1, int(rng.integers(-1, 10))))
+        elif kind == "seq_keep":
+            ops.append(("seq_keep", s if rng.random() < 0.3 else -1))
+        elif kind == "seq_add":
+            ops.append(("seq_add", s, int(rng.integers(0, 6)), -1, int(rng.integers(-3, 4))))
+        else:
+            ops.append(("seq_div", s, int(rng.integers(0, 6)), -1, int(rng.integers(1, 3))))
+    return ops
+
+
+def apply_op(memory, op, jitted: bool):
+    """Run one operation through the public free functions; returns ``(memory, ok or None)``."""
+    name, *args = op
+    if name == "place":
+        ub = kvjax.make_ubatch([p for p, _ in args[0]], [s for _, s in args[0]], length=8)
+        fn = _JIT["find_slot"] if jitted else kvjax.find_slot
+        memory, _, ok = fn(memory, ub)
+        return memory, bool(ok)
+    fn = _JIT[name] if jitted else getattr(kvjax, name)
+    if name == "seq_rm":
+        memory, ok = fn(memory, *args)
+        return memory, bool(ok)
+    return fn(memory, *args), None
+
+
+def apply_ref(ref, op):
+    name, *args = op
+    if name == "place":
+        return ref.find_slot(args[0], True)[1]
+    getattr(ref, name)(*args)
+    return True if name == "seq_rm" else None
+
+
+_JIT = {name: jax.jit(getattr(kvjax, name)) for name in
+        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot")}
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+# -- the contract --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_is_a_memory(row):
+    memory = row.make()
+    assert isinstance(memory, kvjax.Memory)
+    assert memory.n_parts >= 0 and memory.n_seq_max >= 1 and memory.size >= 1
+    assert isinstance(memory.can_shift, bool)
+    assert memory.nbytes() > 0
+    assert kvjax.errors(memory) == []
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lock_step_with_the_reference_eager_and_jitted(row, seed):
+    """Every cell equals the reference model's after every operation, eagerly and under jit."""
+    ops = random_program(seed, row.make().n_seq_max)
+    eager, jitted, ref = row.make(), row.make(), row.reference()
+    for op in ops:
+        want = apply_ref(ref, op)
+        eager, got_eager = apply_op(eager, op, jitted=False)
+        jitted, got_jit = apply_op(jitted, op, jitted=True)
+        assert got_eager == got_jit == want, op
+        row.compare(eager, ref)
+        assert leaves_equal(eager, jitted), f"jit differs from eager after {op}"
+        for s in range(-1, ref.n_seq_max):
+            assert int(kvjax.seq_pos_min(eager, s)) == ref.seq_pos_min(s)
+            assert int(kvjax.seq_pos_max(eager, s)) == ref.seq_pos_max(s)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_new_argument_values_do_not_recompile(row):
+    memory = row.make()
+    for op in random_program(5, memory.n_seq_max, 12):  # warm up every jitted op once
+        memory, _ = apply_op(memory, op, jitted=True)
+    with no_recompile():
+        for op in random_program(6, memory.n_seq_max, 12):
+            memory, _ = apply_op(memory, op, jitted=True)
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_snapshots_stay_valid(row):
+    memory = row.make()
+    for op in random_program(7, memory.n_seq_max, 10):
+        memory, _ = apply_op(memory, op, jitted=False)
+    snapshot = jax.tree.map(lambda x: np.asarray(x).copy(), memory)
+    later = memory
+    for op in random_program(8, memory.n_seq_max, 10):
+        later, _ = apply_op(later, op, jitted=False)
+    assert leaves_equal(memory, snapshot), "an operation changed the value it was given"
+    # the metadata of split() is the part a donated step keeps: it must survive the step
+    buffers, rest = memory.split()
+    assert leaves_equal(rest.join(buffers), memory)
+    assert not jax.tree.leaves(buffers) or all(isinstance(x, jax.Array) for x in jax.tree.leaves(buffers))
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_state_round_trip(row):
+    memory = row.make()
+    for op in random_program(9, memory.n_seq_max, 16):
+        memory, _ = apply_op(memory, op, jitted=False)
+    memory = row.random_kv(kvjax.update(memory), 1)
+    whole = kvjax.state_read(row.make(), kvjax.state_write(memory))
+    assert kvjax.state_write(whole) == kvjax.state_write(memory)
+    for s in range(memory.n_seq_max):
+        blob = kvjax.state_write(memory, s)
+        restored = kvjax.state_read(row.make(), blob, s)
+        assert kvjax.state_write(restored, s) == blob
+        assert int(kvjax.seq_pos_max(restored, s)) == int(kvjax.seq_pos_max(memory, s))
+
+
+@pytest.mark.parametrize("row", ROWS)
+@pytest.mark.parametrize("call, match", [
+    (lambda m: kvjax.seq_rm(m, 99), r"seq_id=99 is out of range"),
+    (lambda m: kvjax.seq_cp(m, 0, -1), r"seq_id_dst=-1 is out of range"),
+    (lambda m: kvjax.seq_keep(m, 1.5), r"seq_id=1.5 must be an integer scalar"),
+    (lambda m: kvjax.seq_add(m, 0, 0, -1, 2**40), r"delta=1099511627776 is out of range"),
+    (lambda m: kvjax.seq_div(m, 0, 0, -1, 0), r"d=0 is out of range"),
+    (lambda m: kvjax.seq_pos_max(m, "0"), r"seq_id='0' must be an integer scalar"),
+    (lambda m: kvjax.find_slot(m, kvjax.make_ubatch([0], [[0]]), contiguous="yes"), r"contiguous='yes' must be a bool"),
+    (lambda m: kvjax.update(m, donate="False"), r"donate='False' must be a bool"),
+    (lambda m: kvjax.state_read(m, b"\x00"), r"cell_count|stream|expected"),
+])
+def test_bad_input_raises_and_changes_nothing(row, call, match):
+    memory = row.make()
+    for op in random_program(3, memory.n_seq_max, 8):
+        memory, _ = apply_op(memory, op, jitted=False)
+    before = jax.tree.map(lambda x: np.asarray(x).copy(), memory)
+    with pytest.raises(ValueError, match=match):
+        call(memory)
+    assert leaves_equal(memory, before)
+
+
+def test_the_table_counts_compiles_honestly():
+    """The compile counter the contract relies on does see a compilation."""
+    with CompileCounter() as counter:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7))
+    assert counter.count >= 1
