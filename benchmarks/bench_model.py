@@ -43,7 +43,7 @@ from flax import nnx
 import kvjax
 from benchmarks.common import compile_time, fmt_time, table
 from kvjax.memory._cells import cell_max
-from kvjax.nn import Llama, LlamaConfig, make_step, window_for
+from kvjax.nn import Llama, LlamaConfig, UbatchInputs, make_step, window_for
 from kvjax.memory._ubatch import Ubatch
 
 
@@ -160,7 +160,8 @@ def _kv_loop_fn(graphdef):
     def one(state, cache, tok, pos, n_kv):
         ub = _decode_ubatch(pos, tok.shape[0])
         cache, slot, _ = kvjax.find_slot(cache, ub)
-        logits, cache = nnx.merge(graphdef, state)(tok, cache, ub, slot, n_kv=n_kv)
+        logits, cache = nnx.merge(graphdef, state)(tok, cache, UbatchInputs(ubatch=ub, placement=slot,
+                                                                            windows=(n_kv,)))
         return jnp.argmax(logits, -1).astype(jnp.int32), cache
 
     def loop(state, cache, tok, pos, start, stop, out, *, n_kv, per_seq):
@@ -270,8 +271,9 @@ def run(quick: bool) -> str:
     # compile time of one B=1 decode step of each side, first thing (nothing compiled before)
     one_cfg = cfg.cache_config(size=d.length, n_seq_max=1)
     cache1 = kvjax.init(one_cfg)
-    c_kv = compile_time(kv_step._jitted, state, cache1.cells, (cache1.k, cache1.v), kvjax.make_ubatch([0], [[0]]),
-                        np.zeros(1, np.int32), None, n_kv=one_cfg.padding, config=one_cfg)
+    buffers1, rest1 = cache1.split()
+    c_kv = compile_time(kv_step._jitted, state, rest1, buffers1, kvjax.make_ubatch([0], [[0]]),
+                        np.zeros(1, np.int32), None, windows=(one_cfg.padding,))
     peer.init_cache(1, d.length)
     params, fcache, f_step, _, _ = _flax_fns(peer)
     c_fx = compile_time(f_step, params, fcache, np.zeros(1, np.int32))

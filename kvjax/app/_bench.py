@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 def checkout_root() -> pathlib.Path:
     """The source checkout holding ``benchmarks/`` (kvjax must be installed editable)."""
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]  # kvjax/app/_bench.py -> the checkout
     if not (root / "benchmarks").is_dir():
         raise SystemExit("benchmarks/ not found next to the kvjax package: run `python -m kvjax bench` "
                          "from a source checkout installed with `pip install -e .`")
