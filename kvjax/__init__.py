@@ -13,8 +13,10 @@ Example:
     (3, 32)
 """
 
-from kvjax.memory._unified import (KVCache, abstract, init, size_cells_bytes, size_k_bytes, size_v_bytes,
-                         total_size, view, write)
+from kvjax.memory._unified import (KVCache, size_cells_bytes, size_k_bytes, size_v_bytes, total_size, view,
+                                   write)
+from kvjax.memory._iswa import IswaCache, IswaConfig
+from kvjax.memory._init import abstract, init
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
 from kvjax.memory._defrag import (DefragPlan, compact, compact_seq, defrag, defrag_plan, defrag_sched,
@@ -54,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     # config and cache
     "CacheConfig", "RopeConfig", "RopeMode", "SwaType", "LayerGroup", "KVCache", "Cells",
+    "IswaConfig", "IswaCache",
     "init", "abstract", "size_k_bytes", "size_v_bytes", "size_cells_bytes", "total_size",
     # sequence operations and queries
     "clear", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",

@@ -189,6 +189,10 @@ class Engine:
             ValueError: bad ``n_keep`` / ``n_discard``, or the shifted range holds cells shared
                 with other sequences (shifting them would move those sequences too).
         """
+        if not self.cache.can_shift:
+            raise ValueError(f"context shift is not possible on this {type(self.cache).__name__} (it cannot shift "
+                             f"positions; kvjax.can_shift is False): nothing changed; give it more cells or a "
+                             f"larger n_ctx")
         n_past = int(kvjax.seq_pos_max(self.cache, seq_id)) + 1
         if not (n_keep >= 0 and n_discard >= 1 and n_keep + n_discard <= n_past):
             raise ValueError(f"n_keep={n_keep}, n_discard={n_discard} are out of range: allowed n_keep >= 0, "

@@ -32,7 +32,8 @@ from typing import Union
 
 import jax
 
-from kvjax.memory._unified import KVCache, abstract, require_cache
+from kvjax.memory._init import abstract
+from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig
 from kvjax._errors import StateError

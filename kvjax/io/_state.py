@@ -229,6 +229,7 @@ class _Parsed(NamedTuple):
     seq: Optional[np.ndarray]       # u32[n, W] (whole-cache blobs), None (single sequence)
     k: List[np.ndarray]             # per cached layer: uint [n, H, D]
     v: List[np.ndarray]             # per cached layer: uint [n, H, Dv], or [H*Dv, n] (v_trans)
+    size: int                       # bytes of the blob
 
 
 def _type_name(type_id: int) -> str:
@@ -331,8 +332,21 @@ def _parse_meta_whole(cur: _Cursor, n: int, n_seq_max: int, n_words: int):
     return pos, masks
 
 
-def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str) -> _Parsed:
-    """Check every field of ``buf`` against ``config``; return host views of its contents."""
+def blob_size(cache: KVCache, data, seq_id: int = -1) -> int:
+    """Bytes of the unified cache blob at the start of ``data`` (a composite memory's parts follow it).
+
+    Every field is checked as :func:`read_unified` checks it (:class:`kvjax.StateError` otherwise).
+    """
+    cfg = _check_host_cache(cache, "state_read")
+    return _parse(cfg, _as_view(data), _check_seq(seq_id, cfg), cfg.size, "the cache size", trailing=True).size
+
+
+def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str,
+           trailing: bool = False) -> _Parsed:
+    """Check every field of ``buf`` against ``config``; return host views of its contents.
+
+    With ``trailing`` the blob may be followed by more bytes (another part's blob).
+    """
     cur = _Cursor(buf)
     n = cur.scalar("<I", "cell_count")
     if n > capacity:
@@ -368,8 +382,9 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
                          f" ({lay.n_kv_heads} heads x head size {lay.head_dim_v})")
             rows = cur.array(_UINT[lay.v_size], n * lay.n_embd_v, f"{name} V rows (transposed)")
             vs.append(rows.reshape(lay.n_embd_v, n))
-    cur.finish()
-    return _Parsed(n, pos, seq, ks, vs)
+    if not trailing:
+        cur.finish()
+    return _Parsed(n, pos, seq, ks, vs, cur.off)
 
 
 # -- metadata encoding --------------------------------------------------------------------------

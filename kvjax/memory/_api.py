@@ -298,12 +298,16 @@ def clear_errors(memory: Memory) -> Memory:
 
 
 def can_shift(memory: Memory) -> bool:
-    """Whether the memory can move positions with K kept exact (its config carries RoPE parameters).
+    """Whether positions of the memory may be shifted (the seed's ``get_can_shift``; a context shift needs it).
+
+    The unified cache always can: with RoPE parameters (``CacheConfig.rope``) ``update`` rotates K,
+    without them K is position-free (ALiBi) and only the positions move. The iSWA pair can only
+    when its two caches have the same size (no pruning); a recurrent state never can.
 
     Example:
         >>> import kvjax
         >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4)
-        >>> kvjax.can_shift(kvjax.init(cfg)), kvjax.can_shift(kvjax.init(cfg.replace(rope=kvjax.RopeConfig(n_rot=4))))
-        (False, True)
+        >>> kvjax.can_shift(kvjax.init(cfg)), cfg.can_shift     # the config: can K be rotated?
+        (True, False)
     """
     return bool(require_memory(memory).can_shift)

@@ -237,7 +237,10 @@ class Memory(abc.ABC):
     @property
     @abc.abstractmethod
     def can_shift(self) -> bool:
-        """Whether positions may be moved (``seq_add``/``seq_div``) with K kept exact (static)."""
+        """Whether positions may be shifted (the seed's ``get_can_shift``; static).
+
+        The decode driver refuses a context shift on a memory that cannot shift.
+        """
 
     # -- donation -------------------------------------------------------------------------------
 

@@ -156,7 +156,9 @@ class KVCache(Memory):
 
     @property
     def can_shift(self) -> bool:
-        return bool(self.config.can_shift)
+        # the seed's unified cache can always shift: with RoPE parameters update rotates K, without
+        # them (ALiBi, position-free K) it moves the positions only, which is exact for such K
+        return True
 
     # -- donation, errors, sizes, state ---------------------------------------------------------------
 
@@ -191,17 +193,8 @@ def _storage_dtype(name: str):
     return jnp.dtype(name)
 
 
-def init(config: CacheConfig) -> KVCache:
-    """A new, empty cache with zeroed K/V (zeros, not garbage: no NaN reaches a masked softmax).
-
-    Args:
-        config: the cache description.
-
-    Returns:
-        The cache.
-    """
-    if not isinstance(config, CacheConfig):
-        raise ValueError(f"config must be a kvjax.CacheConfig, got {type(config).__name__}")
+def init_unified(config: CacheConfig) -> KVCache:
+    """A new, empty unified cache with zeroed K/V (zeros, not garbage: no NaN reaches a masked softmax)."""
     return _init(config)
 
 
@@ -213,11 +206,6 @@ def _init(config: CacheConfig) -> KVCache:
         k.append(jnp.zeros((n, grp.n_kv_heads, config.size, grp.head_dim), _storage_dtype(config.k_dtype)))
         v.append(jnp.zeros((n, grp.n_kv_heads, config.size, grp.head_dim_v), _storage_dtype(config.v_dtype)))
     return KVCache(cells=empty_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v), config=config)
-
-
-def abstract(config: CacheConfig) -> KVCache:
-    """Shapes and dtypes of :func:`init`'s result (``jax.ShapeDtypeStruct`` leaves), allocating nothing."""
-    return jax.eval_shape(lambda: _init(config))
 
 
 # -- sizes -------------------------------------------------------------------------------------
