@@ -4,5 +4,6 @@ Deliberately naive loops over cells in the seed's order, independent of kvjax's 
 """
 
 from kvjax.testing._iswa_reference import IswaRef as IswaRef
+from kvjax.testing._recurrent_reference import RecurrentRef as RecurrentRef
 
-__all__ = ["IswaRef"]
+__all__ = ["IswaRef", "RecurrentRef"]
