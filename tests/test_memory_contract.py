@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.testing import UnifiedRef
+from kvjax.testing import IswaRef, UnifiedRef
 from tests.helpers import CompileCounter, no_recompile
 
 
@@ -74,10 +74,37 @@ def _random_unified(cache, seed):
     return cache.replace(k=k, v=v)
 
 
+# -- the iSWA pair: a 4-layer model, layers 0 and 2 with a window ------------------------------------
+
+ISWA_BASE = kvjax.CacheConfig(size=64, n_seq_max=4, n_layer=4, n_kv_heads=2, head_dim=8, padding=16,
+                              rope=kvjax.RopeConfig(n_rot=8))
+
+
+def _iswa(swa_type="standard", swa_full=False, n_swa=3):
+    cfg = kvjax.IswaConfig(ISWA_BASE, swa_layers=(0, 2), n_swa=n_swa, swa_type=swa_type, swa_full=swa_full,
+                           n_batch=8)
+    ref = lambda: IswaRef(size=ISWA_BASE.size, n_seq_max=ISWA_BASE.n_seq_max, padding=ISWA_BASE.padding,
+                          n_swa=n_swa, swa_type=swa_type, n_batch=8, swa_full=swa_full)
+    return lambda: kvjax.init(cfg), ref
+
+
+def _compare_iswa(memory, ref):
+    _compare_unified(memory.base, ref.base)
+    _compare_unified(memory.swa, ref.swa)
+
+
+def _random_iswa(memory, seed):
+    return memory.replace(base=_random_unified(memory.base, seed), swa=_random_unified(memory.swa, seed + 1))
+
+
 MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("unified", lambda: kvjax.init(UNIFIED),
                     lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
                     _compare_unified, _random_unified),
+    MemoryUnderTest("iswa-standard", *_iswa("standard"), _compare_iswa, _random_iswa),
+    MemoryUnderTest("iswa-chunked", *_iswa("chunked", n_swa=4), _compare_iswa, _random_iswa),
+    MemoryUnderTest("iswa-symmetric", *_iswa("symmetric", n_swa=4), _compare_iswa, _random_iswa),
+    MemoryUnderTest("iswa-full", *_iswa("standard", swa_full=True), _compare_iswa, _random_iswa),
 ]
 ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 
@@ -118,6 +145,8 @@ def apply_op(memory, op, jitted: bool):
         ub = kvjax.make_ubatch([p for p, _ in args[0]], [s for _, s in args[0]], length=8)
         fn = _JIT["find_slot"] if jitted else kvjax.find_slot
         memory, _, ok = fn(memory, ub)
+        if bool(ok):  # the batch (this one ubatch) succeeded: the seed's commit
+            memory = (_JIT["commit"] if jitted else kvjax.commit)(memory, [ub])
         return memory, bool(ok)
     fn = _JIT[name] if jitted else getattr(kvjax, name)
     if name == "seq_rm":
@@ -129,13 +158,16 @@ def apply_op(memory, op, jitted: bool):
 def apply_ref(ref, op):
     name, *args = op
     if name == "place":
-        return ref.find_slot(args[0], True)[1]
+        ok = ref.find_slot(args[0], True)[-1]
+        if ok and hasattr(ref, "commit"):
+            ref.commit([args[0]])
+        return ok
     getattr(ref, name)(*args)
     return True if name == "seq_rm" else None
 
 
 _JIT = {name: jax.jit(getattr(kvjax, name)) for name in
-        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot")}
+        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot", "commit")}
 
 
 def leaves_equal(a, b):
@@ -169,7 +201,7 @@ def test_lock_step_with_the_reference_eager_and_jitted(row, seed):
         assert got_eager == got_jit == want, op
         row.compare(eager, ref)
         assert leaves_equal(eager, jitted), f"jit differs from eager after {op}"
-        for s in range(-1, ref.n_seq_max):
+        for s in range(-1, eager.n_seq_max):
             assert int(kvjax.seq_pos_min(eager, s)) == ref.seq_pos_min(s)
             assert int(kvjax.seq_pos_max(eager, s)) == ref.seq_pos_max(s)
 

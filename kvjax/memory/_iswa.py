@@ -326,7 +326,9 @@ def _prune(cells: Cells, ubatches, *, swa_type: SwaType, n_swa: int) -> Cells:
     seqs = jnp.arange(n_seq, dtype=jnp.int32)
     member = _seqbits.holds(cells.seq.T, seqs)                                   # [S, C]
     masked = is_masked_swa(cells.pos[None, :], pmax[:, None], swa_type, n_swa)     # [S, C]
-    leave = member & masked & (pmax >= 0)[:, None]
+    # only the past side of the window: a cell after pmax (symmetric windows) is still visible later
+    past = cells.pos[None, :] <= pmax[:, None]
+    leave = member & masked & past & (pmax >= 0)[:, None]
     n_words = cells.n_words
     leave = jnp.pad(leave, ((0, n_words * _seqbits.BITS - n_seq), (0, 0)))
     bit = jnp.left_shift(jnp.uint32(1), jnp.arange(_seqbits.BITS, dtype=jnp.uint32))

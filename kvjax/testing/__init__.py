@@ -6,6 +6,9 @@ compare every cell.
 """
 
 from kvjax.testing import _defrag_reference as defrag_reference
-from kvjax.testing._unified_reference import Cell, UnifiedRef
+from kvjax.testing._iswa_reference import IswaRef as IswaRef
+from kvjax.testing._recurrent_reference import RecurrentRef as RecurrentRef
+from kvjax.testing._unified_reference import Cell as Cell
+from kvjax.testing._unified_reference import UnifiedRef as UnifiedRef
 
-__all__ = ["Cell", "UnifiedRef", "defrag_reference"]
+__all__ = ["Cell", "UnifiedRef", "IswaRef", "RecurrentRef", "defrag_reference"]
