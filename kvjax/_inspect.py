@@ -42,7 +42,7 @@ class CellTable(NamedTuple):
 
 def cell_table(cache: KVCache) -> CellTable:
     """The cells as numpy arrays (one device-to-host transfer)."""
-    require_cache(cache)
+    require_cache(cache, "cell_table")
     cells = cache.cells
     seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)
     return CellTable(np.asarray(cells.pos), seqs, np.asarray(cells.delta), int(cells.head))

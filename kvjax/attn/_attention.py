@@ -195,7 +195,7 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
         >>> out.shape, out[0, 0].tolist(), lse.round(3)[0, 0].item()
         ((1, 4, 4), [2.0, 2.0, 2.0, 2.0], 2.0)
     """
-    require_cache(cache)
+    require_cache(cache, "attention")
     cfg = cache.config
     if isinstance(layer, bool) or not hasattr(layer, "__index__"):
         raise ValueError(f"layer={layer!r} must be a static Python int (a cached layer id)")

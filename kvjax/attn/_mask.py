@@ -69,7 +69,7 @@ T5_MAX_DISTANCE = 128
 
 
 def _check_args(cache, ubatch, n_kv) -> int:
-    require_cache(cache)
+    require_cache(cache, "a mask")
     if not isinstance(ubatch, Ubatch):
         raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
     cfg = cache.config

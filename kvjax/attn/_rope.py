@@ -327,7 +327,7 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> bool(jnp.allclose(shifted.k[0][0, 0, 0], x[0, 0], atol=1e-6)), int(shifted.cells.delta[0])
         (True, 0)
     """
-    require_cache(cache)
+    require_cache(cache, "k_shift")
     if cache.config.rope is None:
         raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
                          "model's kvjax.RopeConfig (one for all layers or one per layer)")

@@ -109,6 +109,6 @@ def kv_window(cache: KVCache, *, min_window: Optional[int] = None) -> int:
         >>> int(kvjax.n_kv(cache)), kvjax.kv_window(cache)
         (96, 128)
     """
-    require_cache(cache)
+    require_cache(cache, "kv_window")
     cfg = cache.config
     return window_bucket(int(_n_kv(cache)), cfg.size, cfg.padding, min_window=min_window)

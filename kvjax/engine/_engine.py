@@ -294,6 +294,11 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     longest = max(len(p) for p in prompts)
     if longest >= n_ctx:
         raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
+    if max_new_tokens + longest > n_ctx and not engine.cache.can_shift:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is out of range for this {type(engine.cache).__name__}: "
+                         f"a prompt of {longest} tokens would reach n_ctx={n_ctx} and need a context shift, which "
+                         f"this memory cannot do (kvjax.can_shift is False); allowed max_new_tokens <= "
+                         f"{n_ctx - longest}, or a memory with more cells")
     busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0]
     if busy:
         raise ValueError(f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "

@@ -98,7 +98,7 @@ def checkpoint_save(path, cache: KVCache, *, force: bool = False) -> None:
         ImportError: orbax-checkpoint is not installed.
         ValueError: a bad argument.
     """
-    require_cache(cache)
+    require_cache(cache, "checkpoint_save")
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(cache)):
         raise ValueError("checkpoint_save runs on the host: call it outside jax.jit")
     path = _check_path(path)

@@ -529,7 +529,7 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int):
 
 
 def _check_host_cache(cache, name: str) -> CacheConfig:
-    require_cache(cache)
+    require_cache(cache, name)
     if any(is_traced(x) for x in jax.tree.leaves(cache)):
         raise ValueError(f"{name} runs on the host (it reads or returns bytes): call it outside jax.jit")
     return cache.config

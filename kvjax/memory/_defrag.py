@@ -181,7 +181,7 @@ def fragmentation(cache: KVCache) -> Float[Array, ""]:
         >>> float(kvjax.fragmentation(cache))
         0.6875
     """
-    require_cache(cache)
+    require_cache(cache, "fragmentation")
     return _fragmentation(cache.cells, cache.config.padding)
 
 
@@ -210,7 +210,7 @@ def defrag_sched(cache: KVCache, thold) -> KVCache:
         >>> [bool(kvjax.defrag_sched(cache, t).cells.defrag) for t in (0.9, 0.5)]
         [False, True]
     """
-    require_cache(cache)
+    require_cache(cache, "defrag_sched")
     if not is_traced(thold):
         try:
             value = float(thold)
@@ -349,7 +349,7 @@ def defrag_plan(cache: KVCache, max_moves: Optional[IntLike] = None) -> DefragPl
         >>> plan.src[:6].tolist(), int(plan.n_moves), int(plan.head)
         ([0, 4, 5, 3, 1, 2], 1, 4)
     """
-    require_cache(cache)
+    require_cache(cache, "defrag_plan")
     return _plan(cache.cells, _max_moves_arg(max_moves), kind="defrag")
 
 
@@ -365,7 +365,7 @@ def compact_plan(cache: KVCache) -> DefragPlan:
         >>> plan.src[:6].tolist(), int(plan.n_cells), int(plan.n_moves)
         ([0, 3, 4, 5, 1, 2], 3, 1)
     """
-    require_cache(cache)
+    require_cache(cache, "compact_plan")
     return _plan(cache.cells, np.int32(0), kind="compact")
 
 
@@ -380,7 +380,7 @@ def compact_seq_plan(cache: KVCache, seq_id: IntLike) -> DefragPlan:
         >>> compact_seq_plan(cache, 1).src[:4].tolist()
         [1, 3, 0, 2]
     """
-    require_cache(cache)
+    require_cache(cache, "compact_seq_plan")
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
     return _plan(cache.cells, as_int32(seq_id), kind="compact_seq")
 
@@ -513,7 +513,7 @@ def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool 
         >>> kvjax.cell_table(kvjax.defrag(cache)).pos[:6].tolist()
         [0, 4, 5, 3, -1, -1]
     """
-    require_cache(cache)
+    require_cache(cache, "defrag")
     run = functools.partial(_run, donate=_donating(cache, donate))
     return run(cache, _max_moves_arg(max_moves), kind="defrag")
 
@@ -534,7 +534,7 @@ def compact(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> kvjax.cell_table(out).pos[:6].tolist(), int(out.cells.head)
         ([0, 3, 4, 5, -1, -1], 4)
     """
-    require_cache(cache)
+    require_cache(cache, "compact")
     run = functools.partial(_run, donate=_donating(cache, donate))
     return run(cache, np.int32(0), kind="compact")
 
@@ -564,7 +564,7 @@ def compact_seq(cache: KVCache, seq_id: IntLike, *, donate: bool = False) -> KVC
         >>> print(kvjax.cell_map(kvjax.compact_seq(cache, 1), width=8).splitlines()[1])
         1100....
     """
-    require_cache(cache)
+    require_cache(cache, "compact_seq")
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
     run = functools.partial(_run, donate=_donating(cache, donate))
     return run(cache, as_int32(seq_id), kind="compact_seq")
@@ -598,7 +598,7 @@ def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
         >>> kvjax.cell_table(out).pos[:4].tolist(), bool(out.cells.defrag)
         ([2, 3, -1, -1], False)
     """
-    require_cache(cache)
+    require_cache(cache, "apply_pending")
     return _apply_pending(cache, donate=_donating(cache, donate))
 
 

@@ -306,7 +306,7 @@ def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"]
         >>> kvjax.view(cache, 0, 32)[0][0, 2:5, 0].tolist()
         [0.0, 1.0, 0.0]
     """
-    require_cache(cache)
+    require_cache(cache, "write")
     cfg = cache.config
     g, index, layer_ok = _layer_index(cfg, layer)
     grp = cfg.groups[g]
@@ -347,7 +347,7 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
     Returns:
         ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes.
     """
-    require_cache(cache)
+    require_cache(cache, "view")
     cfg = cache.config
     n_kv = check_window(n_kv, cfg.padding, cfg.size)
     g, index, _ = _layer_index(cfg, layer)

@@ -59,7 +59,7 @@ def apply_update(cache: KVCache, *, donate: bool = False) -> KVCache:
         The cache with no pending shift (every ``delta`` 0) and no pending defrag.
 
     """
-    require_cache(cache)
+    require_cache(cache, "apply_update")
     if is_traced(cache.cells.delta) or is_traced(cache.cells.defrag):
         if cache.config.can_shift:
             cache = jax.lax.cond(_has_shift(cache.cells), _k_shift, lambda c: c, cache)
