@@ -1,14 +1,14 @@
-"""Write ``notebooks/01_tour.ipynb`` from the cells below (run: ``python scripts/build_notebook.py``).
+"""Write the notebooks in ``notebooks/`` from the cells below (run: ``python scripts/build_notebook.py``).
 
-The notebook is generated so that its source stays reviewable as Python; the test suite executes
-the generated file (``tests/test_notebook.py``).
+The notebooks are generated so that their source stays reviewable as Python; the test suite
+executes the generated files (``tests/test_notebook.py``).
 """
 
 import pathlib
 
 import nbformat
 
-CELLS = [
+TOUR = [
     ("md", """# A tour of kvjax
 
 kvjax is a KV cache for JAX language models with the semantics of llama.cpp's KV cache. The cache
@@ -86,15 +86,75 @@ plot_cells(engine.cache, n_cells=96, show_pos=False); plt.show()"""),
 ]
 
 
-def build() -> nbformat.NotebookNode:
+MEMORIES = [
+    ("md", """# The memories of kvjax
+
+One protocol (`kvjax.Memory`), several memories. This notebook shows the iSWA pair, the seed's
+memory for models that interleave sliding-window and full-attention layers (Gemma 2 and 3, Cohere,
+Llama 4): a full-size cache for the full layers and a small one for the window layers, pruned as
+the window slides."""),
+    ("code", """%matplotlib inline
+import jax, numpy as np, matplotlib.pyplot as plt
+from flax import nnx
+import kvjax
+from kvjax.nn import Llama, LlamaConfig
+from kvjax.plot import plot_cells
+
+model_cfg = LlamaConfig(vocab_size=48, d_model=32, n_layer=4, n_heads=4, n_kv_heads=2, swa_layers=(0, 2), n_swa=8)
+base = model_cfg.cache_config(size=128, n_seq_max=2, padding=16)
+cfg = kvjax.IswaConfig(base, swa_layers=model_cfg.swa_layers, n_swa=8, n_batch=16)
+memory = kvjax.init(cfg)
+print("full-size cache:", cfg.base_config.size, "cells, layers", cfg.base_config.cached_layers)
+print("window cache:   ", cfg.size_swa, "cells, layers", cfg.swa_config.cached_layers)
+print("bytes: iSWA", memory.nbytes(), "vs one full-size cache", kvjax.total_size(base))"""),
+    ("md", """## Two sequences with a shared prompt
+
+The engine drives the pair like any memory: it places each ubatch in both caches (or in neither),
+runs the model (full layers read the base cache, window layers the window cache, each with its
+own window bucket) and calls `kvjax.commit` after every batch, which prunes the window cache."""),
+    ("code", """engine = kvjax.Engine(Llama(model_cfg, rngs=nnx.Rngs(0)), memory, n_ubatch=16)
+engine.decode(list(range(1, 13)), list(range(12)), [[0]] * 12)    # a 12-token prompt
+engine.cache = kvjax.seq_cp(engine.cache, 0, 1)                    # sequence 1 shares it
+
+def show(memory, title):
+    fig, axes = plt.subplots(2, 1, figsize=(9, 2.6))
+    plot_cells(memory.base, axes[0], n_cells=64, show_pos=False); axes[0].set_title(title + ": full-size cache")
+    plot_cells(memory.swa, axes[1], n_cells=64, show_pos=False); axes[1].set_title(title + ": window cache")
+    fig.tight_layout(); plt.show()
+
+show(engine.cache, "after the prompt")
+print("used cells: base", int(kvjax.used_cells(engine.cache.base)), "window", int(kvjax.used_cells(engine.cache.swa)))"""),
+    ("md", """## The window slides
+
+Each sequence decodes on its own; after every batch the window cache forgets, per sequence, the
+cells no later token of that sequence can attend to (positions more than `n_swa` behind its
+newest token). The shared prompt cells stay while either sequence can still see them."""),
+    ("code", """tokens = [5, 6]
+for step in range(20):
+    pos = [12 + step, 12 + step]
+    logits = engine.decode(tokens, pos, [[0], [1]])
+    tokens = [int(t) for t in np.argmax(np.asarray(logits), axis=-1)]
+show(engine.cache, "after 20 more tokens each")
+print("used cells: base", int(kvjax.used_cells(engine.cache.base)), "window", int(kvjax.used_cells(engine.cache.swa)))
+print("oldest position still held by sequence 0:", int(kvjax.seq_pos_min(engine.cache, 0)))"""),
+    ("md", """The full-size cache keeps every token (full layers attend to all of them); the window
+cache holds at most `n_swa` positions per sequence plus one batch, so its size, and the cost of
+the window layers' attention, no longer grows with the context."""),
+]
+
+NOTEBOOKS = {"01_tour.ipynb": TOUR, "02_memories.ipynb": MEMORIES}
+
+
+def build(cells) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    for kind, src in CELLS:
+    for kind, src in cells:
         nb.cells.append(nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src))
     return nb
 
 
 if __name__ == "__main__":
-    out = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / "01_tour.ipynb"
-    nbformat.write(build(), out)
-    print(f"wrote {out}")
+    for name, cells in NOTEBOOKS.items():
+        out = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / name
+        nbformat.write(build(cells), out)
+        print(f"wrote {out}")
