@@ -621,5 +621,5 @@ def params_from_hf(hf_model_or_state_dict, model: Optional[Mamba] = None, **conf
         if tuple(w.shape) != tuple(var.shape):
             raise ValueError(f"state dict {key} has shape {tuple(_to_numpy(weights[key]).shape)}: allowed the "
                              f"shape that gives {tuple(var.shape)} for this config")
-        var.value = jnp.asarray(w, var.dtype)
+        var.set_value(jnp.asarray(w, var.dtype))
     return model
