@@ -209,6 +209,24 @@ def test_select_states_gathers_and_zeroes():
     np.testing.assert_array_equal(jitted, want)
 
 
+def test_narrow_dtype_keeps_states_and_residual_wide(eager_model):
+    """bfloat16 activations: float32 logits and states, close to the float32 model, and
+    ``residual_in_fp32`` decides the residual stream's dtype (as in HF)."""
+    tokens = tokens_of((2, 9))
+    ref = Jitted(eager_model).forward(tokens)
+    scale = float(jnp.abs(ref).max())
+    outs = {}
+    for wide in (True, False):
+        cfg = dataclasses.replace(CFG, dtype=jnp.bfloat16, residual_in_fp32=wide)
+        narrow = Mamba(cfg, rngs=nnx.Rngs(1))
+        nnx.update(narrow, nnx.state(eager_model, nnx.Param))
+        logits, conv, ssm = Jitted(narrow).step(tokens, *cfg.zero_states(2))
+        assert logits.dtype == conv.dtype == ssm.dtype == jnp.float32
+        np.testing.assert_allclose(logits, ref, atol=0.05 * scale)
+        outs[wide] = logits
+    assert not np.array_equal(outs[True], outs[False])
+
+
 # -- jit ---------------------------------------------------------------------------------------
 
 def test_jit_equals_eager_and_compiles_once_per_shape(eager_model, monkeypatch):

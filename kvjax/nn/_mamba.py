@@ -104,7 +104,8 @@ class MambaConfig:
         param_dtype: dtype of the weights.
         scan_chunk: prefill runs the parallel scan over chunks of this many tokens, carrying the
             state between chunks, so the scan's working set is ``[S, scan_chunk, Di, N]`` instead
-            of ``[S, T, Di, N]``; only float rounding depends on it.
+            of ``[S, T, Di, N]``; only float rounding depends on it. Smaller chunks touch less
+            memory per step (faster on CPU), larger ones leave fewer sequential steps.
 
     Example:
         >>> cfg = MambaConfig(vocab_size=32, d_model=40, n_layer=1)
@@ -126,7 +127,7 @@ class MambaConfig:
     residual_in_fp32: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    scan_chunk: int = 256
+    scan_chunk: int = 64
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "d_state", "expand", "scan_chunk"):
@@ -467,7 +468,8 @@ class Mamba(nnx.Module):
         Raises:
             ValueError: tokens of another rank, not integer, or ids out of range.
         """
-        squeeze = jnp.ndim(tokens) == 1
+        tokens = jnp.asarray(tokens)
+        squeeze = tokens.ndim == 1
         tokens = tokens[None] if squeeze else tokens
         _check_tokens(tokens, self.config.vocab_size)
         conv, ssm = self.config.state_shapes(tokens.shape[0])
@@ -490,11 +492,14 @@ class Mamba(nnx.Module):
 
         Returns:
             ``(logits f32[S, T, V], conv_state, ssm_state)``, the states after the T tokens.
+            ``logits.reshape(S * T, V)`` is in the row order of llama.cpp's equal-split ubatch
+            (sequence major, ``{n_embd, n_seq_tokens, n_seqs}``).
 
         Raises:
             ValueError: tokens not an integer ``[S, T]`` array or ids out of range, states of
                 another shape or not floating point.
         """
+        tokens = jnp.asarray(tokens)
         _check_tokens(tokens, self.config.vocab_size)
         want = self.config.state_shapes(tokens.shape[0])
         for name, x, shape in (("conv_state", conv_state, want[0]), ("ssm_state", ssm_state, want[1])):
