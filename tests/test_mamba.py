@@ -227,6 +227,18 @@ def test_narrow_dtype_keeps_states_and_residual_wide(eager_model):
     assert not np.array_equal(outs[True], outs[False])
 
 
+def test_state_rows_follow_the_seed_layout():
+    """llama.cpp's per-cell rows: conv channel major ``row[i * (K-1) + j]``, SSM ``row[i * N + n]``."""
+    L, C, K, Di, N = CFG.n_layer, 3, CFG.d_conv, CFG.d_inner, CFG.d_state
+    conv = jax.random.normal(jax.random.key(0), (L, C, K - 1, Di))
+    ssm = jax.random.normal(jax.random.key(1), (L, C, Di, N))
+    k_rows, v_rows = CFG.state_rows(conv, ssm)
+    assert k_rows.shape == (L, C, CFG.n_embd_k_s) and v_rows.shape == (L, C, CFG.n_embd_v_s)
+    l, c, j, i, n = 1, 2, 1, 5, 3
+    assert k_rows[l, c, i * (K - 1) + j] == conv[l, c, j, i]
+    assert v_rows[l, c, i * N + n] == ssm[l, c, i, n]
+
+
 # -- jit ---------------------------------------------------------------------------------------
 
 def test_jit_equals_eager_and_compiles_once_per_shape(eager_model, monkeypatch):
