@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-__all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "params_from_hf",
+__all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "selective_scan", "params_from_hf",
            "make_mamba_step"]
 
 
@@ -230,7 +230,7 @@ def select_states(states_all, s_copy: Int[Array, "n"], s_mask):
     as the seed does.
 
     Unlike the seed's ``ggml_mul`` by the mask, zeroing is a select, so a NaN in a cleared cell
-    does not survive into the new sequence (the seed's own FIXME).
+    does not survive into the new sequence (a FIXME in llama.cpp's graph code).
 
     Args:
         states_all: an array or pytree of arrays ``[L, C, ...]`` (layer axis, then cell axis), e.g.
@@ -606,7 +606,8 @@ def params_from_hf(hf_model_or_state_dict, model: Optional[Mamba] = None, **conf
                  (m.D, p + "mixer.D", None),
                  (m.out_proj.kernel, p + "mixer.out_proj.weight", T)]
         if cfg.use_bias:
-            plan += [(m.in_proj.bias, p + "mixer.in_proj.bias", None), (m.out_proj.bias, p + "mixer.out_proj.bias", None)]
+            plan += [(m.in_proj.bias, p + "mixer.in_proj.bias", None),
+                     (m.out_proj.bias, p + "mixer.out_proj.bias", None)]
         if cfg.use_conv_bias:
             plan.append((m.conv_bias, p + "mixer.conv1d.bias", None))
 
