@@ -1,0 +1,631 @@
+"""A Mamba (selective state space) language model in Flax NNX, numerically Hugging Face's MambaForCausalLM.
+
+Embedding, ``n_layer`` pre-norm residual blocks ``x + mixer(rmsnorm(x))``, a final RMSNorm and a
+tied or untied LM head. The mixer is the one of ``transformers``' ``MambaMixer`` (its torch-only
+path) and of llama.cpp's ``build_mamba_layer``:
+
+    xz = in_proj(x)                      -> x, z                 [S, T, Di] each
+    u  = silu(causal_depthwise_conv(x))  (width K = d_conv, + bias)
+    dt, B, C = x_proj(u)                 [R], [N], [N]
+    dt = softplus(dt_proj(dt))           [S, T, Di]
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * u_t,   A = -exp(A_log)   [Di, N]
+    y_t = h_t @ C_t + D * u_t
+    out = out_proj(y * silu(z))
+
+The model has an explicit state, the one llama.cpp's recurrent memory (the seed's
+``llama_kv_cache_recurrent``) keeps per cell: per layer a conv state (the last ``d_conv - 1``
+inputs of the convolution) and an SSM state ``h``. Two entry points share the maths:
+
+- :meth:`Mamba.forward` ``(tokens [B, T]) -> logits``: every sequence from the zero state;
+- :meth:`Mamba.step` ``(tokens [S, T], conv_state, ssm_state) -> (logits, conv_state, ssm_state)``:
+  S sequences of T tokens each (one equal-split ubatch) continue from the states given, which the
+  memory gathers by ``s_copy`` and zeroes by ``s_mask`` (:func:`select_states`) before the call.
+
+Shape letters: L layers, S sequences of a ubatch, T tokens per sequence, E = d_model,
+Di = d_inner = expand * d_model, N = d_state, K = d_conv, R = dt_rank, V = vocab_size, C cells.
+
+**State layout and the seed's byte format.** ``conv_state`` is ``f32[L, S, K-1, Di]`` (time major,
+oldest input first) and ``ssm_state`` is ``f32[L, S, Di, N]``. llama.cpp stores per layer and per
+cell one K row of ``n_embd_k_s = (K-1) * Di`` floats, a ggml tensor ``{K-1, Di}`` (``ne[0] = K-1``
+fastest, so channel major: ``row[i * (K-1) + j] = conv_state[l, c, j, i]``), and one V row of
+``n_embd_v_s = N * Di`` floats, a ggml tensor ``{N, Di}`` (``row[i * N + n] = ssm_state[l, c, i, n]``),
+both f32, V never transposed. So the rows of layer ``l`` in the seed's order are
+``jnp.swapaxes(conv_state[l], -1, -2).reshape(C, -1)`` and ``ssm_state[l].reshape(C, -1)``
+(:meth:`MambaConfig.state_rows` does this).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from kvjax.nn._mamba import Mamba, MambaConfig
+    >>> cfg = MambaConfig(vocab_size=32, d_model=16, n_layer=2, d_state=4)
+    >>> model = Mamba(cfg, rngs=nnx.Rngs(0))
+    >>> tokens = jnp.array([[1, 2, 3, 4]])
+    >>> full = model.forward(tokens)                              # [1, 4, 32], from the zero state
+    >>> conv, ssm = cfg.zero_states(1)                            # [2, 1, 3, 32], [2, 1, 32, 4]
+    >>> head, conv, ssm = model.step(tokens[:, :3], conv, ssm)    # prefill (parallel scan)
+    >>> last, conv, ssm = model.step(tokens[:, 3:], conv, ssm)    # decode (one recurrence step)
+    >>> bool(jnp.allclose(jnp.concatenate([head, last], 1), full, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+__all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "selective_scan", "params_from_hf",
+           "make_mamba_step"]
+
+
+def _pos_int(name, value, minimum=1):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
+    return int(value)
+
+
+def _flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} is out of range: allowed True or False")
+    return bool(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig:
+    """Sizes and options of a Mamba model (frozen, hashable, validated on construction).
+
+    Only what changes the maths is here; HF's initialisation-only fields (``time_step_min``,
+    ``time_step_max``, ``time_step_floor``, ``initializer_range``, ...) are not (the NNX
+    initialiser uses HF's defaults).
+
+    Attributes:
+        vocab_size: V, number of token ids.
+        d_model: E, the residual width (HF ``hidden_size``).
+        n_layer: number of blocks (HF ``num_hidden_layers``).
+        d_state: N, SSM state size per channel (HF ``state_size``).
+        d_conv: K, width of the causal depthwise convolution (HF ``conv_kernel``), >= 2.
+        expand: Di = expand * d_model (HF ``expand``).
+        dt_rank: R, rank of the time-step projection; ``"auto"`` is ``ceil(d_model / 16)``
+            (HF ``time_step_rank``); resolved to an int on construction.
+        norm_eps: RMSNorm epsilon (HF ``layer_norm_epsilon``).
+        use_bias: biases on ``in_proj`` and ``out_proj``.
+        use_conv_bias: bias on the convolution.
+        tie_embeddings: the LM head is the token embedding (HF ``tie_word_embeddings``).
+        residual_in_fp32: keep the residual stream in float32 when ``dtype`` is narrower (as HF
+            does; no effect with float32 activations).
+        dtype: activation dtype of the projections and norms (the scan and the states are
+            always float32, as in HF and llama.cpp).
+        param_dtype: dtype of the weights.
+        scan_chunk: prefill runs the parallel scan over chunks of this many tokens, carrying the
+            state between chunks, so the scan's working set is ``[S, scan_chunk, Di, N]`` instead
+            of ``[S, T, Di, N]``; only float rounding depends on it. Smaller chunks touch less
+            memory per step (faster on CPU), larger ones leave fewer sequential steps.
+
+    Example:
+        >>> cfg = MambaConfig(vocab_size=32, d_model=40, n_layer=1)
+        >>> cfg.d_inner, cfg.dt_rank, cfg.n_embd_k_s, cfg.n_embd_v_s
+        (80, 3, 240, 1280)
+    """
+
+    vocab_size: int = 64
+    d_model: int = 32
+    n_layer: int = 2
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: Union[int, str] = "auto"
+    norm_eps: float = 1e-5
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    tie_embeddings: bool = True
+    residual_in_fp32: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    scan_chunk: int = 64
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layer", "d_state", "expand", "scan_chunk"):
+            _pos_int(name, getattr(self, name))
+        _pos_int("d_conv", self.d_conv, 2)
+        if self.dt_rank == "auto":
+            object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
+        else:
+            if isinstance(self.dt_rank, str):
+                raise ValueError(f"dt_rank={self.dt_rank!r} is out of range: allowed 'auto' or an integer >= 1")
+            object.__setattr__(self, "dt_rank", _pos_int("dt_rank", self.dt_rank))
+        if not isinstance(self.norm_eps, (int, float, np.floating)) or not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps!r} is out of range: allowed a number > 0")
+        for name in ("use_bias", "use_conv_bias", "tie_embeddings", "residual_in_fp32"):
+            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            try:
+                dt = jnp.dtype(value)
+            except TypeError:
+                dt = None
+            if dt is None or not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"{name}={value!r} is out of range: allowed a floating dtype")
+            object.__setattr__(self, name, dt)
+
+    @classmethod
+    def from_hf(cls, hf_config, **overrides) -> "MambaConfig":
+        """The config of a ``transformers.MambaConfig`` (``overrides`` replace fields, e.g. dtype).
+
+        Raises:
+            ValueError: ``hidden_act`` other than SiLU (llama.cpp and this model hard-wire SiLU),
+                or ``intermediate_size`` other than ``expand * hidden_size``.
+        """
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hf_config.hidden_act={act!r} is out of range: allowed 'silu'")
+        args = dict(
+            vocab_size=hf_config.vocab_size, d_model=hf_config.hidden_size,
+            n_layer=hf_config.num_hidden_layers, d_state=hf_config.state_size,
+            d_conv=hf_config.conv_kernel, expand=hf_config.expand, dt_rank=hf_config.time_step_rank,
+            norm_eps=float(hf_config.layer_norm_epsilon), use_bias=bool(hf_config.use_bias),
+            use_conv_bias=bool(hf_config.use_conv_bias),
+            tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+            residual_in_fp32=bool(getattr(hf_config, "residual_in_fp32", True)))
+        args.update(overrides)
+        cfg = cls(**args)
+        inter = getattr(hf_config, "intermediate_size", cfg.d_inner)
+        if inter != cfg.d_inner:
+            raise ValueError(f"hf_config.intermediate_size={inter!r} is out of range: allowed "
+                             f"expand * hidden_size = {cfg.d_inner}")
+        return cfg
+
+    # -- derived ---------------------------------------------------------------------------
+
+    @property
+    def d_inner(self) -> int:
+        """Di = expand * d_model."""
+        return self.expand * self.d_model
+
+    @property
+    def n_embd_k_s(self) -> int:
+        """Floats of one cell's conv state per layer, ``(d_conv - 1) * d_inner`` (llama.cpp's name)."""
+        return (self.d_conv - 1) * self.d_inner
+
+    @property
+    def n_embd_v_s(self) -> int:
+        """Floats of one cell's SSM state per layer, ``d_state * d_inner`` (llama.cpp's name)."""
+        return self.d_state * self.d_inner
+
+    def state_shapes(self, n: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """``([L, n, K-1, Di], [L, n, Di, N])``: the conv and SSM state shapes of n sequences (or cells)."""
+        return ((self.n_layer, n, self.d_conv - 1, self.d_inner), (self.n_layer, n, self.d_inner, self.d_state))
+
+    def zero_states(self, n: int) -> Tuple[Float[Array, "L n Km1 Di"], Float[Array, "L n Di N"]]:
+        """Zero ``f32`` conv and SSM states of n sequences (the state of an empty sequence)."""
+        n = _pos_int("n", n)
+        conv, ssm = self.state_shapes(n)
+        return jnp.zeros(conv, jnp.float32), jnp.zeros(ssm, jnp.float32)
+
+    def state_rows(self, conv_state, ssm_state) -> Tuple[Array, Array]:
+        """The states as llama.cpp's per-cell rows: ``([L, C, n_embd_k_s], [L, C, n_embd_v_s])``.
+
+        The conv row is channel major (a ggml ``{K-1, Di}`` tensor), the SSM row too (``{N, Di}``);
+        see the module docstring.
+        """
+        L, C = ssm_state.shape[:2]
+        return jnp.swapaxes(conv_state, -1, -2).reshape(L, C, -1), ssm_state.reshape(L, C, -1)
+
+
+# -- the state gather of the recurrent memory ------------------------------------------------
+
+def select_states(states_all, s_copy: Int[Array, "n"], s_mask):
+    """Gather per-cell states by ``s_copy`` and zero them by ``s_mask`` (the seed's ``build_copy_mask_state``).
+
+    For the ubatch's window of n cells starting at ``head``, llama.cpp's recurrent memory gives
+    ``s_copy[i]``, the cell whose state cell ``head + i`` starts from (a ``seq_cp`` makes several
+    cells read one source), and ``s_mask[i]``, 0 for a cell whose sequence starts over (cleared by
+    ``seq_rm`` or new). The first S rows of the result are the states the ubatch's S sequences
+    start from (pass them to :meth:`Mamba.step`); the memory writes rows ``S..n`` back unchanged,
+    as the seed does.
+
+    Unlike the seed's ``ggml_mul`` by the mask, zeroing is a select, so a NaN in a cleared cell
+    does not survive into the new sequence (a FIXME in llama.cpp's graph code).
+
+    Args:
+        states_all: an array or pytree of arrays ``[L, C, ...]`` (layer axis, then cell axis), e.g.
+            ``(conv_all [L, C, K-1, Di], ssm_all [L, C, Di, N])``.
+        s_copy: ``i32[n]`` source cell of each row, in ``[0, C)`` (traced values out of range
+            are clipped).
+        s_mask: ``[n]`` bool or float: zero (False) clears the row.
+
+    Returns:
+        The same pytree with leaves ``[L, n, ...]``.
+
+    Raises:
+        ValueError: ``s_copy`` / ``s_mask`` not 1-d of equal length, ``s_copy`` not integer or a
+            concrete id out of range, or leaves that disagree on the cell count.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> conv_all = jnp.arange(6.).reshape(1, 3, 2)        # L=1, C=3 cells of 2 floats
+        >>> select_states(conv_all, jnp.array([2, 2, 0]), jnp.array([1., 1., 0.]))[0].tolist()
+        [[4.0, 5.0], [4.0, 5.0], [0.0, 0.0]]
+    """
+    leaves = jax.tree_util.tree_leaves(states_all)
+    if not leaves:
+        raise ValueError("states_all has no arrays: allowed an array or pytree of arrays [L, C, ...]")
+    shapes = [tuple(jnp.shape(x)) for x in leaves]
+    if any(len(s) < 2 for s in shapes) or len({s[1] for s in shapes}) != 1:
+        raise ValueError(f"states_all has leaves of shapes {shapes}: allowed arrays [L, C, ...] with one C")
+    n_cells = shapes[0][1]
+    if jnp.ndim(s_copy) != 1 or not jnp.issubdtype(jnp.result_type(s_copy), jnp.integer):
+        raise ValueError(f"s_copy has shape {tuple(jnp.shape(s_copy))} and dtype {jnp.result_type(s_copy)}: "
+                         "allowed an integer [n] array")
+    if tuple(jnp.shape(s_mask)) != tuple(jnp.shape(s_copy)):
+        raise ValueError(f"s_mask has shape {tuple(jnp.shape(s_mask))}: allowed the shape of s_copy "
+                         f"{tuple(jnp.shape(s_copy))}")
+    if not isinstance(s_copy, jax.core.Tracer):
+        ids = np.asarray(s_copy)
+        if ids.size and (ids.min() < 0 or ids.max() >= n_cells):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"s_copy contains {bad}: allowed cell ids in [0, {n_cells})")
+    s_copy = jnp.asarray(s_copy, jnp.int32)
+    keep = jnp.asarray(s_mask) != 0
+
+    def pick(x):
+        rows = jnp.take(x, s_copy, axis=1, mode="clip")
+        return jnp.where(keep.reshape((1, -1) + (1,) * (rows.ndim - 2)), rows, jnp.zeros((), rows.dtype))
+
+    return jax.tree_util.tree_map(pick, states_all)
+
+
+# -- the selective scan ----------------------------------------------------------------------
+
+def _combine(left, right):
+    # (a1, b1) then (a2, b2): h -> a2 * (a1 * h + b1) + b2
+    a1, b1 = left
+    a2, b2 = right
+    return a1 * a2, a2 * b1 + b2
+
+
+def _scan_block(h0, u, dt, Bm, Cm, A):
+    """One block of the scan: ``h0 [S, Di, N]``, ``u, dt [S, Q, Di]``, ``Bm, Cm [S, Q, N]``.
+
+    Returns ``(y [S, Q, Di], h_last [S, Di, N])``.
+    """
+    dA = jnp.exp(dt[..., None] * A)                          # [S, Q, Di, N]
+    dBu = (dt * u)[..., None] * Bm[:, :, None, :]            # [S, Q, Di, N]
+    # the initial state enters as part of the first element: h_0 = dA_0 h0 + dBu_0
+    dBu = dBu.at[:, 0].add(dA[:, 0] * h0)
+    _, h = jax.lax.associative_scan(_combine, (dA, dBu), axis=1)
+    return jnp.einsum("sqdn,sqn->sqd", h, Cm), h[:, -1]
+
+
+def selective_scan(h0, u, dt, Bm, Cm, A, *, chunk: int):
+    """The SSM over T tokens from state ``h0``: ``(y [S, T, Di], h_T [S, Di, N])`` (float32).
+
+    T = 1 (decode) is the single recurrence step. Longer inputs run ``jax.lax.associative_scan``
+    (depth log T) within chunks of ``chunk`` tokens and a sequential ``lax.scan`` over chunks that
+    carries the state: a whole-sequence associative scan would hold several ``[S, T, Di, N]``
+    float32 buffers at once (for Mamba-130m, Di=1536 and N=16, that is 200 MB per sequence and
+    buffer at T=2048), the chunked one several ``[S, chunk, Di, N]``.
+    """
+    S, T, _ = u.shape
+    if T == 1:
+        h = jnp.exp(dt[:, 0, :, None] * A) * h0 + (dt[:, 0] * u[:, 0])[..., None] * Bm[:, 0, None, :]
+        return jnp.einsum("sdn,sn->sd", h, Cm[:, 0])[:, None], h
+    if T <= chunk:
+        return _scan_block(h0, u, dt, Bm, Cm, A)
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+
+    def blocks(x):
+        # padding with dt = 0 gives dA = 1 and dBu = 0: the state passes through unchanged
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((S, n_chunks, chunk) + x.shape[2:]), 1, 0)
+
+    def body(h, xs):
+        y, h = _scan_block(h, *xs, A)
+        return h, y
+
+    h, ys = jax.lax.scan(body, h0, tuple(blocks(x) for x in (u, dt, Bm, Cm)))
+    y = jnp.moveaxis(ys, 0, 1).reshape(S, n_chunks * chunk, -1)[:, :T]
+    return y, h
+
+
+# -- modules ---------------------------------------------------------------------------------
+
+def _inv_softplus(x):
+    return x + jnp.log(-jnp.expm1(-x))
+
+
+class MambaMixer(nnx.Module):
+    """The selective SSM mixer of one layer (HF's ``MambaMixer``; maths in the module docstring).
+
+    Parameters (HF name in brackets): ``in_proj`` (``in_proj``), ``conv_kernel f[K, Di]``
+    (``conv1d.weight [Di, 1, K]`` transposed), ``conv_bias f[Di]``, ``x_proj``, ``dt_proj``,
+    ``A_log f[Di, N]``, ``D f[Di]``, ``out_proj``. Linear kernels are ``[in, out]`` (HF's
+    transposed). Initialisation follows HF's (S4D-real ``A``, ``D = 1``, ``dt`` bias the inverse
+    softplus of a log-uniform time step in [0.001, 0.1]).
+    """
+
+    def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = config
+        Di, N, R, K = c.d_inner, c.d_state, c.dt_rank, c.d_conv
+        lin = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        self.in_proj = nnx.Linear(c.d_model, 2 * Di, use_bias=c.use_bias, **lin)
+        bound = 1.0 / math.sqrt(K)                               # torch's Conv1d default (fan_in = K)
+        self.conv_kernel = nnx.Param(jax.random.uniform(rngs.params(), (K, Di), c.param_dtype, -bound, bound))
+        self.conv_bias = nnx.Param(jnp.zeros((Di,), c.param_dtype)) if c.use_conv_bias else None
+        self.x_proj = nnx.Linear(Di, R + 2 * N, use_bias=False, **lin)
+        dt_std = R ** -0.5
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (Di,)) * (math.log(0.1) - math.log(0.001))
+                     + math.log(0.001))
+        self.dt_proj = nnx.Linear(
+            R, Di, use_bias=True,
+            kernel_init=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -dt_std, dt_std),
+            bias_init=lambda key, shape, dtype: _inv_softplus(jnp.maximum(dt, 1e-4)).astype(dtype), **lin)
+        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Di, N)))
+                               .astype(c.param_dtype))
+        self.D = nnx.Param(jnp.ones((Di,), c.param_dtype))
+        self.out_proj = nnx.Linear(Di, c.d_model, use_bias=c.use_bias, **lin)
+
+    def __call__(self, x: Float[Array, "S T E"], conv_state: Float[Array, "S Km1 Di"],
+                 ssm_state: Float[Array, "S Di N"]):
+        """``x [S, T, E]`` from states ``[S, K-1, Di]``, ``[S, Di, N]`` -> ``(out [S, T, E], conv, ssm)``."""
+        c = self.config
+        T, Di, N, R = x.shape[1], c.d_inner, c.d_state, c.dt_rank
+        xs, z = jnp.split(self.in_proj(x), 2, axis=-1)           # [S, T, Di] each
+        # causal depthwise conv over the K-1 stored inputs followed by the new ones
+        window = jnp.concatenate([conv_state.astype(xs.dtype), xs], axis=1)   # [S, K-1+T, Di]
+        kernel = self.conv_kernel[...].astype(xs.dtype)
+        conv = sum(window[:, k:k + T] * kernel[k] for k in range(c.d_conv))
+        if self.conv_bias is not None:
+            conv = conv + self.conv_bias[...].astype(xs.dtype)
+        u = jax.nn.silu(conv)
+        dt, Bm, Cm = jnp.split(self.x_proj(u), [R, R + N], axis=-1)
+        f32 = lambda a: a.astype(jnp.float32)
+        dt = jax.nn.softplus(f32(self.dt_proj(dt)))              # [S, T, Di]
+        A = -jnp.exp(f32(self.A_log[...]))                       # [Di, N]
+        u32 = f32(u)
+        y, h = selective_scan(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk)
+        y = (y + u32 * f32(self.D[...])) * jax.nn.silu(f32(z))
+        out = self.out_proj(y.astype(c.dtype))
+        return out, f32(window[:, T:]), h
+
+
+class MambaBlock(nnx.Module):
+    """Pre-norm residual block: ``x + mixer(rmsnorm(x))`` (HF's ``MambaBlock``)."""
+
+    def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
+                                param_dtype=config.param_dtype, rngs=rngs)
+        self.mixer = MambaMixer(config, rngs=rngs)
+
+    def __call__(self, x, conv_state, ssm_state):
+        """``x [S, T, E]`` -> ``(x [S, T, E], conv_state, ssm_state)``."""
+        residual = x.astype(jnp.float32) if self.config.residual_in_fp32 else x
+        h, conv_state, ssm_state = self.mixer(self.norm(x.astype(self.config.dtype)), conv_state, ssm_state)
+        return residual + h, conv_state, ssm_state
+
+
+def _check_tokens(tokens, vocab_size):
+    shape = tuple(jnp.shape(tokens))
+    if len(shape) != 2 or min(shape) < 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
+                         "[S, T] array with S, T >= 1")
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab_size})")
+
+
+class Mamba(nnx.Module):
+    """The Mamba language model (see the module docstring).
+
+    Args:
+        config: sizes and options.
+        rngs: NNX random streams for the initial weights.
+    """
+
+    def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, MambaConfig):
+            raise ValueError(f"config must be a MambaConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype,
+                               param_dtype=config.param_dtype, rngs=rngs)
+        self.layers = nnx.List([MambaBlock(config, rngs=rngs) for _ in range(config.n_layer)])
+        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
+                                param_dtype=config.param_dtype, rngs=rngs)
+        self.lm_head = None if config.tie_embeddings else nnx.Linear(
+            config.d_model, config.vocab_size, use_bias=False, dtype=config.dtype,
+            param_dtype=config.param_dtype, rngs=rngs)
+
+    def _run(self, tokens, conv_state, ssm_state):
+        x = self.embed(tokens)
+        convs, ssms = [], []
+        for il, block in enumerate(self.layers):
+            x, conv, ssm = block(x, conv_state[il], ssm_state[il])
+            convs.append(conv)
+            ssms.append(ssm)
+        x = self.norm(x.astype(self.config.dtype))
+        logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return logits.astype(jnp.float32), jnp.stack(convs), jnp.stack(ssms)
+
+    def forward(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+        """The uncached pass: each row of ``tokens`` is one sequence, from the zero state.
+
+        Args:
+            tokens: ``i32[B, T]`` (or ``[T]`` for one sequence), ids in ``[0, vocab_size)``.
+
+        Returns:
+            ``f32[B, T, V]`` logits (``[T, V]`` for a 1-d input).
+
+        Raises:
+            ValueError: tokens of another rank, not integer, or ids out of range.
+        """
+        tokens = jnp.asarray(tokens)
+        squeeze = tokens.ndim == 1
+        tokens = tokens[None] if squeeze else tokens
+        _check_tokens(tokens, self.config.vocab_size)
+        conv, ssm = self.config.state_shapes(tokens.shape[0])
+        logits, _, _ = self._run(tokens, jnp.zeros(conv, jnp.float32), jnp.zeros(ssm, jnp.float32))
+        return logits[0] if squeeze else logits
+
+    def step(self, tokens: Int[Array, "S T"], conv_state: Float[Array, "L S Km1 Di"],
+             ssm_state: Float[Array, "L S Di N"]
+             ) -> Tuple[Float[Array, "S T V"], Float[Array, "L S Km1 Di"], Float[Array, "L S Di N"]]:
+        """Continue S sequences by T tokens each from the states given (one equal-split ubatch).
+
+        T > 1 (prefill) runs the chunked parallel scan, T = 1 (decode) one recurrence step; both
+        start from ``conv_state`` / ``ssm_state`` (zero states for new sequences: the memory's
+        :func:`select_states` gives them).
+
+        Args:
+            tokens: ``i32[S, T]``: row s holds the next T tokens of sequence s.
+            conv_state: ``f32[L, S, K-1, Di]``: the last K-1 conv inputs of every layer, oldest first.
+            ssm_state: ``f32[L, S, Di, N]``: the SSM state of every layer.
+
+        Returns:
+            ``(logits f32[S, T, V], conv_state, ssm_state)``, the states after the T tokens.
+            ``logits.reshape(S * T, V)`` is in the row order of llama.cpp's equal-split ubatch
+            (sequence major, ``{n_embd, n_seq_tokens, n_seqs}``).
+
+        Raises:
+            ValueError: tokens not an integer ``[S, T]`` array or ids out of range, states of
+                another shape or not floating point.
+        """
+        tokens = jnp.asarray(tokens)
+        _check_tokens(tokens, self.config.vocab_size)
+        want = self.config.state_shapes(tokens.shape[0])
+        for name, x, shape in (("conv_state", conv_state, want[0]), ("ssm_state", ssm_state, want[1])):
+            if tuple(jnp.shape(x)) != shape or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+                raise ValueError(f"{name} has shape {tuple(jnp.shape(x))} and dtype {jnp.result_type(x)}: allowed "
+                                 f"a floating {list(shape)} array (S = tokens.shape[0])")
+        return self._run(tokens, conv_state, ssm_state)
+
+
+def make_mamba_step(model: Mamba, *, donate: bool = True) -> Callable:
+    """A jitted :meth:`Mamba.step`: ``step(state, tokens, conv_state, ssm_state)``.
+
+    ``state`` is ``nnx.state(model)`` (traced, so new weights do not recompile either); one
+    program per ``(S, T)``, never per token value. With ``donate`` the state buffers passed in
+    are updated in place: use the returned states afterwards.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> model = Mamba(MambaConfig(vocab_size=32, d_model=16, n_layer=1, d_state=4), rngs=nnx.Rngs(0))
+        >>> step = make_mamba_step(model)
+        >>> conv, ssm = model.config.zero_states(2)
+        >>> logits, conv, ssm = step(nnx.state(model), jnp.array([[1], [2]]), conv, ssm)
+        >>> logits.shape, conv.shape, ssm.shape
+        ((2, 1, 32), (1, 2, 3, 32), (1, 2, 32, 4))
+    """
+    if not isinstance(model, Mamba):
+        raise ValueError(f"model must be a Mamba, got {type(model).__name__}")
+    graphdef = nnx.graphdef(model)
+
+    def run(state, tokens, conv_state, ssm_state):
+        return nnx.merge(graphdef, state).step(tokens, conv_state, ssm_state)
+
+    return jax.jit(run, donate_argnums=(2, 3) if donate else ())
+
+
+# -- Hugging Face weights --------------------------------------------------------------------
+
+def _to_numpy(x):
+    if hasattr(x, "detach"):                                   # a torch tensor
+        x = x.detach().cpu()
+        x = x.float() if x.is_floating_point() else x
+        return x.numpy()
+    return np.asarray(x)
+
+
+def params_from_hf(hf_model_or_state_dict, model: Optional[Mamba] = None, **config_overrides) -> Mamba:
+    """Load the weights of a Hugging Face Mamba into an NNX :class:`Mamba`.
+
+    Args:
+        hf_model_or_state_dict: a ``transformers`` ``MambaForCausalLM`` / ``MambaModel``, or its
+            ``state_dict()`` (torch tensors or arrays; keys with or without ``backbone.``).
+        model: the model to load into (updated in place and returned). Without it the model is
+            built from ``MambaConfig.from_hf(hf_model.config, **config_overrides)`` (needs a
+            model, not a bare state dict), its random initialisation skipped.
+
+    Returns:
+        The model holding the HF weights, in its ``param_dtype``. With tied embeddings an
+        ``lm_head.weight`` in the state dict is ignored (HF ties it to the embedding).
+
+    Raises:
+        ValueError: a state dict without ``model``, a missing or unexpected key, or a weight
+            whose shape does not fit the model's config.
+    """
+    if hasattr(hf_model_or_state_dict, "state_dict") and hasattr(hf_model_or_state_dict, "config"):
+        sd = hf_model_or_state_dict.state_dict()
+        if model is None:
+            cfg = MambaConfig.from_hf(hf_model_or_state_dict.config, **config_overrides)
+            model = nnx.eval_shape(lambda: Mamba(cfg, rngs=nnx.Rngs(0)))
+    elif isinstance(hf_model_or_state_dict, Mapping):
+        sd = hf_model_or_state_dict
+        if model is None:
+            raise ValueError("model is None with a state dict: allowed a Mamba to load into (a state dict "
+                             "carries no config)")
+    else:
+        raise ValueError(f"hf_model_or_state_dict must be a transformers Mamba model or a state dict, got "
+                         f"{type(hf_model_or_state_dict).__name__}")
+    if not isinstance(model, Mamba):
+        raise ValueError(f"model must be a Mamba, got {type(model).__name__}")
+    cfg = model.config
+
+    weights = {}
+    for key, value in sd.items():
+        key = key[len("backbone."):] if key.startswith("backbone.") else key
+        key = "embeddings.weight" if key == "embedding.weight" else key   # old checkpoints (HF's load_hook)
+        weights[key] = value
+    if cfg.tie_embeddings:
+        weights.pop("lm_head.weight", None)
+
+    # (variable, HF key, transform of the HF array)
+    T = lambda w: w.T
+    plan = [(model.embed.embedding, "embeddings.weight", None), (model.norm.scale, "norm_f.weight", None)]
+    if model.lm_head is not None:
+        plan.append((model.lm_head.kernel, "lm_head.weight", T))
+    for il, block in enumerate(model.layers):
+        p, m = f"layers.{il}.", block.mixer
+        plan += [(block.norm.scale, p + "norm.weight", None),
+                 (m.in_proj.kernel, p + "mixer.in_proj.weight", T),
+                 (m.conv_kernel, p + "mixer.conv1d.weight", lambda w: w[:, 0, :].T if w.ndim == 3 else w),
+                 (m.x_proj.kernel, p + "mixer.x_proj.weight", T),
+                 (m.dt_proj.kernel, p + "mixer.dt_proj.weight", T),
+                 (m.dt_proj.bias, p + "mixer.dt_proj.bias", None),
+                 (m.A_log, p + "mixer.A_log", None),
+                 (m.D, p + "mixer.D", None),
+                 (m.out_proj.kernel, p + "mixer.out_proj.weight", T)]
+        if cfg.use_bias:
+            plan += [(m.in_proj.bias, p + "mixer.in_proj.bias", None),
+                     (m.out_proj.bias, p + "mixer.out_proj.bias", None)]
+        if cfg.use_conv_bias:
+            plan.append((m.conv_bias, p + "mixer.conv1d.bias", None))
+
+    missing = [key for _, key, _ in plan if key not in weights]
+    if missing:
+        raise ValueError(f"state dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed the "
+                         f"weights of a config with n_layer={cfg.n_layer}, use_bias={cfg.use_bias}, "
+                         f"use_conv_bias={cfg.use_conv_bias}, tie_embeddings={cfg.tie_embeddings}")
+    unexpected = sorted(set(weights) - {key for _, key, _ in plan})
+    if unexpected:
+        raise ValueError(f"state dict has unexpected keys {unexpected[:4]}: allowed only the weights of a "
+                         f"config with n_layer={cfg.n_layer}, use_bias={cfg.use_bias}, "
+                         f"use_conv_bias={cfg.use_conv_bias}, tie_embeddings={cfg.tie_embeddings}")
+    for var, key, fn in plan:
+        w = _to_numpy(weights[key])
+        w = fn(w) if fn is not None else w
+        if tuple(w.shape) != tuple(var.shape):
+            raise ValueError(f"state dict {key} has shape {tuple(_to_numpy(weights[key]).shape)}: allowed the "
+                             f"shape that gives {tuple(var.shape)} for this config")
+        var.set_value(jnp.asarray(w, var.dtype))
+    return model
