@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
+
 import kvjax
 from kvjax._compiles import CompileCounter  # noqa: F401  (re-exported for the tests)
 
@@ -28,3 +30,15 @@ def fill(cache, pos, seq_ids, contiguous=True):
     cache, slot, ok = kvjax.find_slot(cache, kvjax.make_ubatch(pos, seq_ids), contiguous=contiguous)
     assert bool(ok)
     return cache
+
+
+def assert_cells_match(cache, ref) -> None:
+    """Every cell of a unified cache (pos, sequence set, pending shift) and its head equal a ``UnifiedRef``'s."""
+    table = kvjax.cell_table(cache)
+    seqs = np.zeros((ref.size, ref.n_seq_max), bool)
+    for i, cell in enumerate(ref.cells):
+        seqs[i, sorted(cell.seqs)] = True
+    np.testing.assert_array_equal(table.pos, [c.pos for c in ref.cells], err_msg="pos")
+    np.testing.assert_array_equal(table.seqs, seqs, err_msg="seqs")
+    np.testing.assert_array_equal(table.delta, [c.delta for c in ref.cells], err_msg="delta")
+    assert table.head == ref.head, f"head {table.head} != {ref.head}"

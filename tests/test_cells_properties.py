@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from tests.helpers import CompileCounter
+from tests.helpers import CompileCounter, assert_cells_match
 from kvjax.testing._unified_reference import UnifiedRef
 
 #: Static shape of every ubatch: 8 rows, at most 3 sequence ids per token (one compilation).
@@ -159,14 +159,7 @@ def apply_kvjax(api, cache, op, ubatch):
 
 def assert_same(ref, cache, api, pool):
     """Every cell, the head, the used count, the error word and every query equal the model's."""
-    table = kvjax.cell_table(cache)
-    seqs = np.zeros((ref.size, ref.n_seq_max), bool)
-    for i, cell in enumerate(ref.cells):
-        seqs[i, sorted(cell.seqs)] = True
-    np.testing.assert_array_equal(table.pos, [c.pos for c in ref.cells], err_msg="pos")
-    np.testing.assert_array_equal(table.seqs, seqs, err_msg="seqs")
-    np.testing.assert_array_equal(table.delta, [c.delta for c in ref.cells], err_msg="delta")
-    assert table.head == ref.head, f"head {table.head} != {ref.head}"
+    assert_cells_match(cache, ref)
     assert kvjax.errors(cache) == [], "error bits"
     got = {name: int(getattr(api, name)(cache)) for name in
            ("used_cells", "pos_max", "n_tokens", "cell_max", "n_kv", "has_shift")}

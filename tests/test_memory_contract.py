@@ -27,7 +27,7 @@ import pytest
 
 import kvjax
 from kvjax.testing import IswaRef, UnifiedRef
-from tests.helpers import CompileCounter, no_recompile
+from tests.helpers import CompileCounter, assert_cells_match, no_recompile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +56,7 @@ UNIFIED = kvjax.CacheConfig(size=48, n_seq_max=4, n_layer=2, n_kv_heads=2, head_
 
 
 def _compare_unified(cache, ref):
-    table = kvjax.cell_table(cache)
-    seqs = np.zeros((ref.size, ref.n_seq_max), bool)
-    for i, cell in enumerate(ref.cells):
-        seqs[i, sorted(cell.seqs)] = True
-    np.testing.assert_array_equal(table.pos, [c.pos for c in ref.cells], err_msg="pos")
-    np.testing.assert_array_equal(table.seqs, seqs, err_msg="seqs")
-    np.testing.assert_array_equal(table.delta, [c.delta for c in ref.cells], err_msg="delta")
-    assert table.head == ref.head, f"head {table.head} != {ref.head}"
+    assert_cells_match(cache, ref)
     assert int(kvjax.used_cells(cache)) == ref.used
 
 
