@@ -72,7 +72,7 @@ class KVCache(Memory):
 
     def seq_rm(self, seq_id, p0, p1):
         # the unified cache never refuses a removal (llama.cpp's returns true)
-        return self._with_cells(_cells.seq_rm(self.cells, seq_id, p0, p1)), jnp.bool_(True)
+        return self._with_cells(_cells.seq_rm(self.cells, seq_id, p0, p1)), np.bool_(True)
 
     def seq_cp(self, seq_id_src, seq_id_dst, p0, p1) -> "KVCache":
         return self._with_cells(_cells.seq_cp(self.cells, seq_id_src, seq_id_dst, p0, p1))
