@@ -1,5 +1,9 @@
 """Command line: ``python -m kvjax demo | train | bench``.
 
+Compiled programs are kept in JAX's persistent compilation cache (``~/.cache/kvjax/xla``, or
+``$KVJAX_CACHE_DIR``), so a second run starts in seconds; ``--no-compile-cache`` (or
+``KVJAX_COMPILE_CACHE=0``) turns it off.
+
 - ``demo``: the main job (see :mod:`kvjax.app._demo`).
 - ``train [--steps N]``: train the demo's character model (writes ``kvjax/data/charlm.npz``).
 - ``bench [--quick] [--only NAME ...] [--out BENCHMARKS.md]``: run ``benchmarks/bench_*.py``
@@ -9,11 +13,34 @@
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
+
+
+def compile_cache_dir() -> pathlib.Path:
+    """Where the persistent compilation cache lives: ``$KVJAX_CACHE_DIR``, else the user cache folder."""
+    if os.environ.get("KVJAX_CACHE_DIR"):
+        return pathlib.Path(os.environ["KVJAX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "kvjax" / "xla"
+
+
+def enable_compile_cache(folder: pathlib.Path) -> None:
+    """Keep every compiled program in ``folder`` (JAX's persistent compilation cache)."""
+    import jax
+
+    folder.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__.splitlines()[0])
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs between runs (default: kept in "
+                             "~/.cache/kvjax/xla or $KVJAX_CACHE_DIR)")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk through the cache operations (the main job)")
     demo.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
@@ -25,6 +52,8 @@ def main(argv=None) -> int:
     bench.add_argument("--only", nargs="*", default=None, help="benchmark module names (e.g. core)")
     bench.add_argument("--out", default=None, help="output file (default: BENCHMARKS.md in the checkout)")
     args = parser.parse_args(argv)
+    if not args.no_compile_cache and os.environ.get("KVJAX_COMPILE_CACHE", "1") != "0" and args.command != "bench":
+        enable_compile_cache(compile_cache_dir())  # benchmarks measure compile time: never from a cache
 
     if args.command == "demo":
         from kvjax.app import _demo as demo_mod

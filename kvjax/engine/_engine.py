@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax._compiles import CompileCounter
+from kvjax._compiles import CompileCounter, total_compile_seconds
 from kvjax._errors import CacheFullError
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.memory._protocol import Memory, require_memory
@@ -225,6 +225,9 @@ class GenerationResult:
         seconds: total seconds.
         context_shifts: how many context shifts happened.
         compiles: XLA compilations during the call.
+        compile_seconds: seconds of it spent tracing, lowering and compiling programs.
+        decode_compile_seconds: the part of ``compile_seconds`` after the first token (new window
+            buckets), which :attr:`steady_tokens_per_second` leaves out.
     """
 
     tokens: List[List[int]]
@@ -233,12 +236,20 @@ class GenerationResult:
     seconds: float
     context_shifts: int
     compiles: int
+    compile_seconds: float = 0.0
+    decode_compile_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens per second over the decode phase (after the first token)."""
         n = sum(len(t) for t in self.tokens) - len(self.tokens)
         return n / max(self.seconds - self.time_to_first_token, 1e-9)
+
+    @property
+    def steady_tokens_per_second(self) -> float:
+        """Generated tokens per second over the decode phase, compile time left out."""
+        n = sum(len(t) for t in self.tokens) - len(self.tokens)
+        return n / max(self.seconds - self.time_to_first_token - self.decode_compile_seconds, 1e-9)
 
 
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
@@ -352,6 +363,7 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         picked = np.asarray(sample(rows, sub, sampling))
         if "ttft" not in stats:
             stats["ttft"] = time.perf_counter() - t0
+            stats["compile_at_ttft"] = total_compile_seconds()
         still = []
         for s, tok in zip(active, picked.tolist()):
             counts[s] += 1
@@ -398,4 +410,5 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
             if on_token is not None:
                 on_token(s, tok)
     return GenerationResult(out, stats.get("prompt_tokens", 0), stats.get("ttft", 0.0), time.perf_counter() - t0,
-                            stats.get("context_shifts", 0), compiles.count)
+                            stats.get("context_shifts", 0), compiles.count, compiles.seconds,
+                            total_compile_seconds() - stats.get("compile_at_ttft", total_compile_seconds()))
