@@ -75,6 +75,15 @@ def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int) -> int:
     return min(chunk, n_kv)
 
 
+def _clean_pv(p, vc, pv_dims):
+    """``p @ vc`` with V rows that are not finite zeroed, and NaN for the rows ``p`` that weigh one."""
+    finite = jnp.all(jnp.isfinite(vc), axis=-1)                      # [H, chunk]
+    clean = jnp.where(finite[..., None], vc.astype(jnp.float32), 0.0)
+    pv = jax.lax.dot_general(p, clean, pv_dims, preferred_element_type=jnp.float32)
+    sees = jnp.any((p > 0) & ~finite[:, None, :], axis=-1)            # [H, R]
+    return jnp.where(sees[..., None], jnp.nan, pv)
+
+
 def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
@@ -108,17 +117,27 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
         s = jax.lax.dot_general(qr, kc.astype(jnp.float32), qk_dims, preferred_element_type=jnp.float32)
+        visible = ac > _NEG_INF                                     # [T, chunk]
         s = s.reshape(n_heads, group, n_tok, chunk) + ac
         if bias is not None:
             bc = cells_of(bias, start)                              # [1 | Hq, 1 | T, 1 | chunk]
             lead = (n_heads, group) if bc.shape[0] > 1 else (1, 1)
             s = s + bc.reshape(lead + bc.shape[1:])
-        s = s.reshape(n_heads, n_rows, chunk)
+        # a masked cell has no effect whatever its bytes: its score is -inf even when its K is NaN
+        # or inf (adding -inf to a NaN score would leave NaN)
+        s = jnp.where(visible, s, _NEG_INF).reshape(n_heads, n_rows, chunk)
         m1 = jnp.maximum(m0, jnp.max(s, axis=-1))
         m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)                # all masked so far: no NaN
         p = jnp.exp(s - m1_safe[..., None])
         alpha = jnp.exp(m0 - m1_safe)
+        # ... and a zero weight times a NaN or inf V is still NaN: V rows that are not finite are
+        # zeroed for the contraction, and a row that does see one becomes NaN at the end, as it
+        # would without the cleaning
         pv = jax.lax.dot_general(p, vc.astype(jnp.float32), pv_dims, preferred_element_type=jnp.float32)
+        # only when the product is not finite (rare: some V row of the chunk is NaN or inf) is it
+        # redone with those rows zeroed; a row that does see one of them becomes NaN, as it would
+        # have without the cleaning
+        pv = jax.lax.cond(jnp.all(jnp.isfinite(pv)), lambda: pv, lambda: _clean_pv(p, vc, pv_dims))
         return m1, l0 * alpha + jnp.sum(p, axis=-1), o0 * alpha[..., None] + pv
 
     init = (jnp.full((n_heads, n_rows), _NEG_INF, jnp.float32), jnp.zeros((n_heads, n_rows), jnp.float32),
@@ -127,7 +146,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
         m, l, o = step(0, init)
     else:
         m, l, o = jax.lax.fori_loop(0, n_steps, step, init)
-    seen = l > 0
+    seen = l != 0  # a fully masked row has l == 0; a NaN score (visible NaN K) keeps its NaN
     out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG_INF)
     return out, lse
