@@ -85,3 +85,27 @@ def check_flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}={value!r} must be a bool (True or False)")
     return bool(value)
+
+
+def check_int_values(name: str, x, lo: int, hi: int) -> None:
+    """Concrete host integers in ``x`` must lie in ``[lo, hi]`` before anything narrows them to int32.
+
+    ``jnp.asarray`` of a 64-bit or unsigned host array wraps silently (a slot of ``2**32 + 5``
+    would become cell 5), so wide host values are checked here first. Traced values and jax arrays
+    (already int32) pass: they are guarded on device.
+
+    Example:
+        >>> check_int_values("slot", np.array([3, 2**32 + 5]), -1, 2**31 - 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: slot contains 4294967301: allowed [-1, 2147483647] (it would wrap to another value as int32)
+    """
+    if is_traced(x) or isinstance(x, jax.Array):
+        return
+    arr = np.asarray(x)
+    if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        return
+    low, high = int(arr.min()), int(arr.max())
+    if low < lo or high > hi:
+        bad = low if low < lo else high
+        raise ValueError(f"{name} contains {bad}: allowed [{lo}, {hi}] (it would wrap to another value as int32)")

@@ -24,7 +24,7 @@ def test_make_ubatch_layout():
     (([0, 1], [[0]]), r"seq_ids has 1 entries: allowed exactly one per token \(len\(pos\)=2\)"),
     (([0], [[]]), r"seq_ids\[0\] is empty"),
     (([0], [[-1]]), r"seq_ids\[0\] contains -1: allowed \[0, "),
-    (([-3], [[0]]), r"pos=-3 is out of range: allowed \[0, 2147483647\]"),
+    (([-3], [[0]]), r"pos=-3 is out of range: allowed \[0, 2147483647\)"),
     (([2**31], [[0]]), r"pos=2147483648 is out of range"),
 ])
 def test_make_ubatch_bad_input(args, match):

@@ -56,6 +56,7 @@ import numpy as np
 
 from kvjax._typing import Array, Float, Int
 from kvjax._jit import JitTwins, donating
+from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 
@@ -167,6 +168,7 @@ def _check_rope_args(x, pos, rope_config):
     if not hasattr(pos, "shape") or not jnp.issubdtype(pos.dtype, jnp.integer):
         raise ValueError(f"pos must be an integer array broadcastable to {tuple(x.shape[:-2])} (the "
                          f"leading axes of x), got {getattr(pos, 'dtype', type(pos).__name__)}")
+    check_int_values("pos", pos, INT32_MIN, INT32_MAX)
     try:
         shape = np.broadcast_shapes(tuple(pos.shape), tuple(x.shape[:-2]))
     except ValueError:

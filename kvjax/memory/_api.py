@@ -30,7 +30,8 @@ from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._errors import decode_error_bits
 from kvjax.memory._ubatch import Ubatch
-from kvjax._validate import as_int32, check_flag, check_position, check_seq_id, concrete_int, is_traced
+from kvjax._validate import (INT32_MAX, INT32_MIN, as_int32, check_flag, check_int_values, check_position,
+                             check_seq_id, concrete_int, is_traced)
 
 
 def _check_memory(memory) -> int:
@@ -207,6 +208,8 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
             raise ValueError(f"ubatch.{name} has dtype {jnp.result_type(getattr(ubatch, name))}: allowed integers")
     if any(is_traced(x) for x in (ubatch.pos, ubatch.seq_ids, ubatch.valid)):
         return
+    check_int_values("ubatch.pos", ubatch.pos, INT32_MIN, INT32_MAX - 1)
+    check_int_values("ubatch.seq_ids", ubatch.seq_ids, INT32_MIN, INT32_MAX)
     valid = np.asarray(ubatch.valid)
     n = int(valid.sum())
     size = cache.size

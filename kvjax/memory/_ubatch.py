@@ -93,7 +93,7 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     """Build a :class:`Ubatch` from host lists or numpy arrays.
 
     Args:
-        pos: position of each of the n tokens, each in ``[0, 2**31)``.
+        pos: position of each of the n tokens, each in ``[0, 2**31 - 1)``.
         seq_ids: for each token a non-empty list of sequence ids (``>= 0``); the first is the
             token's primary sequence.
         length: static bucket T >= n (default: :func:`bucket_length` of n).
@@ -112,9 +112,10 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     seq_lists = [list(_int_array(f"seq_ids[{i}]", s).reshape(-1)) for i, s in enumerate(seq_ids)]
     if len(seq_lists) != n:
         raise ValueError(f"seq_ids has {len(seq_lists)} entries: allowed exactly one per token (len(pos)={n})")
-    if n and (pos.min() < 0 or pos.max() > INT32_MAX):
+    if n and (pos.min() < 0 or pos.max() >= INT32_MAX):
+        # 2**31 - 1 itself is the seed's "to infinity" (p1 < 0): a token there could never be removed
         raise ValueError(f"pos={pos.min() if pos.min() < 0 else pos.max()} is out of range: "
-                         f"allowed [0, {INT32_MAX}]")
+                         f"allowed [0, {INT32_MAX})")
     for i, s in enumerate(seq_lists):
         if not s:
             raise ValueError(f"seq_ids[{i}] is empty: every token needs at least one sequence id")

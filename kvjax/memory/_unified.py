@@ -31,7 +31,7 @@ from kvjax.memory._cells import Cells, empty_cells
 from kvjax.memory._config import CacheConfig
 from kvjax.memory._protocol import Memory, not_defined
 from kvjax._errors import ErrorFlag
-from kvjax._validate import check_window, is_traced
+from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values, check_window, is_traced
 
 
 @struct.dataclass
@@ -310,6 +310,7 @@ def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"]
     cfg = cache.config
     g, index, layer_ok = _layer_index(cfg, layer)
     grp = cfg.groups[g]
+    check_int_values("slot", slot, INT32_MIN, INT32_MAX)
     slot = jnp.asarray(slot)
     if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
         raise ValueError(f"slot has shape {slot.shape} and dtype {slot.dtype}: allowed an integer [T] array")
