@@ -167,3 +167,33 @@ def test_bad_input():
     with pytest.raises(ValueError, match="KVCache"):
         windows_for("cache", [])
     assert not cache.k[0].is_deleted()  # refused calls donate nothing
+
+
+def test_step_fails_on_what_it_cannot_compute():
+    """A window smaller than the placed cells, or a token outside the vocabulary, under jit: ok is
+    false and the cells are as before (no wrong logits with ok true, nothing left placed)."""
+    from flax import nnx
+    from kvjax.nn import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=16, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    step, state = make_step(model), nnx.state(model)
+    cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=1, padding=16))
+    ub = kvjax.make_ubatch(range(20), [[0]] * 20, length=32)
+    _, cache, ok = step(state, cache, ub, np.arange(32) % 16, n_kv=32)
+    assert bool(ok)
+    before = np.asarray(kvjax.cell_table(cache).pos).copy()
+    ub2 = kvjax.make_ubatch(range(20, 36), [[0]] * 16)          # lands in cells 20..35: beyond a window of 32
+    logits, cache, ok = step(state, cache, ub2, np.zeros(16, np.int32), n_kv=32)
+    assert not bool(ok)
+    np.testing.assert_array_equal(kvjax.cell_table(cache).pos, before)
+    bad_tokens = jnp.asarray(np.array([3, 99, 4, 0], np.int32))  # traced inside the step: no host check
+    one = kvjax.make_ubatch([20, 21, 22], [[0]] * 3)
+    _, cache, ok = step(state, cache, one, bad_tokens, n_kv=64)
+    assert not bool(ok)
+    np.testing.assert_array_equal(kvjax.cell_table(cache).pos, before)
+    _, cache, ok = step(state, cache, one, jnp.asarray(np.array([3, 9, 4, 99], np.int32)), n_kv=64)
+    assert bool(ok)                                               # the padding row's token is ignored
+    assert int(kvjax.used_cells(cache)) == 23
+    with pytest.raises(ValueError, match="vocab_size=0 is out of range"):
+        Step(lambda *a: None, vocab_size=0)

@@ -66,21 +66,31 @@ __all__ = ["Step", "make_step", "window_for", "windows_for", "check_windows"]
 ApplyFn = Callable[[Any, Array, Memory, UbatchInputs], Tuple[Array, Memory]]
 
 
-def _run(apply, contiguous, state, rest, buffers, ubatch, tokens, placement, *, windows):
+def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, placement, *, windows):
     memory = rest.join(buffers)
     if placement is None:
         memory, placement, ok = memory.find_slot(ubatch, contiguous=contiguous)
     else:
         ok = jnp.bool_(True)
+    # what the step cannot compute makes it fail instead of returning wrong logits with ok true: a
+    # window that does not cover the placed cells, a token id outside the vocabulary
+    for p in range(memory.n_parts):
+        ok = ok & jnp.all(memory.part_slots(placement, p) < windows[p])
+    if vocab_size is not None:
+        ok = ok & jnp.all(((tokens >= 0) & (tokens < vocab_size)) | ~ubatch.valid)
     logits, memory = apply(state, tokens, memory, UbatchInputs(ubatch=ubatch, placement=placement, windows=windows))
-    return logits, memory, ok
+    # a failed step keeps the metadata from before it: whatever rows it wrote sit in cells that are
+    # free again, and a free cell has no effect on any token (the seed's restore)
+    new_buffers, new_rest = memory.split()
+    kept = jax.tree.map(lambda before, after: jnp.where(ok, after, before), rest, new_rest)
+    return logits, kept.join(new_buffers), ok
 
 
-# One jitted function per (apply, contiguous), so that Steps of models with the same structure
-# (equal NNX graphdefs, equal linen modules) share their compiled programs.
+# One jitted function per (apply, contiguous, vocabulary), so that Steps of models with the same
+# structure (equal NNX graphdefs, equal linen modules) share their compiled programs.
 _jit_run = functools.lru_cache(maxsize=64)(
-    lambda apply, contiguous: jax.jit(functools.partial(_run, apply, contiguous),
-                                      static_argnames=("windows",), donate_argnames=("buffers",)))
+    lambda apply, contiguous, vocab_size: jax.jit(functools.partial(_run, apply, contiguous, vocab_size),
+                                                  static_argnames=("windows",), donate_argnames=("buffers",)))
 
 
 def check_windows(memory: Memory, windows=None, n_kv=None) -> Tuple[int, ...]:
@@ -111,13 +121,23 @@ class Step:
             (``make_step`` builds it for NNX and linen models). Steps with equal (hashable)
             ``apply`` share their compiled programs.
         contiguous: placement policy passed to ``kvjax.find_slot``.
+        vocab_size: when given, a valid ubatch row with a token id outside ``[0, vocab_size)``
+            makes the step fail (``ok`` false, nothing kept) instead of embedding garbage;
+            ``make_step`` takes it from ``model.config.vocab_size``.
+
+    A step also fails when ``n_kv`` / ``windows`` does not cover the cells placement chose. A
+    failed step returns the memory's metadata as it was before the step (its K/V writes landed in
+    cells that are free again, which no token can see).
     """
 
-    def __init__(self, apply: ApplyFn, *, contiguous: bool = True):
+    def __init__(self, apply: ApplyFn, *, contiguous: bool = True, vocab_size: Optional[int] = None):
         if not callable(apply):
             raise ValueError(f"apply must be callable, got {type(apply).__name__}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
+                                       or vocab_size < 1):
+            raise ValueError(f"vocab_size={vocab_size!r} is out of range: allowed an integer >= 1 or None")
         self.contiguous = check_flag("contiguous", contiguous)
-        self._jitted = _jit_run(apply, self.contiguous)
+        self._jitted = _jit_run(apply, self.contiguous, None if vocab_size is None else int(vocab_size))
 
     def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, "T"], *,
                  n_kv: Optional[int] = None, windows: Optional[Tuple[int, ...]] = None,
@@ -136,7 +156,9 @@ class Step:
             slot: the unified cache's name for ``placement`` (``i32[T]``).
 
         Returns:
-            ``(logits f32[T, V], memory, ok)``; when ``ok`` is false nothing was placed or written.
+            ``(logits f32[T, V], memory, ok)``; when ``ok`` is false (no room, a window too small,
+            a token outside the vocabulary) the memory's cells are as before the step and the
+            logits carry no meaning.
 
         Raises:
             ValueError: not a memory, windows outside the allowed ones, or tokens / slot whose
@@ -213,7 +235,8 @@ def make_step(model, *, contiguous: bool = True) -> Step:
         apply = model
     else:
         raise ValueError(f"model must be an nnx.Module, a linen Module or a callable, got {type(model).__name__}")
-    return Step(apply, contiguous=contiguous)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return Step(apply, contiguous=contiguous, vocab_size=vocab_size)
 
 
 def window_for(memory: Memory, n_tokens: int):
