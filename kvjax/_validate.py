@@ -40,11 +40,12 @@ def concrete_int(name: str, x):
             truncated to an int32 silently).
     """
     if is_traced(x):
-        if x.shape != () or not (np.issubdtype(x.dtype, np.integer) or x.dtype == bool):
+        if x.shape != () or not np.issubdtype(x.dtype, np.integer):
             raise ValueError(f"{name} must be an integer scalar, got a traced {x.dtype}{list(x.shape)}")
         return None
     arr = np.asarray(x)
-    if arr.shape != () or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+    # a bool is not an id or a position (seq_rm(cache, True) would mean sequence 1)
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name}={x!r} must be an integer scalar")
     value = int(arr)
     if not INT32_MIN <= value <= INT32_MAX:
@@ -109,3 +110,22 @@ def check_int_values(name: str, x, lo: int, hi: int) -> None:
     if low < lo or high > hi:
         bad = low if low < lo else high
         raise ValueError(f"{name} contains {bad}: allowed [{lo}, {hi}] (it would wrap to another value as int32)")
+
+
+def check_count(name: str, value, minimum: int = 0) -> int:
+    """A host count (a length, a number of tokens or sequences): a real integer >= ``minimum``.
+
+    Floats are refused rather than truncated (``max_new_tokens=3.9`` is not 3), bools rather than
+    taken as 0 or 1.
+
+    Example:
+        >>> check_count("n_parallel", 2, 1)
+        2
+        >>> check_count("n_parallel", 0, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: n_parallel=0 is out of range: allowed an integer >= 1
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
+    return int(value)

@@ -40,7 +40,7 @@ def test_same_key_same_tokens_and_temperature_sharpens():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-1), r"temperature=-1 is out of range: allowed >= 0"),
+    (dict(temperature=-1), r"temperature=-1 is out of range: allowed 0 \(greedy\) or >= 1e-06"),
     (dict(top_k=-2), r"top_k=-2 is out of range"),
     (dict(top_p=0), r"top_p=0 is out of range: allowed \(0, 1\]"),
 ])

@@ -49,6 +49,7 @@ from flax import nnx
 import kvjax
 from kvjax._compiles import CompileCounter, total_compile_seconds
 from kvjax._errors import CacheFullError
+from kvjax._validate import check_count, check_flag
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_ubatch, split_simple
@@ -83,15 +84,14 @@ class Engine:
     def __init__(self, model, cache: Memory, *, state=None, n_ubatch: int = 64, contiguous: bool = True,
                  defrag_thold: Optional[float] = None):
         require_memory(cache, "cache")
-        if int(n_ubatch) < 1:
-            raise ValueError(f"n_ubatch={n_ubatch} is out of range: allowed >= 1")
+        check_count("n_ubatch", n_ubatch, 1)
         if defrag_thold is not None and not 0 <= defrag_thold < 1:
             raise ValueError(f"defrag_thold={defrag_thold} is out of range: allowed [0, 1) or None")
         self.model = model
         self.state = nnx.state(model) if state is None else state
         self.cache = cache
         self.n_ubatch = int(n_ubatch)
-        self.contiguous = bool(contiguous)
+        self.contiguous = check_flag("contiguous", contiguous)
         self.defrag_thold = defrag_thold
         self.step = make_step(model, contiguous=self.contiguous)  # shared by equal models
         self.n_decoded = 0
@@ -99,6 +99,11 @@ class Engine:
     @property
     def config(self):
         return self.cache.config
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        """The model's vocabulary size when its config says it (token ids are checked against it)."""
+        return getattr(getattr(self.model, "config", None), "vocab_size", None)
 
     def _plan(self, ubatches):
         _, rest = self.cache.split()
@@ -260,6 +265,36 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return n
 
 
+def _check_prompts(prompts, vocab_size: Optional[int], name: str = "prompts", allow_empty: bool = False):
+    """Token lists of real integers in ``[0, vocab_size)`` (floats and bools refused, not truncated)."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ValueError(f"{name} must be a list of token-id lists, got {type(prompts).__name__}")
+    out = []
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"{name}[{i}] has shape {arr.shape} and dtype {arr.dtype}: allowed a list of integer "
+                             f"token ids")
+        if not arr.size and not allow_empty:
+            raise ValueError(f"{name}[{i}] is empty: allowed non-empty token lists")
+        if arr.size and vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
+            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+            raise ValueError(f"{name}[{i}] contains {bad}: allowed ids in [0, {vocab_size})")
+        out.append([int(t) for t in arr])
+    if not out and not allow_empty:
+        raise ValueError(f"{name} is empty: allowed at least one prompt")
+    return out
+
+
+def _check_key(key) -> None:
+    """A PRNG key: ``jax.random.PRNGKey(seed)`` (``u32[2]``) or ``jax.random.key(seed)``."""
+    ok = isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
+                                         or key.dtype == jnp.uint32 and key.shape == (2,))
+    if not ok:
+        raise ValueError(f"key must be a jax PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got "
+                         f"{type(key).__name__} {getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}")
+
+
 def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                     key: jax.Array, sampling: SamplingConfig = SamplingConfig(), n_parallel: int = 1,
                     share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
@@ -286,19 +321,24 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     Yields:
         ``(i, token)`` for sequence ``i``.
     """
-    prompts = [list(map(int, p)) for p in prompts]
+    # the whole request is checked before anything is placed: a failed call changes nothing
+    prompts = _check_prompts(prompts, engine.vocab_size)
+    n_parallel = check_count("n_parallel", n_parallel, 1)
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+    n_keep = check_count("n_keep", n_keep, 0)
+    check_flag("share_prefix", share_prefix)
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a kvjax.SamplingConfig, got {type(sampling).__name__}")
+    _check_key(key)
+    stop_tokens = _check_prompts([list(stop_tokens)], engine.vocab_size, name="stop_tokens", allow_empty=True)[0]
     if n_parallel > 1:
         if len(prompts) != 1:
             raise ValueError(f"n_parallel={n_parallel} needs exactly one prompt, got {len(prompts)}")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be non-empty token lists")
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
     if n_seq > engine.cache.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
-    if int(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is out of range: allowed >= 1")
     size = engine.cache.size
-    n_ctx = size // n_seq if n_ctx is None else int(n_ctx)
+    n_ctx = size // n_seq if n_ctx is None else check_count("n_ctx", n_ctx, 1)
     if not n_keep + 2 <= n_ctx <= size // n_seq:
         raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, size // n_seq = "
                          f"{size // n_seq}] (every sequence must be able to reach its limit)")

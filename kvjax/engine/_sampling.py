@@ -14,12 +14,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Float, Int
+
+
+#: The smallest positive temperature: below it logits / temperature can overflow float32.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +44,14 @@ class SamplingConfig:
     def __post_init__(self):
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name}={value!r} must be a number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
         if isinstance(self.top_k, bool):
             raise ValueError(f"top_k={self.top_k!r} is out of range: allowed an integer >= 0 (0 = off)")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} is out of range: allowed >= 0 (0 = greedy)")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            # logits divided by a tiny temperature overflow to inf, and inf - inf is NaN
+            raise ValueError(f"temperature={self.temperature} is out of range: allowed 0 (greedy) or "
+                             f">= {MIN_TEMPERATURE}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
             raise ValueError(f"top_k={self.top_k} is out of range: allowed an integer >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:

@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
-from kvjax._validate import INT32_MAX
+from kvjax._validate import INT32_MAX, check_count, check_int_values
 
 
 @struct.dataclass
@@ -83,8 +83,9 @@ def bucket_length(n: int, minimum: int = 1) -> int:
 def _int_array(name: str, values) -> np.ndarray:
     """Integers as int64; floats and other kinds are refused rather than truncated."""
     arr = np.asarray(values)
-    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} has dtype {arr.dtype}: allowed integers")
+    check_int_values(name, arr, -(2**63), 2**63 - 1)  # a uint64 above that would wrap negative
     return arr.astype(np.int64)
 
 
@@ -107,7 +108,9 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         ValueError: on mismatched lengths, empty or negative sequence lists, positions out of
             range, or ``length < n``.
     """
-    pos = _int_array("pos", pos).reshape(-1)
+    pos = _int_array("pos", pos)
+    if pos.ndim != 1:
+        raise ValueError(f"pos has shape {pos.shape}: allowed one position per token, a [n] sequence")
     n = pos.shape[0]
     seq_lists = [list(_int_array(f"seq_ids[{i}]", s).reshape(-1)) for i, s in enumerate(seq_ids)]
     if len(seq_lists) != n:
@@ -123,7 +126,7 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         bad = [x for x in s if not 0 <= x < hi]
         if bad:
             raise ValueError(f"seq_ids[{i}] contains {bad[0]}: allowed [0, {hi})")
-    length = bucket_length(n) if length is None else int(length)
+    length = bucket_length(n) if length is None else check_count("length", length, 1)
     if length < max(n, 1):
         raise ValueError(f"length={length} is out of range: allowed >= the token count {max(n, 1)}")
     width = max([len(set(s)) for s in seq_lists] + [1])

@@ -31,7 +31,7 @@ from kvjax.memory._cells import Cells, empty_cells
 from kvjax.memory._config import CacheConfig
 from kvjax.memory._protocol import Memory, not_defined
 from kvjax._errors import ErrorFlag
-from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values, check_window, is_traced
+from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values, check_window, concrete_int, is_traced
 
 
 @struct.dataclass
@@ -260,7 +260,7 @@ def require_cache(cache, operation: str = "this operation") -> None:
 def _layer_index(config: CacheConfig, layer):
     """(group, index in group, valid) for a static or traced model layer id."""
     if not is_traced(layer):
-        g, i = config.locate(int(layer))
+        g, i = config.locate(concrete_int("layer", layer))
         return g, jnp.int32(i), jnp.bool_(True)
     if len(config.groups) != 1:
         raise ValueError("a traced layer id needs all cached layers in one layer group (same kv "

@@ -1,0 +1,77 @@
+"""Careless input is refused, never coerced, and a refused request changes nothing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax.engine._engine import Engine, generate
+from kvjax.nn import Llama, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=16, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG, rngs=nnx.Rngs(0))
+
+
+GOOD = dict(max_new_tokens=3, key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(key=0), r"key must be a jax PRNG key"),
+    (dict(key=jnp.zeros(3, jnp.uint32)), r"key must be a jax PRNG key"),
+    (dict(sampling={"temperature": 0}), r"sampling must be a kvjax.SamplingConfig"),
+    (dict(max_new_tokens=3.9), r"max_new_tokens=3.9 is out of range: allowed an integer >= 1"),
+    (dict(max_new_tokens=True), r"max_new_tokens=True is out of range"),
+    (dict(n_parallel=0), r"n_parallel=0 is out of range: allowed an integer >= 1"),
+    (dict(n_keep=-1), r"n_keep=-1 is out of range"),
+    (dict(share_prefix="no"), r"share_prefix='no' must be a bool"),
+    (dict(stop_tokens=[99]), r"stop_tokens\[0\] contains 99: allowed ids in \[0, 16\)"),
+    (dict(prompts=[[1, 2], [3, 99]]), r"prompts\[1\] contains 99: allowed ids in \[0, 16\)"),
+    (dict(prompts=[[1.0, 2.0]]), r"prompts\[0\] has shape \(2,\) and dtype float64"),
+    (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
+    (dict(prompts="hello"), r"prompts must be a list of token-id lists"),
+])
+def test_a_refused_request_leaves_nothing_behind(model, change, match):
+    engine = Engine(model, kvjax.init(CFG.cache_config(size=64, n_seq_max=2, padding=16)))
+    args = dict(GOOD, prompts=[[1, 2, 3], [1, 2, 4]])
+    args.update(change)
+    prompts = args.pop("prompts")
+    with pytest.raises(ValueError, match=match):
+        generate(engine, prompts, **args)
+    assert int(kvjax.used_cells(engine.cache)) == 0          # nothing was placed
+    out = generate(engine, [[1, 2, 3], [1, 2, 4]], **GOOD)   # and the next call is not refused as busy
+    assert [len(t) for t in out.tokens] == [3, 3]
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number"),
+    (dict(temperature=1e-30), r"temperature=1e-30 is out of range: allowed 0 \(greedy\) or >= 1e-06"),
+    (dict(top_p=float("nan")), r"top_p=nan must be a finite number"),
+])
+def test_sampling_parameters_that_make_no_sense(config, match):
+    with pytest.raises(ValueError, match=match):
+        kvjax.SamplingConfig(**config)
+
+
+def test_no_truncation_or_bool_as_int():
+    cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=4))
+    rows = jnp.ones((1, 1, 4))
+    with pytest.raises(ValueError, match=r"layer=1.7 must be an integer scalar"):
+        kvjax.write(cache, 1.7, jnp.array([0]), rows, rows)
+    with pytest.raises(ValueError, match=r"seq_id=True must be an integer scalar"):
+        kvjax.seq_rm(cache, True)
+    with pytest.raises(ValueError, match=r"length=4.7 is out of range"):
+        kvjax.make_ubatch([0, 1], [[0], [0]], length=4.7)
+    with pytest.raises(ValueError, match=r"pos has shape \(1, 2\)"):
+        kvjax.make_ubatch([[0, 1]], [[0], [0]])
+    with pytest.raises(ValueError, match=r"pos has dtype bool"):
+        kvjax.make_ubatch([True, False], [[0], [0]])
+    with pytest.raises(ValueError, match=r"donate='False' must be a bool"):
+        kvjax.defrag(cache, donate="False")
+    with pytest.raises(ValueError, match=r"n_ubatch=2.5 is out of range"):
+        Engine(Llama(CFG, rngs=nnx.Rngs(0)), kvjax.init(CFG.cache_config(size=64, n_seq_max=1)), n_ubatch=2.5)
