@@ -75,3 +75,22 @@ def test_no_truncation_or_bool_as_int():
         kvjax.defrag(cache, donate="False")
     with pytest.raises(ValueError, match=r"n_ubatch=2.5 is out of range"):
         Engine(Llama(CFG, rngs=nnx.Rngs(0)), kvjax.init(CFG.cache_config(size=64, n_seq_max=1)), n_ubatch=2.5)
+
+
+def test_absurd_configs_are_refused_at_once():
+    with pytest.raises(ValueError, match=r"n_layer=1000000000 is out of range: allowed an integer in \[1, 4096\]"):
+        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=10**9, n_kv_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match=r"head_dim=.* is out of range"):
+        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=10**9)
+
+
+def test_load_checks_the_header_before_reading_the_file(tmp_path):
+    cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
+    with pytest.raises(kvjax.StateError, match=r"magic: expected b'KVJAXSES'"):
+        kvjax.load("/dev/zero", cache)                    # endless: one small read, then refused
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.write(b"NOTKVJAX" + b"\0" * 64)
+        f.truncate(2**40)                                  # a sparse 1 TiB file: never read whole
+    with pytest.raises(kvjax.StateError, match="not a kvjax session file"):
+        kvjax.load(big, cache)

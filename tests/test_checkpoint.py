@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,3 +84,19 @@ def test_orbax_missing(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match="pip install 'kvjax\\[orbax\\]'"):
         kvjax.checkpoint_save(tmp_path / "ck", kvjax.init(CFG))
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("corrupt, match", [
+    (lambda c: c.replace(head=jnp.int32(-3)), r"cells.head: expected a cell in \[0, 64\), found -3"),
+    (lambda c: c.replace(seq=c.seq.at[7, 0].set(jnp.uint32(1 << 31))), r"cells.seq: expected sequence ids in \[0, 5\)"),
+    (lambda c: c.replace(pos=c.pos.at[40].set(9)), r"cells.pos: expected -1 in an empty cell \(a position without a sequence\), found 9 in cell 40"),
+    (lambda c: c.replace(pos=c.pos.at[0].set(-5)), r"cells.pos: expected \[0, 2147483647\) in a used cell, found -5 in cell 0"),
+    (lambda c: c.replace(delta=c.delta.at[40].set(2)), r"cells.delta: expected 0 in an empty cell, found 2 in cell 40"),
+])
+def test_restore_enforces_the_cell_invariants(tmp_path, corrupt, match):
+    """A checkpoint edited by hand (or written by a buggy tool) is refused like a corrupt state blob."""
+    cache = sample()
+    assert CFG.n_seq_max == 5 and not bool(kvjax.cell_table(cache).seqs[40].any())
+    kvjax.checkpoint_save(tmp_path / "ck", cache.replace(cells=corrupt(cache.cells)))
+    with pytest.raises(StateError, match=match):
+        kvjax.checkpoint_restore(tmp_path / "ck", CFG)

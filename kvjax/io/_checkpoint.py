@@ -31,12 +31,15 @@ import os
 from typing import Union
 
 import jax
+import numpy as np
 
 from kvjax.memory._init import abstract
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig
 from kvjax._errors import StateError
+from kvjax._validate import INT32_MAX
+from kvjax.memory import _seqbits as seqbits
 
 FORMAT = "kvjax-cache"
 VERSION = 1
@@ -109,6 +112,26 @@ def checkpoint_save(path, cache: KVCache, *, force: bool = False) -> None:
                                             meta=ocp.args.JsonSave(meta)), force=bool(force))
 
 
+def _check_cells(cells: dict, config: CacheConfig) -> None:
+    """The invariants ``state_read`` enforces, on a checkpoint's cells (host arrays); StateError otherwise."""
+    pos, seq, delta, head = cells["pos"], cells["seq"], cells["delta"], int(cells["head"])
+    if not 0 <= head < config.size:
+        raise StateError(f"cells.head: expected a cell in [0, {config.size}), found {head}")
+    members = seqbits.unpack(seq, seqbits.BITS * seq.shape[1])
+    if members[:, config.n_seq_max:].any():
+        cell = int(np.nonzero(members[:, config.n_seq_max:].any(axis=1))[0][0])
+        raise StateError(f"cells.seq: expected sequence ids in [0, {config.n_seq_max}), found a higher one in "
+                         f"cell {cell}")
+    used = members.any(axis=1)
+    for name, bad, allowed in (("pos", used & ((pos < 0) | (pos >= INT32_MAX)), f"[0, {INT32_MAX}) in a used cell"),
+                               ("pos", ~used & (pos != -1), "-1 in an empty cell (a position without a sequence)"),
+                               ("delta", ~used & (delta != 0), "0 in an empty cell")):
+        if bad.any():
+            cell = int(np.nonzero(bad)[0][0])
+            value = (pos if name == "pos" else delta)[cell]
+            raise StateError(f"cells.{name}: expected {allowed}, found {int(value)} in cell {cell}")
+
+
 def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KVCache:
     """Restore a checkpoint written by :func:`checkpoint_save` into a cache of the same config.
 
@@ -120,8 +143,10 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
         The cache, every leaf as it was saved.
 
     Raises:
-        StateError: the checkpoint is not a kvjax cache of this format, or its config differs
-            (the message names each differing field).
+        StateError: the checkpoint is not a kvjax cache of this format, its config differs (the
+            message names each differing field), or its cells break the invariants ``state_read``
+            enforces (a head outside the cells, sequence ids beyond ``n_seq_max``, a position
+            without a sequence).
         ImportError: orbax-checkpoint is not installed.
         FileNotFoundError: nothing at ``path``.
     """
@@ -150,6 +175,7 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _tree(abstract(config)))
         state = ckptr.restore(path, ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
     groups = range(len(config.groups))
+    _check_cells({name: np.asarray(state["cells"][name]) for name in _CELL_FIELDS}, config)
     cells = Cells(**{name: state["cells"][name] for name in _CELL_FIELDS}, n_seq_max=config.n_seq_max)
     return KVCache(cells=cells, k=tuple(state["k"][str(g)] for g in groups),
                    v=tuple(state["v"][str(g)] for g in groups), config=config)

@@ -142,34 +142,36 @@ def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True,
     cfg = _check_host_cache(cache, "load")
     seq_id = _check_seq(seq_id, cfg)
     with open(os.fspath(path), "rb") as f:
-        data = f.read()
-    view = memoryview(data)
-    if len(view) < _HEAD.size:
-        raise StateError(f"header: expected {_HEAD.size} bytes, found {len(view)} (truncated file)")
-    magic, version, saved_seq, fingerprint, n_tokens = _HEAD.unpack_from(view)
-    if magic != MAGIC:
-        raise StateError(f"magic: expected {MAGIC!r}, found {bytes(magic)!r} (not a kvjax session file)")
-    if version != FORMAT_VERSION:
-        raise StateError(f"format version: expected {FORMAT_VERSION}, found {version}")
-    if fingerprint != layout_fingerprint(cfg):
-        raise StateError(f"config fingerprint: expected {layout_fingerprint(cfg).hex()[:16]}..., found "
-                         f"{fingerprint.hex()[:16]}... (the file was saved from a cache with other "
-                         f"layers, heads, head sizes, dtypes or v_trans)")
-    if (saved_seq < 0) != (seq_id < 0):
-        raise StateError(f"seq_id: the file holds {'the whole cache' if saved_seq < 0 else 'one sequence'} "
-                         f"(saved with seq_id={saved_seq}): expected seq_id "
-                         f"{'-1' if saved_seq < 0 else '>= 0'}, found {seq_id}")
-    off = _HEAD.size
-    if n_tokens * 4 + _LEN.size > len(view) - off:
-        raise StateError(f"tokens: expected {n_tokens} tokens ({n_tokens * 4} bytes) and a blob length, "
-                         f"found {len(view) - off} bytes (truncated file)")
-    tokens = np.frombuffer(view[off:off + 4 * n_tokens], "<i4").astype(np.int32)
-    off += 4 * n_tokens
-    (n_blob,) = _LEN.unpack_from(view, off)
-    off += _LEN.size
-    if n_blob != len(view) - off:
-        raise StateError(f"blob length: expected {n_blob} bytes, found {len(view) - off} "
-                         f"({'truncated file' if n_blob > len(view) - off else 'trailing bytes'})")
+        # the header is read and checked before anything else: a huge or endless file that is not a
+        # session file costs one small read, never the memory to hold it
+        head = f.read(_HEAD.size)
+        if len(head) < _HEAD.size:
+            raise StateError(f"header: expected {_HEAD.size} bytes, found {len(head)} (truncated file)")
+        magic, version, saved_seq, fingerprint, n_tokens = _HEAD.unpack(head)
+        if magic != MAGIC:
+            raise StateError(f"magic: expected {MAGIC!r}, found {bytes(magic)!r} (not a kvjax session file)")
+        if version != FORMAT_VERSION:
+            raise StateError(f"format version: expected {FORMAT_VERSION}, found {version}")
+        if fingerprint != layout_fingerprint(cfg):
+            raise StateError(f"config fingerprint: expected {layout_fingerprint(cfg).hex()[:16]}..., found "
+                             f"{fingerprint.hex()[:16]}... (the file was saved from a cache with other "
+                             f"layers, heads, head sizes, dtypes or v_trans)")
+        if (saved_seq < 0) != (seq_id < 0):
+            raise StateError(f"seq_id: the file holds {'the whole cache' if saved_seq < 0 else 'one sequence'} "
+                             f"(saved with seq_id={saved_seq}): expected seq_id "
+                             f"{'-1' if saved_seq < 0 else '>= 0'}, found {seq_id}")
+        left = os.fstat(f.fileno()).st_size - _HEAD.size
+        if n_tokens * 4 + _LEN.size > left:
+            raise StateError(f"tokens: expected {n_tokens} tokens ({n_tokens * 4} bytes) and a blob length, "
+                             f"found {max(left, 0)} bytes (truncated file)")
+        tokens = np.frombuffer(f.read(4 * n_tokens), "<i4").astype(np.int32)
+        (n_blob,) = _LEN.unpack(f.read(_LEN.size))
+        left -= 4 * n_tokens + _LEN.size
+        if n_blob != left:
+            raise StateError(f"blob length: expected {n_blob} bytes, found {left} "
+                             f"({'truncated file' if n_blob > left else 'trailing bytes'})")
+        view = memoryview(f.read(n_blob))
+    off = 0
     restored = state_read(cache, view[off:], seq_id, contiguous=contiguous, donate=donate)
     return restored, tokens
 

@@ -28,6 +28,12 @@ from kvjax.memory import _seqbits as seqbits
 #: Largest ``n_seq_max`` accepted (32 words of sequence bitmask per cell).
 MAX_SEQ = 1024
 
+#: Largest ``n_layer`` accepted (real models have at most a few hundred).
+MAX_LAYERS = 4096
+
+#: Largest kv-head count or head size accepted per layer.
+MAX_WIDTH = 65536
+
 #: Storage dtypes understood by kvjax, by name. Quantized names are reserved for block-quantized
 #: K/V (``q8_0``, ``q4_0``), which enter through the quantization seam (see ``kvjax.rope``).
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -201,7 +207,9 @@ class CacheConfig:
         _require(self.size <= 2**30, "size", self.size, "at most 2**30 cells")
         _require(_is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
                  f"[1, {MAX_SEQ}]")
-        _require(_is_int(self.n_layer) and self.n_layer >= 1, "n_layer", self.n_layer, "an integer >= 1")
+        # bounds that keep a typo (n_layer=10**9) from hanging the process instead of being refused
+        _require(_is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
+                 f"an integer in [1, {MAX_LAYERS}]")
         set_("n_kv_heads", self._per_layer("n_kv_heads", self.n_kv_heads))
         set_("head_dim", self._per_layer("head_dim", self.head_dim))
         hv = self.head_dim if self.head_dim_v is None else self.head_dim_v
@@ -229,7 +237,7 @@ class CacheConfig:
         _require(len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer "
                  f"(n_layer={self.n_layer})")
         for v in value:
-            _require(_is_int(v) and v >= 1, name, v, "integers >= 1")
+            _require(_is_int(v) and 1 <= v <= MAX_WIDTH, name, v, f"integers in [1, {MAX_WIDTH}]")
         return tuple(int(v) for v in value)
 
     def _normalize_filter(self, flt):
