@@ -94,3 +94,19 @@ def test_load_checks_the_header_before_reading_the_file(tmp_path):
         f.truncate(2**40)                                  # a sparse 1 TiB file: never read whole
     with pytest.raises(kvjax.StateError, match="not a kvjax session file"):
         kvjax.load(big, cache)
+
+
+def test_eager_bad_slot_raises_and_donated_memory_is_named():
+    cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
+    rows = jnp.ones((1, 1, 4))
+    with pytest.raises(ValueError, match=r"slot contains 32: allowed cells in \[-1, 32\)"):
+        kvjax.write(cache, 0, jnp.array([32]), rows, rows)
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    memory = kvjax.init(CFG.cache_config(size=32, n_seq_max=1, padding=16))
+    step = kvjax.nn.make_step(model)
+    _, new, _ = step(nnx.state(model), memory, kvjax.make_ubatch([0], [[0]]), np.zeros(1, np.int32), n_kv=16)
+    with pytest.raises(ValueError, match=r"memory was donated: .* use the memory that call returned"):
+        kvjax.seq_rm(memory, 0)
+    with pytest.raises(ValueError, match=r"cache was donated"):
+        kvjax.view(memory, 0, 16)
+    assert int(kvjax.used_cells(new)) == 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 from typing import Any, List, Sequence, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -286,4 +287,18 @@ def require_memory(memory, name: str = "memory") -> Memory:
     if not isinstance(memory, Memory):
         raise ValueError(f"{name} must be a kvjax memory (a kvjax.KVCache or another kvjax.Memory, made by "
                          f"kvjax.init(config)), got {type(memory).__name__}")
+    require_live(memory, name)
     return memory
+
+
+def require_live(value, name: str = "memory") -> None:
+    """Raise ``ValueError`` when a buffer of ``value`` was donated to an earlier call (it is deleted).
+
+    JAX itself would fail later with "Array has been deleted"; this says what happened and what to
+    use instead.
+    """
+    for leaf in jax.tree.leaves(value):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise ValueError(f"{name} was donated: its buffers were given to an earlier call that updates them in "
+                             f"place (a jitted step, kvjax.update / defrag / k_shift / state_read with donate=True, "
+                             f"an Engine that owns it); use the memory that call returned instead")

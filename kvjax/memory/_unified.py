@@ -29,7 +29,7 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory import _cells
 from kvjax.memory._cells import Cells, empty_cells
 from kvjax.memory._config import CacheConfig
-from kvjax.memory._protocol import Memory, not_defined
+from kvjax.memory._protocol import Memory, not_defined, require_live
 from kvjax._errors import ErrorFlag
 from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values, check_window, concrete_int, is_traced
 
@@ -250,6 +250,7 @@ def require_cache(cache, operation: str = "this operation") -> None:
     parts with ``memory.part(i)``); anything else a ``ValueError``.
     """
     if isinstance(cache, KVCache):
+        require_live(cache, "cache")
         return
     if isinstance(cache, Memory):
         raise not_defined(cache, operation, "it is defined for a unified cache (kvjax.KVCache); "
@@ -311,6 +312,11 @@ def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"]
     g, index, layer_ok = _layer_index(cfg, layer)
     grp = cfg.groups[g]
     check_int_values("slot", slot, INT32_MIN, INT32_MAX)
+    if not is_traced(slot):  # a concrete bad slot raises; a traced one is dropped and flagged on device
+        host = np.asarray(slot)
+        if host.size and np.issubdtype(host.dtype, np.integer) and (host.min() < -1 or host.max() >= cfg.size):
+            bad = int(host.min()) if host.min() < -1 else int(host.max())
+            raise ValueError(f"slot contains {bad}: allowed cells in [-1, {cfg.size}) (-1: skip the row)")
     slot = jnp.asarray(slot)
     if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
         raise ValueError(f"slot has shape {slot.shape} and dtype {slot.dtype}: allowed an integer [T] array")
