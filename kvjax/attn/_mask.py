@@ -59,7 +59,7 @@ from kvjax.memory._seqbits import holds
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import SwaType
 from kvjax.memory._ubatch import Ubatch
-from kvjax._validate import check_window
+from kvjax._validate import check_window, check_count
 
 #: T5's default ``max_distance`` (the seed hard-codes 128 as well).
 T5_MAX_DISTANCE = 128
@@ -299,6 +299,4 @@ def pos_bucket(cache: KVCache, ubatch: Ubatch, n_kv: int, n_buckets: int, *, bid
 
 
 def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) <= 0:
-        raise ValueError(f"{name}={value!r} is out of range: allowed a positive Python int")
-    return int(value)
+    return check_count(name, value, 1)

@@ -225,6 +225,14 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
         raise ValueError(f"ubatch position {int(pos.min())} is out of range: allowed >= 0")
 
 
+def _check_ubatches(memory: Memory, ubatches) -> None:
+    if not isinstance(ubatches, (list, tuple)):
+        raise ValueError(f"ubatches must be a list of kvjax.Ubatch (the ubatches of one batch), got "
+                         f"{type(ubatches).__name__}")
+    for ub in ubatches:
+        _check_ubatch(memory, ub)
+
+
 def find_slot(memory: Memory, ubatch: Ubatch, *, contiguous: bool = True
               ) -> Tuple[Memory, Placement, Bool[Array, ""]]:
     """Place a ubatch: the seed's contiguous search, or scattered over free cells.
@@ -260,8 +268,7 @@ def prepare(memory: Memory, ubatches: Sequence[Ubatch], *, contiguous: bool = Tr
     """
     require_memory(memory)
     check_flag("contiguous", contiguous)
-    for ub in ubatches:
-        _check_ubatch(memory, ub)
+    _check_ubatches(memory, ubatches)
     return memory.prepare(tuple(ubatches), contiguous=bool(contiguous))
 
 
@@ -272,8 +279,7 @@ def commit(memory: Memory, ubatches: Sequence[Ubatch]) -> Memory:
     after every batch.
     """
     require_memory(memory)
-    for ub in ubatches:
-        _check_ubatch(memory, ub)
+    _check_ubatches(memory, ubatches)
     return memory.commit(tuple(ubatches))
 
 

@@ -295,9 +295,9 @@ class IswaCache(Memory):
         return self.base.state_write(seq_id) + self.swa.state_write(seq_id)
 
     def state_read(self, data, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False) -> "IswaCache":
-        from kvjax.io._state import blob_size
+        from kvjax.io._state import _as_view, blob_size
 
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+        view = _as_view(data)
         cut = blob_size(self.base, view, seq_id)
         # both parts are read before either is kept, so a bad window part leaves the pair as it was;
         # donation would give up the base's buffers before the window part is known to be good

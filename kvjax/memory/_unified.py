@@ -273,6 +273,8 @@ def _layer_index(config: CacheConfig, layer):
 
 def _check_rows(name, rows, grp_heads, grp_dim, n_tokens):
     expected = (n_tokens, grp_heads, grp_dim)
+    if not hasattr(rows, "shape") or not hasattr(rows, "dtype"):
+        raise ValueError(f"{name} must be a floating [T, H_kv, D] array, got {type(rows).__name__}")
     if tuple(rows.shape) != expected:
         raise ValueError(f"{name} has shape {tuple(rows.shape)}: allowed {expected} "
                          f"([T, H_kv, D] with T = len(slot))")
@@ -311,6 +313,10 @@ def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"]
     cfg = cache.config
     g, index, layer_ok = _layer_index(cfg, layer)
     grp = cfg.groups[g]
+    if not is_traced(slot) and not isinstance(slot, jax.Array):
+        host = np.asarray(slot)
+        if host.size and not np.issubdtype(host.dtype, np.integer):
+            raise ValueError(f"slot has dtype {host.dtype}: allowed an integer [T] array")
     check_int_values("slot", slot, INT32_MIN, INT32_MAX)
     if not is_traced(slot):  # a concrete bad slot raises; a traced one is dropped and flagged on device
         host = np.asarray(slot)
