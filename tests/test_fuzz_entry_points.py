@@ -119,3 +119,35 @@ def test_not_a_memory(name):
     for junk in (None, CFG, {"k": 1}, MEMORIES["unified"].cells):
         with pytest.raises(ValueError, match=r"must be a kvjax"):
             fn(junk, *VALID.get(name, []))
+
+
+EDGE_INTS = [-2**31, -2, -1, 0, 1, 2, 3, 31, 32, 2**31 - 2, 2**31 - 1]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max"]),
+       kind=st.sampled_from(sorted(MEMORIES)), data=st.data())
+def test_traced_edge_integers_are_noops_with_an_error_bit_or_correct(name, kind, data):
+    """Under jit every argument is traced: a bad value makes the op a no-op that sets an error bit, never
+    a change elsewhere; a good value gives what the eager call gives."""
+    fn, n_args = ENTRY_POINTS[name]
+    memory = MEMORIES[kind]
+    args = [np.int32(data.draw(st.sampled_from(EDGE_INTS), label=f"arg{i}")) for i in range(n_args)]
+    traced = _JITTED[name](memory, *args)
+    try:
+        eager = fn(memory, *args)
+    except ValueError:                                   # refused eagerly: under jit a no-op plus an error bit
+        if name.startswith("seq_pos"):
+            assert int(traced) == -1
+            return
+        out = traced[0] if name == "seq_rm" else traced
+        assert kvjax.errors(out), f"{name}{tuple(args)}: no error bit"
+        same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        assert same(kvjax.clear_errors(out), kvjax.clear_errors(memory)), f"{name}{tuple(args)} changed the memory"
+        return
+    for x, y in zip(jax.tree.leaves(eager), jax.tree.leaves(traced)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+_JITTED = {name: jax.jit(ENTRY_POINTS[name][0]) for name in
+           ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max")}
