@@ -16,6 +16,7 @@ Example:
 from kvjax.memory._unified import (KVCache, size_cells_bytes, size_k_bytes, size_v_bytes, total_size, view,
                                    write)
 from kvjax.memory._iswa import IswaCache, IswaConfig
+from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig, RecurrentPlacement
 from kvjax.memory._init import abstract, init
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
@@ -27,7 +28,8 @@ from kvjax.memory._protocol import Memory, NotDefinedError
 from kvjax.memory._api import (can_shift, cell_max, check, clear, clear_errors, commit, errors, find_slot, has_shift, n_kv,
                        n_tokens, pos_max, prepare, seq_add, seq_cp, seq_div, seq_keep, seq_pos_max,
                        seq_pos_min, seq_rm, used_cells)
-from kvjax.memory._ubatch import Ubatch, bucket_length, make_ubatch, split_equal, split_seq, split_simple
+from kvjax.memory._ubatch import (Ubatch, bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_seq,
+                                  split_simple)
 from kvjax.attn._mask import kq_mask, kq_mask_bool, pos_bucket
 from kvjax.attn._rope import k_shift, rope
 from kvjax.attn._attention import attention
@@ -56,13 +58,13 @@ __version__ = "0.1.0"
 __all__ = [
     # config and cache
     "CacheConfig", "RopeConfig", "RopeMode", "SwaType", "LayerGroup", "KVCache", "Cells",
-    "IswaConfig", "IswaCache",
+    "IswaConfig", "IswaCache", "RecurrentConfig", "RecurrentCache", "RecurrentPlacement",
     "init", "abstract", "size_k_bytes", "size_v_bytes", "size_cells_bytes", "total_size",
     # sequence operations and queries
     "clear", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",
     "pos_max", "n_tokens", "used_cells", "cell_max", "n_kv", "has_shift",
     # ubatches and placement
-    "Ubatch", "make_ubatch", "bucket_length", "split_simple", "split_equal", "split_seq",
+    "Ubatch", "make_ubatch", "make_equal_ubatch", "bucket_length", "split_simple", "split_equal", "split_seq",
     "find_slot", "prepare", "commit",
     # the memory protocol
     "Memory", "NotDefinedError",

@@ -29,7 +29,7 @@ from kvjax._typing import Array, Bool, Int, IntLike
 from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._errors import decode_error_bits
-from kvjax.memory._ubatch import Ubatch
+from kvjax.memory._ubatch import Ubatch, equal_slots
 from kvjax._validate import (INT32_MAX, INT32_MIN, as_int32, check_flag, check_int_values, check_position,
                              check_seq_id, concrete_int, is_traced)
 
@@ -213,7 +213,9 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
     valid = np.asarray(ubatch.valid)
     n = int(valid.sum())
     size = cache.size
-    if n > size:
+    if cache.ubatch_split == "equal":
+        _check_equal_ubatch(cache, ubatch)
+    elif n > size:
         raise ValueError(f"ubatch has {n} tokens: allowed at most size={size} (it can never fit)")
     ids = np.asarray(ubatch.seq_ids)[valid]
     bad = ids[(ids < -1) | (ids >= cache.n_seq_max)]
@@ -223,6 +225,29 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
     pos = np.asarray(ubatch.pos)[valid]
     if (pos < 0).any():
         raise ValueError(f"ubatch position {int(pos.min())} is out of range: allowed >= 0")
+
+
+def _check_equal_ubatch(memory: Memory, ubatch: Ubatch) -> None:
+    """What a memory that takes equal splits needs of a concrete ubatch (see make_equal_ubatch)."""
+    n_slots, t = equal_slots(ubatch)
+    if ubatch.length % t:
+        raise ValueError(f"ubatch has length {ubatch.length}: allowed a multiple of n_seq_tokens={t}")
+    valid = np.asarray(ubatch.valid).reshape(n_slots, t)
+    on = valid[:, 0]
+    if (valid != on[:, None]).any() or (np.diff(on.astype(int)) > 0).any() or not on.any():
+        raise ValueError("ubatch has partly valid slots: allowed whole slots, the used ones first "
+                         "(build it with kvjax.make_equal_ubatch)")
+    n_seqs = int(on.sum())
+    if n_seqs > memory.size:
+        raise ValueError(f"ubatch has {n_seqs} sequences: allowed at most size={memory.size} (one cell each)")
+    ids = np.asarray(ubatch.seq_ids).reshape(n_slots, t, -1)[:n_seqs]
+    if (ids != ids[:, :1]).any():
+        raise ValueError("ubatch has a slot whose tokens belong to different sequences: allowed one "
+                         "sequence set per slot (build it with kvjax.make_equal_ubatch)")
+    first = ids[:, 0]
+    real = first[first >= 0]
+    if len(real) != len(set(real.tolist())):
+        raise ValueError("ubatch has a seq id in two slots: allowed each sequence in one slot")
 
 
 def _check_ubatches(memory: Memory, ubatches) -> None:
@@ -252,8 +277,8 @@ def find_slot(memory: Memory, ubatch: Ubatch, *, contiguous: bool = True
             ``[0, n_seq_max)``, negative positions. Traced ubatches get ``ok = False`` instead.
     """
     require_memory(memory)
-    _check_ubatch(memory, ubatch)
     check_flag("contiguous", contiguous)
+    _check_ubatch(memory, ubatch)
     return memory.find_slot(ubatch, contiguous=bool(contiguous))
 
 

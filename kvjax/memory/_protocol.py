@@ -133,6 +133,20 @@ class Memory(abc.ABC):
 
     # -- placement ------------------------------------------------------------------------------
 
+    @property
+    def ubatch_split(self) -> str:
+        """How a batch is cut into ubatches for this memory (static): ``"simple"`` (consecutive
+        tokens, :func:`kvjax.split_simple` and :func:`kvjax.make_ubatch`) or ``"equal"`` (the same
+        number of tokens of each sequence, :func:`kvjax.split_equal` and
+        :func:`kvjax.make_equal_ubatch`: what a recurrent state needs)."""
+        return "simple"
+
+    @property
+    def max_context(self):
+        """Most positions one sequence can hold at once (static): the main part's size, or None
+        when positions are unbounded (a recurrent state folds any number of tokens into one cell)."""
+        return self.size
+
     @abc.abstractmethod
     def find_slot(self, ubatch, *, contiguous: bool = True) -> Tuple["Memory", Placement, Bool[Array, ""]]:
         """Place a ubatch.
@@ -141,6 +155,14 @@ class Memory(abc.ABC):
             ``(memory, placement, ok)``; when ``ok`` is false the memory returned equals the one
             passed in (a failed placement is a no-op).
         """
+
+    def mask_placement(self, placement: Placement, ok) -> Placement:
+        """``placement`` where ``ok``, else a placement that writes nothing (every slot -1).
+
+        A step whose ubatch cannot be computed (a token outside the vocabulary, a window too small)
+        runs with it, so that a failed step changes no buffer a live sequence reads.
+        """
+        return jax.tree.map(lambda slots: jnp.where(ok, slots, -1), placement)
 
     def prepare(self, ubatches: Sequence, *, contiguous: bool = True) -> Tuple[Bool[Array, ""], Tuple[Placement, ...]]:
         """The dry run of a batch: place every ubatch in turn on a scratch value, keep nothing.

@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,11 +42,16 @@ class Ubatch:
         seq_ids: ``i32[T, M]`` sequence ids of each token, -1 padded; column 0 is the token's
             first sequence (the one its attention mask follows).
         valid: ``bool[T]`` which rows are real tokens.
+        n_seq_tokens: static; for an equal-split ubatch (what recurrent memories take, see
+            :func:`make_equal_ubatch`) the tokens of each sequence slot, else 0.
     """
 
     pos: Int[Array, "T"]
     seq_ids: Int[Array, "T M"]
     valid: Bool[Array, "T"]
+    #: tokens per sequence slot of an equal-split ubatch (:func:`make_equal_ubatch`), 0 otherwise.
+    #: Static: rows ``[s * n_seq_tokens, (s + 1) * n_seq_tokens)`` are slot ``s``.
+    n_seq_tokens: int = struct.field(pytree_node=False, default=0)
 
     @property
     def length(self) -> int:
@@ -139,6 +144,64 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     valid = np.arange(length) < n
     # numpy leaves: jit transfers them with the call, cheaper than three separate device puts
     return Ubatch(pos=pos_arr, seq_ids=ids, valid=valid)
+
+
+def make_equal_ubatch(slots: Sequence[Tuple[Sequence[int], Sequence[int]]], *, n_slots: Optional[int] = None,
+                      n_seq_max: Optional[int] = None) -> Ubatch:
+    """An equal-split ubatch (the seed's ``split_equal`` ubatch): n sequence slots of the same length.
+
+    Slot ``s`` is ``(positions, seq_ids)``: its tokens' positions (the same count in every slot)
+    and the sequence ids they belong to, the primary first (a shared prompt's token set continues
+    as its first id). Rows are slot major: slot ``s`` holds rows ``[s * t, (s + 1) * t)`` with
+    ``t = n_seq_tokens``, so a model reshapes the ubatch's tokens to ``[n_slots, t]``.
+
+    Args:
+        slots: the sequence slots.
+        n_slots: static slot count (default: :func:`bucket_length` of ``len(slots)``); slots past
+            ``len(slots)`` are padding.
+        n_seq_max: when given, every id must be below it.
+
+    Returns:
+        The ubatch, ``length = n_slots * t`` and ``n_seq_tokens = t``.
+
+    Example:
+        >>> ub = make_equal_ubatch([([4, 5], [0]), ([0, 1], [1, 2])], n_slots=2)
+        >>> ub.pos.tolist(), ub.seq_ids[:, 0].tolist(), ub.n_seq_tokens
+        ([4, 5, 0, 1], [0, 0, 1, 1], 2)
+    """
+    if not isinstance(slots, (list, tuple)) or not slots:
+        raise ValueError(f"slots must be a non-empty list of (positions, seq_ids) pairs, got {slots!r:.80}")
+    for i, slot in enumerate(slots):
+        if not isinstance(slot, (list, tuple)) or len(slot) != 2:
+            raise ValueError(f"slots[{i}] must be a (positions, seq_ids) pair, got {slot!r:.80}")
+    counts = [len(np.asarray(p).reshape(-1)) for p, _ in slots]
+    if counts[0] < 1 or any(c != counts[0] for c in counts):
+        raise ValueError(f"slots have {counts} tokens: allowed the same positive count in every slot (an equal split)")
+    ids = [tuple(dict.fromkeys(int(x) for x in _int_array(f"slots[{i}] seq_ids", s).reshape(-1)))
+           for i, (_, s) in enumerate(slots)]
+    for i, s in enumerate(ids):
+        if not s:
+            raise ValueError(f"slots[{i}] has no seq ids: every slot needs at least one")
+    seen = [x for s in ids for x in s]
+    if len(seen) != len(set(seen)):
+        dup = next(x for x in seen if seen.count(x) > 1)
+        raise ValueError(f"seq id {dup} is in two slots: allowed each sequence in one slot of a ubatch")
+    t = counts[0]
+    n_slots = bucket_length(len(slots)) if n_slots is None else check_count("n_slots", n_slots, 1)
+    if n_slots < len(slots):
+        raise ValueError(f"n_slots={n_slots} is out of range: allowed >= the slot count {len(slots)}")
+    pos = [int(x) for p, _ in slots for x in _int_array("positions", p).reshape(-1)]
+    ub = make_ubatch(pos, [list(s) for s in ids for _ in range(t)], length=n_slots * t, n_seq_max=n_seq_max)
+    return ub.replace(n_seq_tokens=t)
+
+
+def equal_slots(ubatch: Ubatch) -> Tuple[int, int]:
+    """``(n_slots, n_seq_tokens)`` of an equal-split ubatch, or ``ValueError`` for another one."""
+    t = ubatch.n_seq_tokens
+    if not t:
+        raise ValueError("ubatch is not an equal split: a recurrent memory takes ubatches made by "
+                         "kvjax.make_equal_ubatch (n sequences of the same number of tokens)")
+    return ubatch.length // t, t
 
 
 # -- host-side splitting ------------------------------------------------------------------------

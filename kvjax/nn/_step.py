@@ -78,9 +78,10 @@ def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, pl
         ok = ok & jnp.all(memory.part_slots(placement, p) < windows[p])
     if vocab_size is not None:
         ok = ok & jnp.all(((tokens >= 0) & (tokens < vocab_size)) | ~ubatch.valid)
+    # a failed step writes nothing (its placement is voided) and keeps the metadata from before it
+    # (the seed's restore): no buffer a live sequence reads changes
+    placement = memory.mask_placement(placement, ok)
     logits, memory = apply(state, tokens, memory, UbatchInputs(ubatch=ubatch, placement=placement, windows=windows))
-    # a failed step keeps the metadata from before it: whatever rows it wrote sit in cells that are
-    # free again, and a free cell has no effect on any token (the seed's restore)
     new_buffers, new_rest = memory.split()
     kept = jax.tree.map(lambda before, after: jnp.where(ok, after, before), rest, new_rest)
     return logits, kept.join(new_buffers), ok
