@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from kvjax.memory._seqbits import unpack
@@ -30,18 +31,41 @@ class CellTable(NamedTuple):
     Attributes:
         pos: ``int32 [C]`` positions, -1 for empty cells.
         seqs: ``bool [C, S]`` sequence membership.
-        delta: ``int32 [C]`` pending shifts.
+        delta: ``int32 [C]`` pending shifts (zeros for a recurrent memory).
         head: where the next contiguous search starts.
+        src: recurrent memory only: ``int32 [C]`` the cell each state is read from (the cell
+            itself when used, -1 when empty: copies are carried by placements, never pending).
+        tail: recurrent memory only: ``int32 [S]`` the cell holding each sequence's state, -1: none.
+        roll: recurrent memory only: ``int32 [C]`` the row of the cell holding its current state.
+        hist: recurrent memory only: ``int32 [C]`` states kept (rollback depth + 1).
     """
 
     pos: np.ndarray
     seqs: np.ndarray
     delta: np.ndarray
     head: int
+    src: Optional[np.ndarray] = None
+    tail: Optional[np.ndarray] = None
+    roll: Optional[np.ndarray] = None
+    hist: Optional[np.ndarray] = None
 
 
 def cell_table(cache: KVCache) -> CellTable:
-    """The cells as numpy arrays (one device-to-host transfer)."""
+    """The cells as numpy arrays (one device-to-host transfer).
+
+    Works on a unified cache (an attention part: ``memory.part(i)``, or ``memory.base`` /
+    ``memory.swa`` of the iSWA pair) and on a recurrent memory (then with ``src``, ``tail``,
+    ``roll`` and ``hist``).
+    """
+    from kvjax.memory._recurrent import RecurrentCache
+
+    if isinstance(cache, RecurrentCache):
+        cells = jax.device_get(cache.cells)
+        seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)
+        used = seqs.any(axis=1)
+        return CellTable(np.asarray(cells.pos), seqs, np.zeros_like(cells.pos), int(cells.head),
+                         src=np.where(used, np.arange(len(used)), -1).astype(np.int32), tail=np.asarray(cells.tail),
+                         roll=np.asarray(cells.roll), hist=np.asarray(cells.hist))
     require_cache(cache, "cell_table")
     cells = cache.cells
     seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)
@@ -71,9 +95,12 @@ def cell_map(cache: KVCache, width: int = 64) -> str:
     size = table.pos.shape[0]
     nz = np.flatnonzero(table.seqs.any(axis=1))
     cmax = int(nz[-1]) + 1 if nz.size else 0
-    pad = cache.config.padding
-    n_kv = min(size, max(pad, -(-cmax // pad) * pad))
     chars = "".join(_cell_char(row) for row in table.seqs)
     lines = [chars[i:i + width] for i in range(0, size, width)]
+    if table.tail is not None:  # a recurrent memory: no attention window
+        header = f"cells {used}/{size} used, head {table.head}, tails {table.tail.tolist()}"
+        return "\n".join([header] + lines)
+    pad = cache.config.padding
+    n_kv = min(size, max(pad, -(-cmax // pad) * pad))
     header = f"cells {used}/{size} used, head {table.head}, n_kv {n_kv}, cell_max {cmax}"
     return "\n".join([header] + lines)

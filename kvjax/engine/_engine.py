@@ -52,8 +52,34 @@ from kvjax._errors import CacheFullError
 from kvjax._validate import check_count, check_flag
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.memory._protocol import Memory, require_memory
-from kvjax.memory._ubatch import bucket_length, make_ubatch, split_simple
+from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
 from kvjax.nn._step import make_step
+
+
+def _equal_ubatches(pos: np.ndarray, seq_ids, n_ubatch: int, n_seq_max: int):
+    """A batch as equal-split ubatches (``kvjax.split_equal``), each slot length a power of two.
+
+    ``split_equal`` gives ubatches of ``n_seqs`` blocks of ``t`` rows; each is cut into pieces
+    whose length is a power of two (13 = 8 + 4 + 1), so a prompt of any length compiles at most
+    log2(n_ubatch) programs. Returns the batch rows of each ubatch in its row order, and the ubatches.
+    """
+    parts, ubatches = [], []
+    for part in split_equal(seq_ids, n_ubatch):
+        blocks = []
+        for i in part:
+            key = tuple(sorted(set(int(x) for x in seq_ids[i])))
+            if not blocks or blocks[-1][0] != key:
+                blocks.append((key, []))
+            blocks[-1][1].append(int(i))
+        t, off = len(blocks[0][1]), 0
+        while off < t:
+            c = 1 << ((t - off).bit_length() - 1)          # the largest power of two that is left
+            rows = [b[off:off + c] for _, b in blocks]
+            slots = [(pos[r], [int(x) for x in seq_ids[r[0]]]) for r in rows]
+            ubatches.append(make_equal_ubatch(slots, n_seq_max=n_seq_max))
+            parts.append(np.concatenate([np.asarray(r) for r in rows]))
+            off += c
+    return parts, tuple(ubatches)
 
 
 @functools.partial(jax.jit, static_argnames="contiguous")
@@ -139,9 +165,13 @@ class Engine:
             raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab})")
         tokens = tokens.astype(np.int32)
         pos = np.asarray(pos)
-        parts = split_simple(seq_ids, self.n_ubatch)
-        ubatches = tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
-                                     n_seq_max=self.cache.n_seq_max) for idx in parts)
+        equal = self.cache.ubatch_split == "equal"
+        if equal:  # a recurrent memory: the same number of tokens of each sequence per ubatch
+            parts, ubatches = _equal_ubatches(pos, seq_ids, self.n_ubatch, self.cache.n_seq_max)
+        else:
+            parts = split_simple(seq_ids, self.n_ubatch)
+            ubatches = tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
+                                         n_seq_max=self.cache.n_seq_max) for idx in parts)
         # one transfer: pending work, whether the batch fits, where it goes, the current extent
         pending, ok, placements, extent = jax.device_get(self._plan(ubatches))
         if bool(pending):  # the seed's order: apply the pending work (K-shift, defrag), then place
@@ -165,7 +195,10 @@ class Engine:
         if self.defrag_thold is not None:
             self.cache = kvjax.defrag_sched(self.cache, self.defrag_thold)
         self.n_decoded += len(tokens)
-        return outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs)
+        logits = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs)
+        if equal:  # ubatch rows are slot major: back to batch order
+            logits = logits[np.argsort(np.concatenate(parts), kind="stable")]
+        return logits
 
     # -- sequence management ----------------------------------------------------------------
 
@@ -337,15 +370,19 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
     if n_seq > engine.cache.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
-    size = engine.cache.size
-    n_ctx = size // n_seq if n_ctx is None else check_count("n_ctx", n_ctx, 1)
-    if not n_keep + 2 <= n_ctx <= size // n_seq:
-        raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, size // n_seq = "
-                         f"{size // n_seq}] (every sequence must be able to reach its limit)")
+    limit = engine.cache.max_context
     longest = max(len(p) for p in prompts)
-    if longest >= n_ctx:
-        raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
-    if max_new_tokens + longest > n_ctx and not engine.cache.can_shift:
+    if limit is None and n_ctx is None:  # a recurrent state: positions are unbounded, nothing to shift
+        n_ctx = None
+    else:
+        top = (limit if limit is not None else 2**31 - 1) // n_seq
+        n_ctx = top if n_ctx is None else check_count("n_ctx", n_ctx, 1)
+        if not n_keep + 2 <= n_ctx <= top:
+            raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, size // n_seq = "
+                             f"{top}] (every sequence must be able to reach its limit)")
+        if longest >= n_ctx:
+            raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
+    if n_ctx is not None and max_new_tokens + longest > n_ctx and not engine.cache.can_shift:
         raise ValueError(f"max_new_tokens={max_new_tokens} is out of range for this {type(engine.cache).__name__}: "
                          f"a prompt of {longest} tokens would reach n_ctx={n_ctx} and need a context shift, which "
                          f"this memory cannot do (kvjax.can_shift is False); allowed max_new_tokens <= "
@@ -367,8 +404,8 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     else:
         shared, own = [], prompts
     prompt_tokens = 0
-    first_discard = n_keep + (n_ctx - n_keep) // 2
-    if len(shared) > first_discard and max_new_tokens + longest > n_ctx:
+    first_discard = n_keep + (n_ctx - n_keep) // 2 if n_ctx is not None else len(shared)
+    if n_ctx is not None and len(shared) > first_discard and max_new_tokens + longest > n_ctx:
         raise ValueError(f"the shared prompt ({len(shared)} tokens) would be moved by a context shift, which "
                          f"would shift it for every sequence: allowed at most n_keep + (n_ctx - n_keep) // 2 = "
                          f"{first_discard} shared tokens; raise n_keep or n_ctx, or pass share_prefix=False")

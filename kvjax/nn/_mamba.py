@@ -207,6 +207,29 @@ class MambaConfig:
         conv, ssm = self.state_shapes(n)
         return jnp.zeros(conv, jnp.float32), jnp.zeros(ssm, jnp.float32)
 
+    def memory_config(self, n_seq_max: int, *, size: Optional[int] = None, n_states: int = 1):
+        """The :class:`kvjax.RecurrentConfig` of this model's states.
+
+        States are stored in the seed's element order, so the memory's state blobs are llama.cpp's:
+        the conv state as ``[Di, K-1]`` rows (channel major), the SSM state as ``[Di, N]``.
+
+        Args:
+            n_seq_max: sequence ids.
+            size: cells (default ``n_seq_max``, one per sequence, as the seed).
+            n_states: states kept per sequence (``n_states - 1`` tokens can be rolled back).
+
+        Example:
+            >>> cfg = MambaConfig(vocab_size=32, d_model=16, n_layer=2, d_state=4)
+            >>> mem = cfg.memory_config(4, n_states=2)
+            >>> mem.size, mem.k_shape[0], mem.v_shape[0], mem.rows
+            (4, (32, 3), (32, 4), 8)
+        """
+        from kvjax.memory._recurrent import RecurrentConfig
+
+        return RecurrentConfig(size=n_seq_max if size is None else size, n_seq_max=n_seq_max, n_layer=self.n_layer,
+                               k_shape=(self.d_inner, self.d_conv - 1), v_shape=(self.d_inner, self.d_state),
+                               n_states=n_states)
+
     def state_rows(self, conv_state, ssm_state) -> Tuple[Array, Array]:
         """The states as llama.cpp's per-cell rows: ``([L, C, n_embd_k_s], [L, C, n_embd_v_s])``.
 
@@ -334,6 +357,35 @@ def selective_scan(h0, u, dt, Bm, Cm, A, *, chunk: int):
     return y, h
 
 
+def selective_scan_keep(h0, u, dt, Bm, Cm, A, *, chunk: int, keep: int):
+    """:func:`selective_scan` that also returns the states after each of the last ``keep`` tokens.
+
+    Returns ``(y [S, T, Di], hs [S, keep, Di, N])``, oldest first. The first ``T - keep`` tokens
+    run the scan; the last ``keep`` run one recurrence step each (``keep`` is small: the rollback
+    depth of the recurrent memory), so no ``[S, T, Di, N]`` buffer is kept.
+    """
+    T = u.shape[1]
+    if keep == 1:
+        y, h = selective_scan(h0, u, dt, Bm, Cm, A, chunk=chunk)
+        return y, h[:, None]
+    head = T - keep
+    ys = []
+    h = h0
+    if head:
+        y0, h = selective_scan(h0, u[:, :head], dt[:, :head], Bm[:, :head], Cm[:, :head], A, chunk=chunk)
+        ys.append(y0)
+
+    def one(h, xs):
+        u_t, dt_t, b_t, c_t = xs
+        h = jnp.exp(dt_t[..., None] * A) * h + (dt_t * u_t)[..., None] * b_t[:, None, :]
+        return h, (jnp.einsum("sdn,sn->sd", h, c_t), h)
+
+    tail = tuple(jnp.moveaxis(x[:, head:], 1, 0) for x in (u, dt, Bm, Cm))
+    _, (y1, hs) = jax.lax.scan(one, h, tail)
+    ys.append(jnp.moveaxis(y1, 0, 1))
+    return jnp.concatenate(ys, axis=1), jnp.moveaxis(hs, 0, 1)
+
+
 # -- modules ---------------------------------------------------------------------------------
 
 def _inv_softplus(x):
@@ -373,8 +425,13 @@ class MambaMixer(nnx.Module):
         self.out_proj = nnx.Linear(Di, c.d_model, use_bias=c.use_bias, **lin)
 
     def __call__(self, x: Float[Array, "S T E"], conv_state: Float[Array, "S Km1 Di"],
-                 ssm_state: Float[Array, "S Di N"]):
-        """``x [S, T, E]`` from states ``[S, K-1, Di]``, ``[S, Di, N]`` -> ``(out [S, T, E], conv, ssm)``."""
+                 ssm_state: Float[Array, "S Di N"], keep: Optional[int] = None):
+        """``x [S, T, E]`` from states ``[S, K-1, Di]``, ``[S, Di, N]`` -> ``(out [S, T, E], conv, ssm)``.
+
+        With ``keep = q`` the states returned are those after each of the last ``q`` tokens,
+        ``[S, q, K-1, Di]`` and ``[S, q, Di, N]`` (oldest first): what the recurrent memory keeps
+        for rollback.
+        """
         c = self.config
         T, Di, N, R = x.shape[1], c.d_inner, c.d_state, c.dt_rank
         xs, z = jnp.split(self.in_proj(x), 2, axis=-1)           # [S, T, Di] each
@@ -390,10 +447,16 @@ class MambaMixer(nnx.Module):
         dt = jax.nn.softplus(f32(self.dt_proj(dt)))              # [S, T, Di]
         A = -jnp.exp(f32(self.A_log[...]))                       # [Di, N]
         u32 = f32(u)
-        y, h = selective_scan(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk)
+        if keep is None:
+            y, h = selective_scan(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk)
+            conv_out = f32(window[:, T:])
+        else:
+            y, h = selective_scan_keep(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, keep=keep)
+            # the conv state after token t is the K-1 inputs ending at t: window[t + 1 : t + K]
+            conv_out = jnp.stack([f32(window[:, t + 1:t + c.d_conv]) for t in range(T - keep, T)], axis=1)
         y = (y + u32 * f32(self.D[...])) * jax.nn.silu(f32(z))
         out = self.out_proj(y.astype(c.dtype))
-        return out, f32(window[:, T:]), h
+        return out, conv_out, h
 
 
 class MambaBlock(nnx.Module):
@@ -405,10 +468,10 @@ class MambaBlock(nnx.Module):
                                 param_dtype=config.param_dtype, rngs=rngs)
         self.mixer = MambaMixer(config, rngs=rngs)
 
-    def __call__(self, x, conv_state, ssm_state):
-        """``x [S, T, E]`` -> ``(x [S, T, E], conv_state, ssm_state)``."""
+    def __call__(self, x, conv_state, ssm_state, keep: Optional[int] = None):
+        """``x [S, T, E]`` -> ``(x [S, T, E], conv_state, ssm_state)`` (see :class:`MambaMixer` for ``keep``)."""
         residual = x.astype(jnp.float32) if self.config.residual_in_fp32 else x
-        h, conv_state, ssm_state = self.mixer(self.norm(x.astype(self.config.dtype)), conv_state, ssm_state)
+        h, conv_state, ssm_state = self.mixer(self.norm(x.astype(self.config.dtype)), conv_state, ssm_state, keep)
         return residual + h, conv_state, ssm_state
 
 
@@ -445,16 +508,34 @@ class Mamba(nnx.Module):
             config.d_model, config.vocab_size, use_bias=False, dtype=config.dtype,
             param_dtype=config.param_dtype, rngs=rngs)
 
-    def _run(self, tokens, conv_state, ssm_state):
+    def _run(self, tokens, conv_state, ssm_state, keep: Optional[int] = None):
         x = self.embed(tokens)
         convs, ssms = [], []
         for il, block in enumerate(self.layers):
-            x, conv, ssm = block(x, conv_state[il], ssm_state[il])
+            x, conv, ssm = block(x, conv_state[il], ssm_state[il], keep)
             convs.append(conv)
             ssms.append(ssm)
         x = self.norm(x.astype(self.config.dtype))
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32), jnp.stack(convs), jnp.stack(ssms)
+
+    def __call__(self, tokens: Int[Array, "T"], memory, inputs) -> Tuple[Float[Array, "T V"], Any]:
+        """One equal-split ubatch through a recurrent memory: the model call of ``kvjax.nn.make_step``.
+
+        The states of the ubatch's sequences are read from the memory (after the copies the
+        placement asks for: copy-on-write of a shared state, cells moved by the gather, new
+        sequences from zeros), the tokens run, and the states after them (the last
+        ``min(n_states, T)`` of each sequence) are written back.
+
+        Args:
+            tokens: ``i32[S * T]``, the ubatch's rows (slot major, ``kvjax.make_equal_ubatch``).
+            memory: a :class:`kvjax.RecurrentCache` made from :meth:`MambaConfig.memory_config`.
+            inputs: the step's :class:`kvjax.nn.UbatchInputs` (ubatch and placement).
+
+        Returns:
+            ``(logits f32[S * T, V], memory)``.
+        """
+        return _memory_call(self, tokens, memory, inputs)
 
     def forward(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
         """The uncached pass: each row of ``tokens`` is one sequence, from the zero state.
@@ -507,6 +588,34 @@ class Mamba(nnx.Module):
                 raise ValueError(f"{name} has shape {tuple(jnp.shape(x))} and dtype {jnp.result_type(x)}: allowed "
                                  f"a floating {list(shape)} array (S = tokens.shape[0])")
         return self._run(tokens, conv_state, ssm_state)
+
+
+def _memory_call(model: "Mamba", tokens, memory, inputs):
+    """One equal-split ubatch through a recurrent memory (what ``Mamba.__call__`` does)."""
+    from kvjax.memory._recurrent import RecurrentCache
+    from kvjax.memory._ubatch import equal_slots
+
+    c = model.config
+    if not isinstance(memory, RecurrentCache):
+        raise ValueError(f"memory must be a kvjax.RecurrentCache for a Mamba model (make it with "
+                         f"kvjax.init(config.memory_config(...))), got {type(memory).__name__}")
+    want = c.memory_config(memory.n_seq_max, size=memory.size, n_states=memory.config.n_states)
+    if (memory.config.n_layer, memory.config.k_shape, memory.config.v_shape) != \
+            (want.n_layer, want.k_shape, want.v_shape):
+        raise ValueError(f"memory holds {memory.config.n_layer} layers of states {memory.config.k_shape[0]} and "
+                         f"{memory.config.v_shape[0]}: allowed this model's {c.n_layer} layers of "
+                         f"{want.k_shape[0]} and {want.v_shape[0]} (use config.memory_config)")
+    n_slots, t = equal_slots(inputs.ubatch)
+    placement = inputs.placement
+    memory = memory.copy_rows(placement)
+    conv, ssm = memory.slot_states(placement, n_slots)                 # [L, S, Di, K-1], [L, S, Di, N]
+    keep = min(memory.config.n_states, t)
+    logits, conv_h, ssm_h = model._run(jnp.asarray(tokens).reshape(n_slots, t),
+                                       jnp.swapaxes(conv, -1, -2).astype(jnp.float32),
+                                       ssm.astype(jnp.float32), keep=keep)
+    # stored in the seed's element order: the conv row channel major ([Di, K-1])
+    memory = memory.write_states(placement, jnp.swapaxes(conv_h, -1, -2), ssm_h)
+    return logits.reshape(n_slots * t, -1), memory
 
 
 def make_mamba_step(model: Mamba, *, donate: bool = True) -> Callable:
