@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.testing import IswaRef, UnifiedRef
+from kvjax.testing import IswaRef, RecurrentRef, UnifiedRef
 from tests.helpers import CompileCounter, assert_cells_match, no_recompile
 
 
@@ -47,6 +47,7 @@ class MemoryUnderTest:
     reference: Callable[[], object]
     compare: Callable[[kvjax.Memory, object], None]
     random_kv: Callable[[kvjax.Memory, int], kvjax.Memory]
+    equal_split: bool = False
 
 
 # -- the unified cache ---------------------------------------------------------------------------
@@ -90,6 +91,20 @@ def _random_iswa(memory, seed):
     return memory.replace(base=_random_unified(memory.base, seed), swa=_random_unified(memory.swa, seed + 1))
 
 
+# -- the recurrent-state memory (2 kept states: rollback is part of the contract) ------------------
+
+RECURRENT = kvjax.RecurrentConfig(size=4, n_seq_max=4, n_layer=2, k_shape=(3, 2), v_shape=(2, 4), n_states=2)
+
+
+def _compare_recurrent(memory, ref):
+    table = kvjax.cell_table(memory)
+    for i, cell in enumerate(ref.cells):
+        got = (int(table.pos[i]), set(np.flatnonzero(table.seqs[i]).tolist()), int(table.roll[i]), int(table.hist[i]))
+        assert got == (cell.pos, cell.seqs, cell.roll, cell.hist), (i, got, cell)
+    assert table.tail.tolist() == ref.tail and table.head == ref.head
+    assert int(kvjax.used_cells(memory)) == ref.used
+
+
 MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("unified", lambda: kvjax.init(UNIFIED),
                     lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
@@ -98,6 +113,9 @@ MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("iswa-chunked", *_iswa("chunked", n_swa=4), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-symmetric", *_iswa("symmetric", n_swa=4), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-full", *_iswa("standard", swa_full=True), _compare_iswa, _random_iswa),
+    MemoryUnderTest("recurrent", lambda: kvjax.init(RECURRENT),
+                    lambda: RecurrentRef(RECURRENT.size, RECURRENT.n_seq_max, RECURRENT.n_states),
+                    _compare_recurrent, _random_unified, equal_split=True),
 ]
 ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 
@@ -131,11 +149,19 @@ def random_program(seed: int, n_seq_max: int, n_ops: int = 24):
     return ops
 
 
+def _recurrent_slots(tokens):
+    """A placement's tokens (one sequence set) as the one slot of an equal-split ubatch."""
+    return [([p for p, _ in tokens], list(tokens[0][1]))]
+
+
 def apply_op(memory, op, jitted: bool):
     """Run one operation through the public free functions; returns ``(memory, ok or None)``."""
     name, *args = op
     if name == "place":
-        ub = kvjax.make_ubatch([p for p, _ in args[0]], [s for _, s in args[0]], length=8)
+        if memory.ubatch_split == "equal":
+            ub = kvjax.make_equal_ubatch(_recurrent_slots(args[0]), n_slots=1)
+        else:
+            ub = kvjax.make_ubatch([p for p, _ in args[0]], [s for _, s in args[0]], length=8)
         fn = _JIT["find_slot"] if jitted else kvjax.find_slot
         memory, _, ok = fn(memory, ub)
         if bool(ok):  # the batch (this one ubatch) succeeded: the seed's commit
@@ -150,13 +176,20 @@ def apply_op(memory, op, jitted: bool):
 
 def apply_ref(ref, op):
     name, *args = op
+    if name == "place" and isinstance(ref, RecurrentRef):
+        ok = ref.find_slot(_recurrent_slots(args[0]))
+        if ok:
+            ref.set_inputs()
+        return ok
     if name == "place":
         ok = ref.find_slot(args[0], True)[-1]
         if ok and hasattr(ref, "commit"):
             ref.commit([args[0]])
         return ok
+    if name == "seq_rm":
+        return bool(ref.seq_rm(*args) is not False)
     getattr(ref, name)(*args)
-    return True if name == "seq_rm" else None
+    return None
 
 
 _JIT = {name: jax.jit(getattr(kvjax, name)) for name in
