@@ -10,3 +10,10 @@ def test_readme_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
     exec(compile(code, str(README), "exec"), {})
     assert capsys.readouterr().out.startswith("cells 3/256 used")
+
+
+def test_every_readme_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    for code in blocks[1:]:
+        exec(compile(code, str(README), "exec"), {})
