@@ -140,6 +140,47 @@ print("oldest position still held by sequence 0:", int(kvjax.seq_pos_min(engine.
     ("md", """The full-size cache keeps every token (full layers attend to all of them); the window
 cache holds at most `n_swa` positions per sequence plus one batch, so its size, and the cost of
 the window layers' attention, no longer grows with the context."""),
+    ("md", """## The recurrent memory
+
+A state-space model (Mamba) keeps one fixed-size state per sequence instead of K/V per token.
+`kvjax.RecurrentConfig` describes the seed's recurrent cache: cells of states, a `tail` naming
+each sequence's cell, and `seq_cp` that *shares* a state instead of copying it. Here a prompt is
+evaluated once in sequence 0 and forked to sequences 1 and 2: one cell, three sequences."""),
+    ("code", """from kvjax.nn import Mamba, MambaConfig
+
+mamba_cfg = MambaConfig(vocab_size=48, d_model=32, n_layer=2, d_state=8)
+rec = kvjax.Engine(Mamba(mamba_cfg, rngs=nnx.Rngs(0)), kvjax.init(mamba_cfg.memory_config(4, n_states=3)))
+rec.decode(list(range(1, 9)), list(range(8)), [[0]] * 8)          # an 8-token prompt in sequence 0
+for s in (1, 2):
+    rec.cache = kvjax.seq_cp(rec.cache, 0, s)                      # shared: no state bytes copied
+
+def show_states(memory, title):
+    t = kvjax.cell_table(memory)
+    fig, ax = plt.subplots(figsize=(5, 1.8))
+    ax.imshow(t.seqs.T, cmap="Blues", vmin=0, vmax=1.4, aspect="auto")
+    ax.set_xticks(range(len(t.pos)), [f"cell {i}\\npos {p}" for i, p in enumerate(t.pos)])
+    ax.set_yticks(range(t.seqs.shape[1]), [f"seq {s}" for s in range(t.seqs.shape[1])])
+    ax.set_title(title); fig.tight_layout(); plt.show()
+    print("tail", t.tail.tolist(), " src", t.src.tolist(), " states kept", t.hist.tolist())
+
+show_states(rec.cache, "after seq_cp: one state, three sequences")"""),
+    ("md", """## Copy-on-write
+
+The next decode gives every sequence that shares a cell one of its own: the new cells start from a
+copy of the shared state (`s_copy` of the placement), the last sequence keeps the original cell.
+Each sequence then continues exactly as it would have alone."""),
+    ("code", """logits = rec.decode([20, 21, 22], [8, 8, 8], [[0], [1], [2]])
+show_states(rec.cache, "after one token each: three states")"""),
+    ("md", """## Rollback
+
+With `n_states=3` each cell keeps its last three states, so the last two tokens of a sequence can
+be dropped (a rejected speculative draft): `seq_rm(seq, p, -1)` moves the sequence back to the
+state after `p - 1` without touching any bytes. A cut deeper than the kept states is refused."""),
+    ("code", """rec.decode([30, 31, 32], [9, 9, 9], [[0], [1], [2]])
+memory, ok = kvjax.seq_rm(rec.cache, 1, 9, -1)
+print("roll back sequence 1 to position 8:", bool(ok), "-> pos", int(kvjax.seq_pos_max(memory, 1)))
+memory, ok = kvjax.seq_rm(rec.cache, 1, 2, -1)
+print("cut sequence 1 at position 2 (inside its state):", bool(ok))"""),
 ]
 
 NOTEBOOKS = {"01_tour.ipynb": TOUR, "02_memories.ipynb": MEMORIES}
