@@ -22,6 +22,7 @@ from tests.helpers import fill
 CFG = kvjax.CacheConfig(size=32, n_seq_max=3, n_layer=2, n_kv_heads=1, head_dim=4, padding=16,
                         rope=kvjax.RopeConfig(n_rot=4))
 ISWA = kvjax.IswaConfig(CFG.replace(size=64), swa_layers=(1,), n_swa=4, n_batch=16)
+RECURRENT = kvjax.RecurrentConfig(size=3, n_seq_max=3, n_layer=2, k_shape=(3, 4), v_shape=(4, 2), n_states=2)
 
 WEIRD = [None, "3", "False", 1.5, float("nan"), float("inf"), True, False, -1, 0, 1, 2, 7, -2**31, 2**31, 2**63,
          np.uint64(2**64 - 1), np.int64(-2**40), np.float32(1.0), np.array([1, 2]), jnp.array([[1]]), [], [[0]],
@@ -60,7 +61,8 @@ VALID = {"seq_rm": [0, 0, -1], "seq_cp": [0, 1, 0, -1], "seq_keep": [0], "seq_ad
 def _memories():
     unified = fill(kvjax.init(CFG), [0, 1, 2, 0, 1], [[0], [0], [0], [1], [1, 2]])
     iswa, _, _ = kvjax.find_slot(kvjax.init(ISWA), kvjax.make_ubatch(range(6), [[0]] * 6))
-    return {"unified": unified, "iswa": iswa}
+    recurrent, _, _ = kvjax.find_slot(kvjax.init(RECURRENT), kvjax.make_equal_ubatch([([0, 1], [0]), ([0, 1], [1, 2])]))
+    return {"unified": unified, "iswa": iswa, "recurrent": recurrent}
 
 
 MEMORIES = _memories()

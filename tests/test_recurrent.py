@@ -307,3 +307,29 @@ def test_what_a_recurrent_memory_cannot_do():
 def test_lock_step_with_the_reference_long(data, size, n_states):
     """The long run of the lock-step property (``-m slow``)."""
     run_program(data.draw(programs(5, size)), size, 5, n_states, jitted=False)
+
+
+@pytest.mark.parametrize("weird", [None, "3", 1.5, float("nan"), True, -1, 0, 2**63, [], [[0]], {}, object(),
+                                   b"\x00", [([0.5], [0])], [([0], [1.5])], [([-1], [0])], [([0], [-2])],
+                                   [([0], [0], [1])], [("a", [0])], np.array([1, 2])])
+def test_make_equal_ubatch_gets_weird_values_and_raises_a_value_error(weird):
+    with pytest.raises(ValueError):
+        kvjax.make_equal_ubatch(weird)
+    if weird is not None:                                  # None is the default slot count
+        with pytest.raises(ValueError):
+            kvjax.make_equal_ubatch([([0], [0])], n_slots=weird)
+
+
+def test_the_model_refuses_a_memory_it_cannot_use():
+    from flax import nnx
+    from kvjax.nn import Mamba, MambaConfig, make_step
+
+    cfg = MambaConfig(vocab_size=16, d_model=8, n_layer=1, d_state=2)
+    step, model = make_step(Mamba(cfg, rngs=nnx.Rngs(0))), Mamba(cfg, rngs=nnx.Rngs(0))
+    ub = kvjax.make_equal_ubatch([([0], [0])], n_slots=1)
+    other = kvjax.init(MambaConfig(vocab_size=16, d_model=8, n_layer=2, d_state=2).memory_config(1))
+    with pytest.raises(ValueError, match="allowed this model's 1 layers"):
+        step(nnx.state(model), other, ub, np.array([1]), windows=())
+    unified = kvjax.init(kvjax.CacheConfig(size=16, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4, padding=16))
+    with pytest.raises(ValueError, match="must be a kvjax.RecurrentCache"):
+        step(nnx.state(model), unified, kvjax.make_ubatch([0], [[0]]), np.array([1]), windows=(16,))
