@@ -17,6 +17,7 @@ from kvjax.memory._unified import (KVCache, size_cells_bytes, size_k_bytes, size
                                    write)
 from kvjax.memory._iswa import IswaCache, IswaConfig
 from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig, RecurrentPlacement
+from kvjax.memory._hybrid import HybridCache, HybridConfig
 from kvjax.memory._init import abstract, init
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
@@ -59,6 +60,7 @@ __all__ = [
     # config and cache
     "CacheConfig", "RopeConfig", "RopeMode", "SwaType", "LayerGroup", "KVCache", "Cells",
     "IswaConfig", "IswaCache", "RecurrentConfig", "RecurrentCache", "RecurrentPlacement",
+    "HybridConfig", "HybridCache",
     "init", "abstract", "size_k_bytes", "size_v_bytes", "size_cells_bytes", "total_size",
     # sequence operations and queries
     "clear", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",

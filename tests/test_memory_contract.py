@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.testing import IswaRef, RecurrentRef, UnifiedRef
+from kvjax.testing import HybridRef, IswaRef, RecurrentRef, UnifiedRef
 from tests.helpers import CompileCounter, assert_cells_match, no_recompile
 
 
@@ -105,6 +105,24 @@ def _compare_recurrent(memory, ref):
     assert int(kvjax.used_cells(memory)) == ref.used
 
 
+# -- the hybrid memory: layers 0 and 2 attention (a unified cache), layer 1 recurrent -------------------
+
+HYBRID = kvjax.HybridConfig(
+    kvjax.CacheConfig(size=48, n_seq_max=4, n_layer=3, n_kv_heads=2, head_dim=8, padding=16, layer_filter=(0, 2)),
+    kvjax.RecurrentConfig(size=4, n_seq_max=4, n_layer=1, k_shape=(3, 2), v_shape=(2, 4), n_states=2),
+    recurrent_layers=(1,))
+
+
+def _compare_hybrid(memory, ref):
+    _compare_unified(memory.attention, ref.attention)
+    _compare_recurrent(memory.recurrent, ref.recurrent)
+
+
+def _random_hybrid(memory, seed):
+    return memory.replace(attention=_random_unified(memory.attention, seed),
+                          recurrent=_random_unified(memory.recurrent, seed + 1))
+
+
 MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("unified", lambda: kvjax.init(UNIFIED),
                     lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
@@ -116,6 +134,9 @@ MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("recurrent", lambda: kvjax.init(RECURRENT),
                     lambda: RecurrentRef(RECURRENT.size, RECURRENT.n_seq_max, RECURRENT.n_states),
                     _compare_recurrent, _random_unified, equal_split=True),
+    MemoryUnderTest("hybrid", lambda: kvjax.init(HYBRID),
+                    lambda: HybridRef(48, 4, 16, state_cells=4, n_states=2),
+                    _compare_hybrid, _random_hybrid, equal_split=True),
 ]
 ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 
@@ -176,9 +197,9 @@ def apply_op(memory, op, jitted: bool):
 
 def apply_ref(ref, op):
     name, *args = op
-    if name == "place" and isinstance(ref, RecurrentRef):
+    if name == "place" and isinstance(ref, (RecurrentRef, HybridRef)):
         ok = ref.find_slot(_recurrent_slots(args[0]))
-        if ok:
+        if ok and isinstance(ref, RecurrentRef):
             ref.set_inputs()
         return ok
     if name == "place":

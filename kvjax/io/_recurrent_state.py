@@ -47,7 +47,7 @@ from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig
 from kvjax.memory._ubatch import make_equal_ubatch
 from kvjax._validate import check_flag, check_seq_id
 
-__all__ = ["write_recurrent", "read_recurrent"]
+__all__ = ["write_recurrent", "read_recurrent", "recurrent_blob_size"]
 
 
 def _layers(config: RecurrentConfig):
@@ -115,8 +115,17 @@ def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, donate: bo
     cfg = memory.config
     seq_id = _check_seq(seq_id, cfg)
     check_flag("donate", donate)
-    cur = _Cursor(_as_view(data))
+    pos, masks, k_rows, v_rows, _ = _parse(cfg, _as_view(data), seq_id, trailing=False)
+    if seq_id < 0:
+        return _read_whole(memory, pos, masks, k_rows, v_rows)
+    return _read_seq(memory, seq_id, pos, k_rows, v_rows)
+
+
+def _parse(cfg: RecurrentConfig, view, seq_id: int, trailing: bool):
+    """Every field of a blob checked: ``(pos, masks or None, k_rows, v_rows, bytes read)``."""
+    cur = _Cursor(view)
     n = cur.scalar("<I", "cell_count")
+    masks = None
     if seq_id < 0:
         if n > cfg.size:
             raise StateError(f"cell_count: expected at most size={cfg.size}, found {n}")
@@ -134,10 +143,14 @@ def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, donate: bo
     _check_equal("n_layer", cfg.n_layer, cur.scalar("<I", "n_layer"))
     k_rows = _parse_rows(cur, cfg, n, "k")
     v_rows = _parse_rows(cur, cfg, n, "v")
-    cur.finish()
-    if seq_id < 0:
-        return _read_whole(memory, pos, masks, k_rows, v_rows)
-    return _read_seq(memory, seq_id, pos, k_rows, v_rows)
+    if not trailing:
+        cur.finish()
+    return pos, masks, k_rows, v_rows, cur.off
+
+
+def recurrent_blob_size(memory: RecurrentCache, data, seq_id: int = -1) -> int:
+    """Bytes of the recurrent memory's blob at the start of ``data`` (checked as a read checks it)."""
+    return _parse(memory.config, _as_view(data), _check_seq(seq_id, memory.config), trailing=True)[-1]
 
 
 def _stack(rows: List[np.ndarray], cfg: RecurrentConfig, g: int) -> jnp.ndarray:

@@ -215,7 +215,7 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
     size = cache.size
     if cache.ubatch_split == "equal":
         _check_equal_ubatch(cache, ubatch)
-    elif n > size:
+    if cache.n_parts and n > size:
         raise ValueError(f"ubatch has {n} tokens: allowed at most size={size} (it can never fit)")
     ids = np.asarray(ubatch.seq_ids)[valid]
     bad = ids[(ids < -1) | (ids >= cache.n_seq_max)]
@@ -238,8 +238,9 @@ def _check_equal_ubatch(memory: Memory, ubatch: Ubatch) -> None:
         raise ValueError("ubatch has partly valid slots: allowed whole slots, the used ones first "
                          "(build it with kvjax.make_equal_ubatch)")
     n_seqs = int(on.sum())
-    if n_seqs > memory.size:
-        raise ValueError(f"ubatch has {n_seqs} sequences: allowed at most size={memory.size} (one cell each)")
+    cells = getattr(memory, "max_slots", memory.size)
+    if n_seqs > cells:
+        raise ValueError(f"ubatch has {n_seqs} sequences: allowed at most size={cells} (one state cell each)")
     ids = np.asarray(ubatch.seq_ids).reshape(n_slots, t, -1)[:n_seqs]
     if (ids != ids[:, :1]).any():
         raise ValueError("ubatch has a slot whose tokens belong to different sequences: allowed one "

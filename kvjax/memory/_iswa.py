@@ -294,6 +294,14 @@ class IswaCache(Memory):
     def state_write(self, seq_id: int = -1) -> bytes:
         return self.base.state_write(seq_id) + self.swa.state_write(seq_id)
 
+    def blob_size(self, data, seq_id: int = -1) -> int:
+        """Bytes of the pair's blob (the base's, then the window cache's) at the start of ``data``."""
+        from kvjax.io._state import _as_view, blob_size
+
+        view = _as_view(data)
+        cut = blob_size(self.base, view, seq_id)
+        return cut + blob_size(self.swa, view[cut:], seq_id)
+
     def state_read(self, data, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False) -> "IswaCache":
         from kvjax.io._state import _as_view, blob_size
 

@@ -483,6 +483,16 @@ class RecurrentCache(Memory):
     def max_context(self):
         return None
 
+    @property
+    def max_slots(self) -> int:
+        """Most sequences one ubatch can hold: one cell each."""
+        return self.config.size
+
+    def blob_size(self, data, seq_id: int = -1) -> int:
+        from kvjax.io._recurrent_state import recurrent_blob_size
+
+        return recurrent_blob_size(self, data, seq_id)
+
     def _with(self, cells: RecurrentCells) -> "RecurrentCache":
         return self.replace(cells=cells)
 

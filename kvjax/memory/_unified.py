@@ -183,6 +183,12 @@ class KVCache(Memory):
 
         return write_unified(self, seq_id)
 
+    def blob_size(self, data, seq_id: int = -1) -> int:
+        """Bytes of this cache's blob at the start of ``data`` (a composite's parts follow it)."""
+        from kvjax.io._state import blob_size
+
+        return blob_size(self, data, seq_id)
+
     def state_read(self, data, seq_id: int = -1, **options) -> "KVCache":
         from kvjax.io._state import read_unified
 
