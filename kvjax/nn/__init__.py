@@ -7,6 +7,8 @@
   uncached, configured by :class:`LlamaConfig`.
 - :class:`Mamba` (NNX): a selective state-space model numerically equal to transformers'
   ``MambaForCausalLM``, with an explicit per-sequence state (the recurrent memory's rows).
+- :class:`HybridLM` (NNX): attention blocks and Mamba blocks by a layer pattern (Jamba-like) over a
+  :class:`kvjax.HybridCache`.
 - :func:`make_step`: one jitted program per (ubatch bucket, window bucket) that places a ubatch,
   runs the model and donates the memory's buffers; :func:`window_for` / :func:`windows_for` pick
   the windows.
@@ -29,6 +31,7 @@ from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._llama import Block, Llama, LlamaConfig, MLP
 from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
 from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step, params_from_hf, select_states
+from kvjax.nn._hybrid import HybridLM, HybridLMConfig
 from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
                                     attend_uncached, swa_visible)
 from kvjax.nn._step import Step, make_step, window_for, windows_for
@@ -36,7 +39,7 @@ from kvjax.nn._step import Step, make_step, window_for, windows_for
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",
     "attend_cached", "attend_uncached", "layer_mask", "alibi_slopes", "swa_visible",
-    "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx",
+    "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx", "HybridLM", "HybridLMConfig",
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
 ]
