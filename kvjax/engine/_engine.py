@@ -51,6 +51,7 @@ from kvjax._compiles import CompileCounter, total_compile_seconds
 from kvjax._errors import CacheFullError
 from kvjax._validate import check_count, check_flag
 from kvjax.engine._sampling import SamplingConfig, sample
+from kvjax.engine._speculative import check_draft, speculative_stream
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
 from kvjax.nn._step import make_step
@@ -264,6 +265,8 @@ class GenerationResult:
         context_shifts: how many context shifts happened.
         compiles: XLA compilations during the call.
         compile_seconds: seconds of it spent tracing, lowering and compiling programs.
+        drafted: speculative decoding: tokens the draft model proposed.
+        accepted: speculative decoding: drafted tokens the target kept.
         decode_compile_seconds: the part of ``compile_seconds`` after the first token (new window
             buckets), which :attr:`steady_tokens_per_second` leaves out.
     """
@@ -276,6 +279,13 @@ class GenerationResult:
     compiles: int
     compile_seconds: float = 0.0
     decode_compile_seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Speculative decoding: the share of drafted tokens the target kept (0 without a draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -331,7 +341,8 @@ def _check_key(key) -> None:
 def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                     key: jax.Array, sampling: SamplingConfig = SamplingConfig(), n_parallel: int = 1,
                     share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
-                    n_keep: int = 0, stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
+                    n_keep: int = 0, draft: Optional["Engine"] = None, n_draft: int = 4,
+                    stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
     """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
 
     Args:
@@ -349,7 +360,16 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
             can run out of cells); when a sequence's next position reaches it, a context shift
             keeps ``n_keep`` tokens and discards half of the rest (llama.cpp's rule).
         n_keep: tokens kept at the start on a context shift.
-        stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts``.
+        draft: speculative decoding: an :class:`Engine` of a (smaller) draft model with the same
+            vocabulary and a memory of its own; it proposes ``n_draft`` tokens per sequence and
+            round, the target checks them in one batch and the rejected ones are rolled back from
+            both memories (``kvjax.engine._speculative``). The tokens are the target's: exactly its
+            greedy output with ``temperature=0``, distributed as its samples otherwise. Not with
+            ``n_parallel``, ``share_prefix`` sharing or context shifts.
+        n_draft: tokens proposed per round, in ``[1, 64]`` (a recurrent memory needs ``n_states``
+            above it to roll back).
+        stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts`` (and
+            ``drafted``, ``accepted`` with a draft).
 
     Yields:
         ``(i, token)`` for sequence ``i``.
@@ -368,6 +388,25 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         if len(prompts) != 1:
             raise ValueError(f"n_parallel={n_parallel} needs exactly one prompt, got {len(prompts)}")
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
+    stats = {} if stats is None else stats
+    if draft is not None:
+        if n_parallel > 1 or n_ctx is not None or n_keep:
+            raise ValueError("draft= is out of range with n_parallel > 1, n_ctx or n_keep: speculative decoding "
+                             "evaluates each prompt in its own sequence and never shifts the context")
+        longest = max(len(p) for p in prompts)
+        check_draft(engine, draft, n_draft, n_seq, longest, max_new_tokens)
+        _check_prompts(prompts, draft.vocab_size)
+        t0 = time.perf_counter()
+        first = True
+        for item in speculative_stream(engine, draft, prompts, max_new_tokens=max_new_tokens, key=key,
+                                       sampling=sampling, n_draft=int(n_draft), stop=set(stop_tokens), stats=stats):
+            if first:
+                stats["ttft"] = time.perf_counter() - t0
+                stats["compile_at_ttft"] = total_compile_seconds()
+                first = False
+            yield item
+        stats["prompt_tokens"] = sum(len(p) for p in prompts)
+        return
     if n_seq > engine.cache.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
     limit = engine.cache.max_context
@@ -391,7 +430,6 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     if busy:
         raise ValueError(f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "
                          f"free them with kvjax.seq_rm(cache, s) (or use a fresh cache)")
-    stats = {} if stats is None else stats
     stop = set(int(t) for t in stop_tokens)
     t0 = time.perf_counter()
 
@@ -474,7 +512,8 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
         key: PRNG key.
         sampling: the sampling rule.
         on_token: called with ``(sequence index, token)`` as each token comes (streaming).
-        **options: ``n_parallel``, ``share_prefix``, ``stop_tokens``, ``n_ctx``, ``n_keep``.
+        **options: ``n_parallel``, ``share_prefix``, ``stop_tokens``, ``n_ctx``, ``n_keep``, ``draft``,
+            ``n_draft``.
     """
     stats: dict = {}
     n_seq = options.get("n_parallel", 1) if options.get("n_parallel", 1) > 1 else len(prompts)
@@ -488,4 +527,5 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
                 on_token(s, tok)
     return GenerationResult(out, stats.get("prompt_tokens", 0), stats.get("ttft", 0.0), time.perf_counter() - t0,
                             stats.get("context_shifts", 0), compiles.count, compiles.seconds,
-                            total_compile_seconds() - stats.get("compile_at_ttft", total_compile_seconds()))
+                            total_compile_seconds() - stats.get("compile_at_ttft", total_compile_seconds()),
+                            stats.get("drafted", 0), stats.get("accepted", 0))

@@ -133,6 +133,10 @@ class HybridCache(Memory):
         return self.attention.size
 
     @property
+    def rollback_depth(self):
+        return self.recurrent.rollback_depth
+
+    @property
     def max_slots(self) -> int:
         """Most sequences one ubatch can hold: one state cell each."""
         return self.recurrent.size

@@ -294,6 +294,13 @@ class IswaCache(Memory):
     def state_write(self, seq_id: int = -1) -> bytes:
         return self.base.state_write(seq_id) + self.swa.state_write(seq_id)
 
+    @property
+    def rollback_depth(self):
+        # a pruned window cache has forgotten the cells a token at an earlier position would see
+        # again: only swa_full (no pruning) removes the last positions exactly, as llama.cpp's
+        # speculative decoding with SWA models needs --swa-full
+        return None if self.config.swa_full else 0
+
     def blob_size(self, data, seq_id: int = -1) -> int:
         """Bytes of the pair's blob (the base's, then the window cache's) at the start of ``data``."""
         from kvjax.io._state import _as_view, blob_size

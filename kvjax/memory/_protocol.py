@@ -265,6 +265,12 @@ class Memory(abc.ABC):
         The decode driver refuses a context shift on a memory that cannot shift.
         """
 
+    @property
+    def rollback_depth(self):
+        """How many of a sequence's last positions ``seq_rm(seq, p, -1)`` can always remove (static):
+        None when any (K/V per token), ``n_states - 1`` for a recurrent state (kept states)."""
+        return None
+
     # -- donation -------------------------------------------------------------------------------
 
     @abc.abstractmethod

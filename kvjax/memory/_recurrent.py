@@ -484,6 +484,10 @@ class RecurrentCache(Memory):
         return None
 
     @property
+    def rollback_depth(self):
+        return self.config.n_states - 1
+
+    @property
     def max_slots(self) -> int:
         """Most sequences one ubatch can hold: one cell each."""
         return self.config.size
