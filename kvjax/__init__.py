@@ -44,6 +44,7 @@ from kvjax._compiles import CompileCounter
 
 # The decode driver needs Flax (kvjax.nn); import it on first use so `import kvjax` stays light.
 _LAZY = {"Engine": "kvjax.engine._engine", "generate": "kvjax.engine._engine", "generate_stream": "kvjax.engine._engine",
+         "PromptCache": "kvjax.engine._prompt_cache",
          "GenerationResult": "kvjax.engine._engine"}
 
 
@@ -80,7 +81,7 @@ __all__ = [
     # state: the seed's byte format, session files, orbax checkpoints
     "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
     # generation: the decode driver, sampling
-    "Engine", "generate", "generate_stream", "GenerationResult", "SamplingConfig", "sample",
+    "Engine", "generate", "generate_stream", "GenerationResult", "PromptCache", "SamplingConfig", "sample",
     "CompileCounter",
     # inspection and errors
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",

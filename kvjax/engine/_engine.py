@@ -52,6 +52,7 @@ from kvjax._errors import CacheFullError
 from kvjax._validate import check_count, check_flag
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.engine._speculative import check_draft, speculative_stream
+from kvjax.engine._prompt_cache import PromptCache
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
 from kvjax.nn._step import make_step
@@ -166,13 +167,9 @@ class Engine:
             raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab})")
         tokens = tokens.astype(np.int32)
         pos = np.asarray(pos)
+        # a recurrent memory takes equal splits: the same number of tokens of each sequence per ubatch
         equal = self.cache.ubatch_split == "equal"
-        if equal:  # a recurrent memory: the same number of tokens of each sequence per ubatch
-            parts, ubatches = _equal_ubatches(pos, seq_ids, self.n_ubatch, self.cache.n_seq_max)
-        else:
-            parts = split_simple(seq_ids, self.n_ubatch)
-            ubatches = tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
-                                         n_seq_max=self.cache.n_seq_max) for idx in parts)
+        parts, ubatches = self._ubatches(pos, seq_ids)
         # one transfer: pending work, whether the batch fits, where it goes, the current extent
         pending, ok, placements, extent = jax.device_get(self._plan(ubatches))
         if bool(pending):  # the seed's order: apply the pending work (K-shift, defrag), then place
@@ -200,6 +197,28 @@ class Engine:
         if equal:  # ubatch rows are slot major: back to batch order
             logits = logits[np.argsort(np.concatenate(parts), kind="stable")]
         return logits
+
+    def _ubatches(self, pos, seq_ids, memory=None):
+        memory = self.cache if memory is None else memory
+        if memory.ubatch_split == "equal":
+            return _equal_ubatches(np.asarray(pos), seq_ids, self.n_ubatch, memory.n_seq_max)
+        parts = split_simple(seq_ids, self.n_ubatch)
+        pos = np.asarray(pos)
+        return parts, tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
+                                        n_seq_max=memory.n_seq_max) for idx in parts)
+
+    def fits(self, memory, spans) -> bool:
+        """A dry run: would positions ``[start, end)`` of each ``(seq_id, start, end)`` be placed in
+        ``memory``, as one batch? (Nothing changes; used to decide evictions.)"""
+        pos, ids = [], []
+        for seq, start, end in spans:
+            pos += range(start, end)
+            ids += [[seq]] * (end - start)
+        if not pos:
+            return True
+        _, ubatches = self._ubatches(pos, ids, memory)
+        _, rest = memory.split()
+        return bool(_plan(rest, ubatches, contiguous=self.contiguous)[1])
 
     # -- sequence management ----------------------------------------------------------------
 
@@ -342,7 +361,8 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                     key: jax.Array, sampling: SamplingConfig = SamplingConfig(), n_parallel: int = 1,
                     share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
                     n_keep: int = 0, draft: Optional["Engine"] = None, n_draft: int = 4,
-                    stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
+                    prompt_cache: Optional[PromptCache] = None, stats: Optional[dict] = None
+                    ) -> Iterator[Tuple[int, int]]:
     """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
 
     Args:
@@ -368,6 +388,11 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
             ``n_parallel``, ``share_prefix`` sharing or context shifts.
         n_draft: tokens proposed per round, in ``[1, 64]`` (a recurrent memory needs ``n_states``
             above it to roll back).
+        prompt_cache: a :class:`kvjax.PromptCache` of this engine's memory: each prompt gets a free
+            sequence id (not 0..n-1), reuses the longest parked prefix, and stays parked when
+            generation ends (its id is ``stats["seq_ids"]``); least recently used parked sequences
+            are evicted when the request would not fit. Not with ``n_parallel``, a draft or
+            context shifts (``n_ctx``, ``n_keep``).
         stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts`` (and
             ``drafted``, ``accepted`` with a draft).
 
@@ -411,7 +436,19 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
     limit = engine.cache.max_context
     longest = max(len(p) for p in prompts)
-    if limit is None and n_ctx is None:  # a recurrent state: positions are unbounded, nothing to shift
+    sid, held = list(range(n_seq)), [0] * n_seq
+    if prompt_cache is not None:
+        if not isinstance(prompt_cache, PromptCache):
+            raise ValueError(f"prompt_cache must be a kvjax.PromptCache, got {type(prompt_cache).__name__}")
+        if n_parallel > 1 or n_ctx is not None or n_keep:
+            raise ValueError("prompt_cache= is out of range with n_parallel > 1, n_ctx or n_keep: a cached request "
+                             "never shifts its context (the cache evicts instead)")
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(f"max_new_tokens={max_new_tokens} is out of range: a prompt of {longest} tokens and "
+                             f"its continuation must fit in size={limit} cells (nothing is shifted with a prompt cache)")
+        sid, held = prompt_cache.attach(engine, prompts, max_new_tokens)
+        limit, share_prefix = None, False
+    if limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
         n_ctx = None
     else:
         top = (limit if limit is not None else 2**31 - 1) // n_seq
@@ -426,7 +463,7 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                          f"a prompt of {longest} tokens would reach n_ctx={n_ctx} and need a context shift, which "
                          f"this memory cannot do (kvjax.can_shift is False); allowed max_new_tokens <= "
                          f"{n_ctx - longest}, or a memory with more cells")
-    busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0]
+    busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0] if prompt_cache is None else []
     if busy:
         raise ValueError(f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "
                          f"free them with kvjax.seq_rm(cache, s) (or use a fresh cache)")
@@ -448,16 +485,17 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                          f"would shift it for every sequence: allowed at most n_keep + (n_ctx - n_keep) // 2 = "
                          f"{first_discard} shared tokens; raise n_keep or n_ctx, or pass share_prefix=False")
     if shared:
-        shared_logits = engine.decode(shared, list(range(len(shared))), [[0]] * len(shared))
+        shared_logits = engine.decode(shared, list(range(len(shared))), [[sid[0]]] * len(shared))
         for s in range(1, n_seq):
-            engine.cache = kvjax.seq_cp(engine.cache, 0, s, -1, -1)
+            engine.cache = kvjax.seq_cp(engine.cache, sid[0], sid[s], -1, -1)
         prompt_tokens += len(shared)
     toks, pos, ids, last_row = [], [], [], {}
     for s, part in enumerate(own):
+        part = part[held[s]:]                     # a prompt cache already holds the first held[s] tokens
         for j, t in enumerate(part):
             toks.append(t)
-            pos.append(len(shared) + j)
-            ids.append([s])
+            pos.append(len(shared) + held[s] + j)
+            ids.append([sid[s]])
         if part:
             last_row[s] = len(toks) - 1
     if n_parallel > 1:
@@ -468,35 +506,43 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         rows = logits[jnp.asarray([last_row[s] for s in range(n_seq)])]
     next_pos = [len(p) for p in (prompts * n_seq if n_parallel > 1 else prompts)]
     stats["prompt_tokens"] = prompt_tokens
+    stats["seq_ids"] = sid
 
     # -- decode loop ------------------------------------------------------------------------
     active = list(range(n_seq))
     counts = [0] * n_seq
+    fed = [list(p) for p in (prompts * n_seq if n_parallel > 1 else prompts)]   # the tokens each sequence holds
     shifts = 0
-    while active:
-        key, sub = jax.random.split(key)
-        picked = np.asarray(sample(rows, sub, sampling))
-        if "ttft" not in stats:
-            stats["ttft"] = time.perf_counter() - t0
-            stats["compile_at_ttft"] = total_compile_seconds()
-        still = []
-        for s, tok in zip(active, picked.tolist()):
-            counts[s] += 1
-            yield s, tok
-            if tok not in stop and counts[s] < max_new_tokens:
-                still.append((s, tok))
-        if not still:
-            break
-        for s, _ in still:
-            if n_ctx is not None and next_pos[s] >= n_ctx:
-                n_discard = (next_pos[s] - n_keep) // 2
-                next_pos[s] = engine.context_shift(s, n_keep, n_discard)
-                shifts += 1
-        active = [s for s, _ in still]
-        logits = engine.decode([t for _, t in still], [next_pos[s] for s in active], [[s] for s in active])
-        for s in active:
-            next_pos[s] += 1
-        rows = logits
+    try:
+        while active:
+            key, sub = jax.random.split(key)
+            picked = np.asarray(sample(rows, sub, sampling))
+            if "ttft" not in stats:
+                stats["ttft"] = time.perf_counter() - t0
+                stats["compile_at_ttft"] = total_compile_seconds()
+            still = []
+            for s, tok in zip(active, picked.tolist()):
+                counts[s] += 1
+                yield s, tok
+                if tok not in stop and counts[s] < max_new_tokens:
+                    still.append((s, tok))
+            if not still:
+                break
+            for s, _ in still:
+                if n_ctx is not None and next_pos[s] >= n_ctx:
+                    n_discard = (next_pos[s] - n_keep) // 2
+                    next_pos[s] = engine.context_shift(sid[s], n_keep, n_discard)
+                    shifts += 1
+            active = [s for s, _ in still]
+            logits = engine.decode([t for _, t in still], [next_pos[s] for s in active], [[sid[s]] for s in active])
+            for s, tok in still:
+                next_pos[s] += 1
+                fed[s].append(tok)
+            rows = logits
+    finally:
+        if prompt_cache is not None:  # the sequences stay in the memory, parked for later requests
+            for s in range(n_seq):
+                prompt_cache.park(sid[s], fed[s])
     stats["context_shifts"] = shifts
 
 
@@ -513,7 +559,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
         sampling: the sampling rule.
         on_token: called with ``(sequence index, token)`` as each token comes (streaming).
         **options: ``n_parallel``, ``share_prefix``, ``stop_tokens``, ``n_ctx``, ``n_keep``, ``draft``,
-            ``n_draft``.
+            ``n_draft``, ``prompt_cache``.
     """
     stats: dict = {}
     n_seq = options.get("n_parallel", 1) if options.get("n_parallel", 1) > 1 else len(prompts)

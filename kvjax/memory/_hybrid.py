@@ -136,6 +136,11 @@ class HybridCache(Memory):
     def rollback_depth(self):
         return self.recurrent.rollback_depth
 
+    def share_prefix(self, src: int, dst: int, n: int):
+        from kvjax.memory._recurrent import share_state_prefix
+
+        return share_state_prefix(self, src, dst, n, attention_ok=n > 0 and self.attention.prefix_visible(src, n))
+
     @property
     def max_slots(self) -> int:
         """Most sequences one ubatch can hold: one state cell each."""

@@ -294,6 +294,16 @@ class IswaCache(Memory):
     def state_write(self, seq_id: int = -1) -> bytes:
         return self.base.state_write(seq_id) + self.swa.state_write(seq_id)
 
+    def prefix_visible(self, seq_id: int, n: int) -> bool:
+        # the window cache must still hold the oldest position a token at n can see (pruned ones are gone)
+        if not self.base.prefix_visible(seq_id, n):
+            return False
+        cfg = self.config
+        first = {"standard": n - cfg.n_swa + 1, "chunked": (n // cfg.n_swa) * cfg.n_swa,
+                 "symmetric": n - cfg.n_swa // 2}[cfg.swa_type.value]
+        held = int(self.swa.seq_pos_min(np.int32(seq_id)))
+        return held >= 0 and held <= max(0, first)
+
     @property
     def rollback_depth(self):
         # a pruned window cache has forgotten the cells a token at an earlier position would see

@@ -271,6 +271,28 @@ class Memory(abc.ABC):
         None when any (K/V per token), ``n_states - 1`` for a recurrent state (kept states)."""
         return None
 
+    # -- reuse of a held prefix (a prompt cache) ------------------------------------------------
+
+    def prefix_visible(self, seq_id: int, n: int) -> bool:
+        """Whether ``seq_id`` still holds everything a token at position ``n`` of a sequence that
+        shares its positions ``[0, n)`` would attend to (host side; concrete ids).
+
+        A cache that dropped the start of the sequence (a context shift) cannot lend its prefix.
+        """
+        return int(self.seq_pos_min(np.int32(seq_id))) == 0 and int(self.seq_pos_max(np.int32(seq_id))) >= n - 1
+
+    def share_prefix(self, src: int, dst: int, n: int) -> Tuple["Memory", int, bool]:
+        """Give the empty sequence ``dst`` the first ``n`` positions of ``src`` (host side), if exact.
+
+        Returns:
+            ``(memory, n_shared, src_consumed)``: ``n_shared`` is ``n`` or 0 (nothing shared: the
+            memory is returned as it was); ``src_consumed`` says ``src`` was removed to make it
+            possible (a recurrent state cannot be shared and rolled back at once).
+        """
+        if n <= 0 or not self.prefix_visible(src, n):
+            return self, 0, False
+        return self.seq_cp(np.int32(src), np.int32(dst), np.int32(0), np.int32(n)), n, False
+
     # -- donation -------------------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -487,6 +487,9 @@ class RecurrentCache(Memory):
     def rollback_depth(self):
         return self.config.n_states - 1
 
+    def share_prefix(self, src: int, dst: int, n: int):
+        return share_state_prefix(self, src, dst, n)
+
     @property
     def max_slots(self) -> int:
         """Most sequences one ubatch can hold: one cell each."""
@@ -692,6 +695,31 @@ class RecurrentCache(Memory):
         from kvjax.io._recurrent_state import read_recurrent
 
         return read_recurrent(self, data, seq_id, **options)
+
+
+def share_state_prefix(memory: Memory, src: int, dst: int, n: int, attention_ok: bool = True):
+    """``share_prefix`` for a memory with recurrent states (the recurrent memory, the hybrid).
+
+    A state covers every token up to its position, so ``dst`` can start from ``src``'s state only
+    at a position a state was kept for: the whole state (``n`` = its length; shared with
+    ``seq_cp``, copied on write later), or a kept older state (``n`` within the last
+    ``rollback_depth`` positions): then ``src`` is consumed (its state becomes ``dst``'s and is
+    rolled back to ``n``), because a shared state cannot be rolled back.
+    """
+    length = int(memory.seq_pos_max(np.int32(src))) + 1
+    if n <= 0 or length <= 0 or n > length or not attention_ok:
+        return memory, 0, False
+    src_, dst_, all_ = np.int32(src), np.int32(dst), np.int32(-1)
+    shared = memory.seq_cp(src_, dst_, all_, all_)
+    if n == length:
+        return shared, n, False
+    if length - n > (memory.rollback_depth or 0):
+        return memory, 0, False
+    consumed, _ = shared.seq_rm(src_, all_, all_)
+    rolled, ok = consumed.seq_rm(dst_, np.int32(n), all_)
+    if not bool(ok):
+        return memory, 0, False
+    return rolled, n, True
 
 
 def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:

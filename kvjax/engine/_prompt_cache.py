@@ -1,0 +1,222 @@
+"""A prompt cache that lives on the device: finished sequences stay parked, new prompts reuse them.
+
+Serving systems win most of their time to first token by reusing what earlier requests computed.
+kvjax's cells make reuse token-granular and free: ``seq_cp`` shares cells by setting a bit. What
+this module adds is remembering finished sequences and finding the longest match for a new prompt:
+
+- **parked sequences**: a finished request's sequence stays in the memory; its tokens are kept in a
+  small device pytree (:class:`PromptStore`, ``i32[S, L]`` tokens, lengths, a last-use clock);
+- **matching on the device**: one jitted call computes the common prefix of a new prompt with
+  every parked sequence at once (no loop over cached prompts, no copy of the token store to the
+  host: two integers come back);
+- **reuse**: the best match is lent to the new sequence with the memory's ``share_prefix`` (the
+  unified cache shares the cells; the iSWA pair only while its window cache still holds what the
+  first new token can see; a recurrent or hybrid memory only at a position a state was kept for,
+  consuming the parked sequence when that needs a rollback), so only the rest of the prompt is
+  evaluated;
+- **eviction**: when the request would not fit (a dry run of every token it may place) or there
+  are not enough free sequence ids, parked sequences are removed in least-recently-used order;
+  the evictions are tried on a copy of the memory (memories are values), so a request that cannot
+  fit even then raises :class:`kvjax.CacheFullError` with nothing changed.
+
+Example:
+    >>> import jax, kvjax
+    >>> from flax import nnx
+    >>> from kvjax.nn import Llama, LlamaConfig
+    >>> cfg = LlamaConfig(vocab_size=32, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
+    >>> engine = kvjax.Engine(Llama(cfg, rngs=nnx.Rngs(0)), kvjax.init(cfg.cache_config(size=128, n_seq_max=4)))
+    >>> cache = PromptCache(n_seq_max=4, max_tokens=64)
+    >>> greedy = kvjax.SamplingConfig(temperature=0)
+    >>> a = kvjax.generate(engine, [[1, 2, 3, 4, 5]], max_new_tokens=3, key=jax.random.PRNGKey(0), sampling=greedy,
+    ...                    prompt_cache=cache)
+    >>> b = kvjax.generate(engine, [[1, 2, 3, 4, 5, 6]], max_new_tokens=3, key=jax.random.PRNGKey(0),
+    ...                    sampling=greedy, prompt_cache=cache)
+    >>> a.prompt_tokens, b.prompt_tokens, cache.parked()          # the second prompt evaluated 1 token
+    (5, 1, [0, 1])
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+import kvjax
+from kvjax._errors import CacheFullError
+from kvjax._typing import Array, Int
+from kvjax._validate import check_count
+
+__all__ = ["PromptCache", "PromptStore", "match_prefix"]
+
+
+@struct.dataclass
+class PromptStore:
+    """The tokens of the parked sequences, on the device.
+
+    Attributes:
+        tokens: ``i32[S, L]`` the tokens each parked sequence holds (positions ``0..length-1``).
+        length: ``i32[S]`` tokens held, 0 for a sequence that is not parked.
+        last_used: ``i32[S]`` the clock value of the last park or reuse (least recently used first).
+    """
+
+    tokens: Int[Array, "S L"]
+    length: Int[Array, "S"]
+    last_used: Int[Array, "S"]
+
+
+@jax.jit
+def match_prefix(store: PromptStore, prompt: Int[Array, "L"], n: Int[Array, ""]):
+    """The parked sequence sharing the longest prefix with ``prompt[:n]``, and that length.
+
+    Ties go to the most recently used sequence. Returns ``(seq i32[], length i32[])``; the length
+    is 0 when nothing matches.
+    """
+    width = store.tokens.shape[1]
+    col = jnp.arange(width)
+    same = (store.tokens == prompt[None]) & (col[None] < store.length[:, None]) & (col[None] < n)
+    common = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1)
+    best_common = jnp.max(common)
+    recent = jnp.where(common == best_common, store.last_used, -1)
+    return jnp.argmax(recent).astype(jnp.int32), best_common.astype(jnp.int32)
+
+
+@jax.jit
+def _set(store: PromptStore, seq, row, length, clock) -> PromptStore:
+    return PromptStore(tokens=store.tokens.at[seq].set(row), length=store.length.at[seq].set(length),
+                       last_used=store.last_used.at[seq].set(clock))
+
+
+class PromptCache:
+    """Parked sequences of one memory and their tokens (see the module docstring).
+
+    Args:
+        n_seq_max: sequence ids of the memory it serves.
+        max_tokens: most tokens remembered per parked sequence (longer ones keep their first
+            ``max_tokens``; a match is never longer than what is remembered).
+    """
+
+    def __init__(self, n_seq_max: int, max_tokens: int):
+        n_seq_max = check_count("n_seq_max", n_seq_max, 1)
+        max_tokens = check_count("max_tokens", max_tokens, 1)
+        if n_seq_max * max_tokens > 2**28:
+            raise ValueError(f"max_tokens={max_tokens} is out of range: allowed n_seq_max * max_tokens <= 2**28")
+        self.n_seq_max, self.max_tokens = n_seq_max, max_tokens
+        self.store = PromptStore(tokens=jnp.zeros((n_seq_max, max_tokens), jnp.int32),
+                                 length=jnp.zeros((n_seq_max,), jnp.int32),
+                                 last_used=jnp.zeros((n_seq_max,), jnp.int32))
+        self.clock = 0
+        self._lengths = np.zeros(n_seq_max, np.int64)   # host mirror of store.length (tiny)
+        self._used = np.zeros(n_seq_max, np.int64)
+        self.reused_tokens = 0
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def parked(self) -> List[int]:
+        """The parked sequence ids, ascending."""
+        return [int(s) for s in np.flatnonzero(self._lengths)]
+
+    def lru(self) -> List[int]:
+        """The parked sequence ids, least recently used first."""
+        parked = self.parked()
+        return sorted(parked, key=lambda s: self._used[s])
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def park(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Remember that sequence ``seq_id`` of the memory holds ``tokens`` at positions ``0..n-1``."""
+        tokens = list(tokens)[: self.max_tokens]
+        row = np.zeros(self.max_tokens, np.int32)
+        row[: len(tokens)] = tokens
+        clock = self._tick()
+        self.store = _set(self.store, np.int32(seq_id), row, np.int32(len(tokens)), np.int32(clock))
+        self._lengths[seq_id] = len(tokens)
+        self._used[seq_id] = clock
+
+    def forget(self, seq_id: int) -> None:
+        """``seq_id`` is no longer parked (its cells are the caller's business)."""
+        self.store = _set(self.store, np.int32(seq_id), np.zeros(self.max_tokens, np.int32), np.int32(0), np.int32(0))
+        self._lengths[seq_id] = 0
+        self._used[seq_id] = 0
+
+    def _touch(self, seq_id: int) -> None:
+        clock = self._tick()
+        self.store = self.store.replace(last_used=self.store.last_used.at[seq_id].set(clock))
+        self._used[seq_id] = clock
+
+    def match(self, prompt: Sequence[int]) -> Tuple[int, int]:
+        """``(seq, length)``: the parked sequence with the longest common prefix with ``prompt``."""
+        if not self.parked():
+            return -1, 0
+        row = np.zeros(self.max_tokens, np.int32)
+        n = min(len(prompt), self.max_tokens)
+        row[:n] = list(prompt)[:n]
+        seq, length = jax.device_get(match_prefix(self.store, row, np.int32(n)))
+        return (int(seq), int(length)) if int(length) > 0 else (-1, 0)
+
+    # -- what generate does with it -----------------------------------------------------------------
+
+    def attach(self, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Tuple[List[int], List[int]]:
+        """Give each prompt a sequence id and lend it the longest usable parked prefix.
+
+        Returns:
+            ``(seq_ids, held)``: the memory's sequence id of each prompt and how many of its first
+            tokens the memory already holds for it (evaluate only the rest).
+
+        Raises:
+            kvjax.CacheFullError: the request does not fit even with every parked sequence evicted;
+                nothing changed (memory and cache).
+        """
+        memory = engine.cache
+        if memory.n_seq_max != self.n_seq_max:
+            raise ValueError(f"prompt_cache has n_seq_max={self.n_seq_max}: allowed the memory's {memory.n_seq_max}")
+        saved = (self.store, self.clock, self._lengths.copy(), self._used.copy())
+        try:
+            return self._attach(engine, memory, prompts, max_new_tokens)
+        except Exception:
+            self.store, self.clock, self._lengths, self._used = saved
+            raise
+
+    def _attach(self, engine, memory, prompts, max_new_tokens):
+        n = len(prompts)
+        parked = set(self.parked())
+        free = [s for s in range(self.n_seq_max) if s not in parked and int(memory.seq_pos_max(np.int32(s))) < 0]
+        evictable = self.lru()
+        # not enough sequence ids: the least recently used parked sequences make room
+        while len(free) < n and evictable:
+            victim = evictable.pop(0)
+            memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
+            self.forget(victim)
+            free.append(victim)
+        if len(free) < n:
+            raise ValueError(f"{n} prompts are out of range: allowed at most {len(free)} (free sequence ids of "
+                             f"n_seq_max={self.n_seq_max}, every parked one evicted)")
+        seq_ids, held = sorted(free)[:n], []
+        for prompt, dst in zip(prompts, seq_ids):
+            src, length = self.match(prompt)
+            length = min(length, len(prompt) - 1)      # the last prompt token is evaluated: its logits
+            shared = 0
+            if src >= 0 and length > 0:
+                memory, shared, consumed = memory.share_prefix(src, dst, length)
+                if consumed:
+                    self.forget(src)
+                elif shared:
+                    self._touch(src)
+            held.append(shared)
+        # a dry run of every token the request may place; evict least recently used until it fits
+        while not engine.fits(memory, [(s, h, len(p) + max_new_tokens) for s, h, p in zip(seq_ids, held, prompts)]):
+            candidates = [s for s in self.lru() if s not in seq_ids]
+            if not candidates:
+                raise CacheFullError(f"a request of {n} prompts and {max_new_tokens} new tokens each does not fit "
+                                     f"even with every parked sequence evicted; nothing changed")
+            victim = candidates[0]
+            memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
+            self.forget(victim)
+        engine.cache = memory
+        self.reused_tokens += sum(held)
+        return seq_ids, held
