@@ -359,11 +359,10 @@ class CachedAttention(nnx.Module):
         self.scale = None if scale is None else float(scale)
         self.softcap = None if softcap is None else float(softcap)
         self.qk_norm = bool(qk_norm)
-        self.q_norm = self.k_norm = None
-        if self.qk_norm:
-            norm = OffsetRMSNorm if norm_offset else nnx.RMSNorm
-            self.q_norm = norm(head_dim, epsilon=norm_eps, param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = norm(head_dim, epsilon=norm_eps, param_dtype=param_dtype, rngs=rngs)
+        norm = OffsetRMSNorm if norm_offset else nnx.RMSNorm
+        make = lambda: norm(head_dim, epsilon=norm_eps, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
+        self.q_norm = make() if self.qk_norm else None
+        self.k_norm = make() if self.qk_norm else None
 
     def _qkv(self, x):
         return project_qkv(self, x)
