@@ -71,6 +71,25 @@ def test_softcap_equals_numpy(softcap, scale):
         assert np.abs(plain[valid] - ref[valid]).max() > 1e-2
 
 
+def test_softcap_over_several_chunks():
+    """A window of 2048 cells is walked in several chunks (online softmax): the cap applies in each."""
+    rng = np.random.default_rng(7)
+    cfg = kvjax.CacheConfig(size=2048, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4, padding=256)
+    ub = kvjax.make_ubatch(range(1100), [[0]] * 1100)
+    assert kvjax.attn._attention.chunk_size(2048, 1, 2 * ub.length, 256) < 2048
+    cache, slot, _ = kvjax.find_slot(kvjax.init(cfg), ub)
+    k = rng.normal(size=(ub.length, 1, 4)).astype(np.float32) * 3
+    v = rng.normal(size=(ub.length, 1, 4)).astype(np.float32)
+    cache = kvjax.write(cache, 0, slot, jnp.asarray(k), jnp.asarray(v))
+    mask = kvjax.kq_mask_bool(cache, ub, 2048)
+    rows = np.array([0, 700, 1050, 1099])
+    q = rng.normal(size=(ub.length, 2, 4)).astype(np.float32) * 3
+    out = np.asarray(kvjax.attention(jnp.asarray(q), cache, 0, mask, softcap=1.0))
+    kc, vc = (np.asarray(x).transpose(1, 0, 2) for x in kvjax.view(cache, 0, 2048))
+    ref = _numpy_attention(q[rows], kc, vc, np.asarray(mask)[rows], 0.5, 1.0)
+    np.testing.assert_allclose(out[rows], ref, atol=2e-5)
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "2"])
 def test_softcap_bad_values(bad):
     cfg = kvjax.CacheConfig(size=16, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2, padding=16)
