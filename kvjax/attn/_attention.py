@@ -84,7 +84,7 @@ def _clean_pv(p, vc, pv_dims):
     return jnp.where(sees[..., None], jnp.nan, pv)
 
 
-def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
+def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
     ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
@@ -94,7 +94,8 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
     score block of one chunk (``[H, R, chunk]`` float32) is the largest temporary; mask and bias
     are broadcast per chunk, never expanded to ``[H, R, N]``. When ``chunk`` does not divide
     ``n_kv`` the last start is clamped and the columns an earlier step already covered are masked
-    out.
+    out. ``softcap`` (None or an f32 scalar) caps the scaled scores, ``softcap * tanh(s / softcap)``,
+    before mask and bias are added.
     """
     n_heads, n_rows, _ = qr.shape
     n_tok = n_rows // group
@@ -117,6 +118,8 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
         s = jax.lax.dot_general(qr, kc.astype(jnp.float32), qk_dims, preferred_element_type=jnp.float32)
+        if softcap is not None:  # Gemma 2's logit soft-capping, on the scaled scores before the mask
+            s = softcap * jnp.tanh(s / softcap)
         visible = ac > _NEG_INF                                     # [T, chunk]
         s = s.reshape(n_heads, group, n_tok, chunk) + ac
         if bias is not None:
@@ -153,7 +156,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group):
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "n_kv", "chunk", "return_lse"))
-def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse):
+def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, softcap=None):
     g_id, index = cache.config.locate(layer)
     k_all, v_all = cache.k[g_id], cache.v[g_id]  # [L, H, C, D], [L, H, C, Dv]
     n_heads = k_all.shape[1]
@@ -170,7 +173,7 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse):
     b = None
     if bias is not None:  # as [1 | Hq, 1 | T, 1 | N], broadcast chunk by chunk
         b = bias.astype(jnp.float32).reshape((1,) * (3 - bias.ndim) + tuple(bias.shape))
-    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g)
+    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g, softcap)
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:
@@ -180,7 +183,8 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse):
 
 def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
               mask: Union[Float[Array, "T N"], Bool[Array, "T N"]], *, scale: Optional[float] = None,
-              bias: Optional[Float[Array, "..."]] = None, return_lse: bool = False
+              bias: Optional[Float[Array, "..."]] = None, return_lse: bool = False,
+              softcap: Optional[float] = None
               ) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
     """Grouped-query attention of ``q`` over the first ``N = mask.shape[-1]`` cells of a layer.
 
@@ -195,6 +199,9 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
         bias: optional additive bias broadcastable to ``[Hq, T, N]`` (e.g. ALiBi slopes times the
             distances, or T5 relative-position biases).
         return_lse: also return the log-sum-exp of each row's scaled, masked scores.
+        softcap: optional attention-logit soft-capping (Gemma 2): the scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before the mask and bias are added (a finite number
+            > 0; ``None``, the default, leaves them as they are).
 
     Returns:
         ``out [T, Hq, Dv]`` in ``q.dtype`` (and ``lse f32[T, Hq]`` when ``return_lse``). Fully
@@ -202,7 +209,8 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
 
     Raises:
         ValueError: bad shapes or dtypes, ``Hq`` not a multiple of ``H``, ``D`` not the layer's
-            head size, a bad window, a bias that does not broadcast.
+            head size, a bad window, a bias that does not broadcast, a ``softcap`` that is not
+            a finite number > 0.
 
     Example:
         >>> import jax.numpy as jnp, kvjax
@@ -250,7 +258,12 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
             or not math.isfinite(scale):
         raise ValueError(f"scale={scale!r} must be a finite real number")
-    # scale travels as a traced f32 scalar: a new scale does not recompile
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
+                or not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap={softcap!r} is out of range: allowed a finite number > 0 (or None)")
+        softcap = np.float32(softcap)
+    # scale (and softcap) travel as traced f32 scalars: a new value does not recompile
     chunk = chunk_size(n_kv, grp.n_kv_heads, (hq // grp.n_kv_heads) * t, cfg.padding)
     return _attention(q, cache, mask, bias, np.float32(scale), layer=layer, n_kv=n_kv, chunk=chunk,
-                      return_lse=bool(return_lse))
+                      return_lse=bool(return_lse), softcap=softcap)

@@ -4,7 +4,9 @@
   attention that writes K/V into a kvjax cache and attends over the window, thin over
   :func:`attend_cached` (the cache logic is kvjax's own).
 - :class:`Llama` (NNX) and :class:`LlamaLinen` (linen): a tiny Llama-style decoder, cached or
-  uncached, configured by :class:`LlamaConfig`.
+  uncached, configured by :class:`LlamaConfig`; its options make it Gemma 2 / Gemma 3 (text)
+  (:meth:`LlamaConfig.from_hf`, :func:`llama_from_hf` loads the ``transformers`` weights;
+  :class:`OffsetRMSNorm` / :class:`LinenOffsetRMSNorm` are Gemma's ``(1 + w)`` RMSNorm).
 - :class:`Mamba` (NNX): a selective state-space model numerically equal to transformers'
   ``MambaForCausalLM``, with an explicit per-sequence state (the recurrent memory's rows).
 - :class:`HybridLM` (NNX): attention blocks and Mamba blocks by a layer pattern (Jamba-like) over a
@@ -28,10 +30,12 @@ Example:
 
 from kvjax.nn._linen_attention import LinenCachedAttention
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
-from kvjax.nn._llama import Block, Llama, LlamaConfig, MLP
+from kvjax.nn._hf import llama_from_hf
+from kvjax.nn._llama import ACTIVATIONS, Block, Llama, LlamaConfig, MLP
 from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
 from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step, params_from_hf, select_states
 from kvjax.nn._hybrid import HybridLM, HybridLMConfig
+from kvjax.nn._norm import LinenOffsetRMSNorm, OffsetRMSNorm, offset_rms_norm
 from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
                                     attend_uncached, swa_visible)
 from kvjax.nn._step import Step, make_step, window_for, windows_for
@@ -39,7 +43,8 @@ from kvjax.nn._step import Step, make_step, window_for, windows_for
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",
     "attend_cached", "attend_uncached", "layer_mask", "alibi_slopes", "swa_visible",
-    "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx", "HybridLM", "HybridLMConfig",
+    "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx", "ACTIVATIONS",
+    "llama_from_hf", "OffsetRMSNorm", "LinenOffsetRMSNorm", "offset_rms_norm", "HybridLM", "HybridLMConfig",
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
 ]

@@ -32,8 +32,9 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import UbatchInputs
-from kvjax.nn._nnx_attention import (alibi_slopes, attend_uncached, cached_attention_call, check_heads,
-                                    project_qkv)
+from kvjax.nn._nnx_attention import (alibi_slopes, attend_uncached, cached_attention_call,
+                                    check_attention_options, check_heads, project_qkv)
+from kvjax.nn._norm import LinenOffsetRMSNorm
 
 __all__ = ["LinenCachedAttention"]
 
@@ -53,6 +54,11 @@ class LinenCachedAttention(nn.Module):
         n_swa: the window size.
         use_bias: biases in the projections.
         param_dtype: parameter dtype.
+        scale: softmax scale (default ``1 / sqrt(head_dim)``; Gemma's ``query_pre_attn_scalar ** -0.5``).
+        softcap: attention-logit soft-capping (Gemma 2), or ``None``.
+        qk_norm: RMSNorm each head of Q and K before RoPE (Gemma 3): ``q_norm`` / ``k_norm``.
+        norm_offset: those norms scale by ``(1 + w)`` (Gemma) instead of ``w``.
+        norm_eps: their epsilon.
     """
 
     d_model: int
@@ -66,9 +72,15 @@ class LinenCachedAttention(nn.Module):
     n_swa: int = 0
     use_bias: bool = False
     param_dtype: Any = jnp.float32
+    scale: Optional[float] = None
+    softcap: Optional[float] = None
+    qk_norm: bool = False
+    norm_offset: bool = False
+    norm_eps: float = 1e-6
 
     def setup(self):
         check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
+        check_attention_options(self.scale, self.softcap, self.qk_norm, self.norm_eps)
         if SwaType(self.swa_type) != SwaType.NONE and not self.n_swa > 0:
             raise ValueError(f"n_swa={self.n_swa!r} is out of range: allowed an integer > 0 with "
                              f"swa_type={SwaType(self.swa_type).value!r}")
@@ -79,10 +91,15 @@ class LinenCachedAttention(nn.Module):
         self.k_proj = nn.Dense(self.n_kv_heads * self.head_dim, **dense)
         self.v_proj = nn.Dense(self.n_kv_heads * self.head_dim, **dense)
         self.o_proj = nn.Dense(self.d_model, **dense)
+        if self.qk_norm:
+            norm = LinenOffsetRMSNorm if self.norm_offset else nn.RMSNorm
+            self.q_norm = norm(epsilon=self.norm_eps, param_dtype=self.param_dtype)
+            self.k_norm = norm(epsilon=self.norm_eps, param_dtype=self.param_dtype)
 
     def _options(self):
         alibi = None if self.alibi_max_bias is None else alibi_slopes(self.n_heads, self.alibi_max_bias)
-        return dict(rope=self.rope, alibi=alibi, swa_type=SwaType(self.swa_type), n_swa=int(self.n_swa))
+        return dict(rope=self.rope, alibi=alibi, swa_type=SwaType(self.swa_type), n_swa=int(self.n_swa),
+                    scale=self.scale, softcap=self.softcap)
 
     def _qkv(self, x):
         return project_qkv(self, x)

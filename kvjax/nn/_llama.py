@@ -1,7 +1,11 @@
 """A tiny decoder-only Llama-style reference model in Flax NNX, cached through kvjax.
 
 RMSNorm, SwiGLU MLP, grouped-query attention, RoPE (or ALiBi), optional sliding windows on some
-layers, tied or untied embeddings; sizes from :class:`LlamaConfig`. The same weights run two ways:
+layers, tied or untied embeddings; sizes from :class:`LlamaConfig`. Options turn it into Gemma 2
+or Gemma 3 (text): ``(1 + w)`` norms, sandwich norms, scaled embeddings, GELU-tanh MLP,
+``query_pre_attn_scalar``, attention- and final-logit soft-capping, a RoPE base of its own for the
+window layers, per-head q/k norms (:meth:`LlamaConfig.from_hf` maps a ``transformers`` config,
+:func:`kvjax.nn.llama_from_hf` loads its weights). The same weights run two ways:
 
 - **cached** (``model(tokens, cache, ubatch, slot, n_kv=...)``): a ubatch of tokens of any mix of
   sequences goes through the kvjax cache (placed first with ``kvjax.find_slot``; the jitted
@@ -29,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Dict, Optional, Tuple, Union
 
 import jax
@@ -42,14 +48,35 @@ from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._inputs import MaskKind, UbatchInputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
+from kvjax.nn._norm import OffsetRMSNorm
 
-__all__ = ["LlamaConfig", "Llama", "Block", "MLP"]
+__all__ = ["LlamaConfig", "Llama", "Block", "MLP", "ACTIVATIONS"]
+
+#: The gated MLP's activations: ``"silu"`` (SwiGLU, Llama) and ``"gelu_tanh"`` (GeGLU with the
+#: tanh approximation, Gemma's ``gelu_pytorch_tanh``).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 def _pos_int(name, value, minimum=1):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
     return int(value)
+
+
+def _pos_real(name, value):
+    """``None`` or a finite real > 0, as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} is out of range: allowed a finite number > 0 (or None)")
+    return float(value)
+
+
+def _flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} is out of range: allowed a bool")
+    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +100,29 @@ class LlamaConfig:
         n_swa: their window size (> 0 when ``swa_layers`` is not empty).
         tie_embeddings: share the token embedding with the output projection.
 
+    Gemma options (the defaults keep the Llama model exactly):
+
+    Attributes:
+        norm_offset: every RMSNorm scales by ``(1 + w)`` with ``w`` stored as in HF Gemma
+            (initialised to 0), computed in float32 (:class:`kvjax.nn.OffsetRMSNorm`).
+        sandwich_norms: Gemma 2/3's extra norms on the outputs of attention and MLP before each
+            residual add: ``x + post_attn_norm(attn(attn_norm(x)))``, then
+            ``x + post_mlp_norm(mlp(mlp_norm(x)))``.
+        scale_embeddings: multiply the embeddings by ``sqrt(d_model)`` (in their dtype, as HF);
+            the tied output projection uses the unscaled table.
+        activation: the gated MLP's activation, ``"silu"`` or ``"gelu_tanh"``
+            (:data:`ACTIVATIONS`).
+        query_pre_attn_scalar: softmax scale ``query_pre_attn_scalar ** -0.5`` instead of
+            ``head_dim ** -0.5`` (> 0, or ``None``).
+        attn_logit_softcap: attention-logit soft-capping, ``c * tanh(s / c)`` of the scaled scores
+            before the mask (Gemma 2; > 0, or ``None``).
+        final_logit_softcap: the same on the output logits (Gemma 2; > 0, or ``None``).
+        swa_rope: RoPE parameters of the window layers when they differ from ``rope`` (Gemma 3:
+            local layers base 10000, global layers 1e6); needs ``position="rope"``. The cache
+            then gets one RoPE per layer for its K-shift.
+        qk_norm: RMSNorm of each head of Q and K over ``head_dim`` before RoPE (Gemma 3), with
+            the ``(1 + w)`` scale when ``norm_offset``.
+
     Example:
         >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
         >>> cfg.head_size, cfg.ff_size, cfg.rope_config.n_rot
@@ -94,6 +144,15 @@ class LlamaConfig:
     swa_type: Union[SwaType, str] = SwaType.STANDARD
     n_swa: int = 0
     tie_embeddings: bool = False
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    activation: str = "silu"
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+    swa_rope: Optional[RopeConfig] = None
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "n_heads", "n_kv_heads"):
@@ -127,6 +186,108 @@ class LlamaConfig:
                 raise ValueError("swa_type='none' is out of range with swa_layers: allowed 'standard', "
                                  "'chunked' or 'symmetric'")
             _pos_int("n_swa", self.n_swa)
+        for name in ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm"):
+            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+        if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is out of range: allowed one of {sorted(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            object.__setattr__(self, name, _pos_real(name, getattr(self, name)))
+        if self.swa_rope is not None:
+            if not isinstance(self.swa_rope, RopeConfig):
+                raise ValueError(f"swa_rope={self.swa_rope!r} is out of range: allowed a kvjax.RopeConfig or None")
+            if self.position != "rope":
+                raise ValueError(f"swa_rope={self.swa_rope!r} is out of range with position={self.position!r}: "
+                                 f"allowed only with position='rope' (or swa_rope=None)")
+            if self.swa_rope.n_rot > self.head_size:
+                raise ValueError(f"swa_rope.n_rot={self.swa_rope.n_rot} is out of range: allowed <= "
+                                 f"head_dim={self.head_size}")
+
+    @staticmethod
+    def window_pattern(n_layer: int, every: int) -> Tuple[int, ...]:
+        """The window layers of HF's Gemma pattern: layer ``i`` is global when ``(i + 1) % every == 0``.
+
+        Gemma 2 is ``every=2`` (even layers slide), Gemma 3 ``every=6`` (5 local, then 1 global).
+
+        Example:
+            >>> LlamaConfig.window_pattern(4, 2), LlamaConfig.window_pattern(8, 6)
+            ((0, 2), (0, 1, 2, 3, 4, 6, 7))
+        """
+        _pos_int("n_layer", n_layer)
+        _pos_int("every", every)
+        return tuple(i for i in range(n_layer) if (i + 1) % every)
+
+    @classmethod
+    def from_hf(cls, hf_config, **overrides) -> "LlamaConfig":
+        """The config of a ``transformers`` ``Gemma2Config`` or ``Gemma3TextConfig`` (or ``Gemma3Config``).
+
+        Maps sizes, ``rms_norm_eps``, ``layer_types`` (or the older ``sliding_window_pattern``) to
+        ``swa_layers``, ``sliding_window`` to ``n_swa``, ``query_pre_attn_scalar``, the soft-caps,
+        ``hidden_activation``, tied embeddings and the RoPE of each layer kind (``rope_parameters``
+        or ``rope_theta`` / ``rope_local_base_freq``; ``"default"`` and ``"linear"`` RoPE, neox
+        layout as HF's ``rotate_half``). Gemma 3's attention does not apply
+        ``attn_logit_softcapping`` in ``transformers``, so neither does its config here.
+        ``overrides`` replace fields afterwards.
+
+        Raises:
+            ValueError: another model type, an activation other than GELU-tanh, a RoPE type other
+                than default or linear, bidirectional attention, or a bad mapped value.
+
+        Example:
+            >>> from transformers import Gemma2Config           # doctest: +SKIP
+            >>> LlamaConfig.from_hf(Gemma2Config(num_hidden_layers=4)).swa_layers  # doctest: +SKIP
+            (0, 2)
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type == "gemma3" and getattr(hf_config, "text_config", None) is not None:
+            hf_config, model_type = hf_config.text_config, hf_config.text_config.model_type
+        if model_type not in ("gemma2", "gemma3_text"):
+            raise ValueError(f"hf_config.model_type={model_type!r} is out of range: allowed 'gemma2', "
+                             f"'gemma3_text' or 'gemma3'")
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError("hf_config.use_bidirectional_attention=True is out of range: allowed False "
+                             "(the reference model is causal)")
+        act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None)
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"hf_config.hidden_activation={act!r} is out of range: allowed 'gelu_pytorch_tanh'")
+        if getattr(hf_config, "attention_bias", False):
+            raise ValueError("hf_config.attention_bias=True is out of range: allowed False")
+        n_layer = int(hf_config.num_hidden_layers)
+        types = getattr(hf_config, "layer_types", None)
+        if types is None:
+            every = getattr(hf_config, "sliding_window_pattern", None) or (2 if model_type == "gemma2" else 6)
+            swa_layers = cls.window_pattern(n_layer, int(every))
+        else:
+            bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+            if bad or len(types) != n_layer:
+                raise ValueError(f"hf_config.layer_types={list(types)!r} is out of range: allowed {n_layer} "
+                                 f"entries of 'sliding_attention' / 'full_attention'")
+            swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        if model_type == "gemma3_text":
+            full = _hf_rope(params.get("full_attention") or {"rope_theta": getattr(hf_config, "rope_theta", 1e6)},
+                            head_dim)
+            local = _hf_rope(params.get("sliding_attention")
+                             or {"rope_theta": getattr(hf_config, "rope_local_base_freq", 1e4)}, head_dim)
+            attn_cap = None   # transformers' Gemma 3 attention ignores attn_logit_softcapping
+        else:
+            full = _hf_rope(params if "rope_theta" in params else {"rope_theta": getattr(hf_config, "rope_theta", 1e4)},
+                            head_dim)
+            local = full
+            attn_cap = getattr(hf_config, "attn_logit_softcapping", None)
+        args = dict(
+            vocab_size=int(hf_config.vocab_size), d_model=int(hf_config.hidden_size), n_layer=n_layer,
+            n_heads=int(hf_config.num_attention_heads), n_kv_heads=int(hf_config.num_key_value_heads),
+            head_dim=head_dim, d_ff=int(hf_config.intermediate_size), norm_eps=float(hf_config.rms_norm_eps),
+            rope=full, swa_layers=swa_layers, swa_type=SwaType.STANDARD,
+            n_swa=int(hf_config.sliding_window) if swa_layers else 0,
+            tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+            norm_offset=True, sandwich_norms=True, scale_embeddings=True, activation="gelu_tanh",
+            query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar), attn_logit_softcap=attn_cap,
+            final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
+            swa_rope=local if local != full else None, qk_norm=model_type == "gemma3_text")
+        args.update(overrides)
+        return cls(**args)
 
     # -- derived ---------------------------------------------------------------------------
 
@@ -149,6 +310,17 @@ class LlamaConfig:
             return None
         return self.rope if self.rope is not None else RopeConfig(n_rot=self.head_size)
 
+    def layer_rope(self, layer: int) -> Optional[RopeConfig]:
+        """The RoPE parameters of a layer: ``swa_rope`` for a window layer when set, else :attr:`rope_config`."""
+        if self.swa_rope is not None and layer in self.swa_layers:
+            return self.swa_rope
+        return self.rope_config
+
+    @property
+    def attn_scale(self) -> Optional[float]:
+        """The softmax scale: ``query_pre_attn_scalar ** -0.5``, or ``None`` (``head_dim ** -0.5``)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+
     def layer_window(self, layer: int) -> Tuple[SwaType, int]:
         """``(swa_type, n_swa)`` of a layer (``("none", 0)`` for full attention)."""
         if layer in self.swa_layers:
@@ -158,15 +330,18 @@ class LlamaConfig:
     def cache_config(self, size: int, n_seq_max: int, **overrides) -> CacheConfig:
         """A kvjax :class:`~kvjax.CacheConfig` that fits this model.
 
-        Layer count, kv heads, head size and the RoPE parameters for K-shift come from the model;
-        ``overrides`` (``padding``, ``k_dtype``, ``v_dtype``, ...) pass through.
+        Layer count, kv heads, head size and the RoPE parameters for K-shift come from the model
+        (one per layer with ``swa_rope``); ``overrides`` (``padding``, ``k_dtype``, ``v_dtype``, ...) pass through.
 
         Example:
             >>> LlamaConfig().cache_config(size=64, n_seq_max=2).n_kv_heads
             (2, 2)
         """
+        rope = self.rope_config
+        if self.swa_rope is not None:
+            rope = tuple(self.layer_rope(il) for il in range(self.n_layer))
         args = dict(size=size, n_seq_max=n_seq_max, n_layer=self.n_layer, n_kv_heads=self.n_kv_heads,
-                    head_dim=self.head_size, rope=self.rope_config)
+                    head_dim=self.head_size, rope=rope)
         args.update(overrides)
         return CacheConfig(**args)
 
@@ -199,6 +374,19 @@ class LlamaConfig:
                 for il in range(self.n_layer)}
 
 
+def _hf_rope(params: dict, head_dim: int) -> RopeConfig:
+    """A :class:`RopeConfig` of one HF ``rope_parameters`` entry (neox layout over the whole head)."""
+    kind = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", 10000.0))
+    if kind == "default":
+        scale = 1.0
+    elif kind == "linear":
+        scale = 1.0 / float(params["factor"])
+    else:
+        raise ValueError(f"hf_config rope_type={kind!r} is out of range: allowed 'default' or 'linear'")
+    return RopeConfig(n_rot=head_dim, mode="neox", freq_base=theta, freq_scale=scale)
+
+
 def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
     """Validate the token ids of a ubatch: ``i32[T]`` with T the ubatch length, ids in range."""
     if not isinstance(ubatch, Ubatch):
@@ -215,43 +403,68 @@ def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, no biases."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, no biases (SwiGLU with ``"silu"``, GeGLU-tanh with ``"gelu_tanh"``)."""
 
-    def __init__(self, d_model: int, d_ff: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "silu", rngs: nnx.Rngs):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is out of range: allowed one of {sorted(ACTIVATIONS)}")
+        self.activation = activation
         self.gate = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
         self.down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+
+
+def _post(norm, h):
+    """``norm(h)``, or ``h`` where the block has no such norm (no sandwich norms)."""
+    return h if norm is None else norm(h)
 
 
 def block_cached(block, x, memory, inputs):
     """Pre-norm residual block through the memory (shared by the NNX and linen blocks)."""
     h, memory = block.attn(block.attn_norm(x), memory, inputs)
-    x = x + h
-    return x + block.mlp(block.mlp_norm(x)), memory
+    x = x + _post(block.post_attn_norm, h)
+    return x + _post(block.post_mlp_norm, block.mlp(block.mlp_norm(x))), memory
 
 
 def block_uncached(block, x, pos):
     """The same block without a cache."""
-    x = x + block.attn.uncached(block.attn_norm(x), pos)
-    return x + block.mlp(block.mlp_norm(x))
+    x = x + _post(block.post_attn_norm, block.attn.uncached(block.attn_norm(x), pos))
+    return x + _post(block.post_mlp_norm, block.mlp(block.mlp_norm(x)))
+
+
+def _nnx_norm(config: LlamaConfig, dim: int, rngs: nnx.Rngs):
+    if config.norm_offset:
+        return OffsetRMSNorm(dim, epsilon=config.norm_eps, rngs=rngs)
+    return nnx.RMSNorm(dim, epsilon=config.norm_eps, rngs=rngs)
+
+
+def attention_options(config: LlamaConfig, layer: int) -> dict:
+    """The keyword options of layer ``layer``'s attention (shared by the NNX and linen blocks)."""
+    swa_type, n_swa = config.layer_window(layer)
+    return dict(rope=config.layer_rope(layer),
+                alibi_max_bias=config.alibi_max_bias if config.position == "alibi" else None,
+                swa_type=swa_type, n_swa=n_swa, scale=config.attn_scale, softcap=config.attn_logit_softcap,
+                qk_norm=config.qk_norm, norm_offset=config.norm_offset, norm_eps=config.norm_eps)
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    With ``config.sandwich_norms`` (Gemma 2/3) the attention and MLP outputs are normalised again
+    (``post_attn_norm``, ``post_mlp_norm``) before each residual add.
+    """
 
     def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
-        swa_type, n_swa = config.layer_window(layer)
-        self.attn_norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
-        self.attn = CachedAttention(
-            config.d_model, config.n_heads, config.n_kv_heads, config.head_size, layer=layer,
-            rope=config.rope_config,
-            alibi_max_bias=config.alibi_max_bias if config.position == "alibi" else None,
-            swa_type=swa_type, n_swa=n_swa, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
-        self.mlp = MLP(config.d_model, config.ff_size, rngs=rngs)
+        self.attn_norm = _nnx_norm(config, config.d_model, rngs)
+        self.attn = CachedAttention(config.d_model, config.n_heads, config.n_kv_heads, config.head_size,
+                                    layer=layer, rngs=rngs, **attention_options(config, layer))
+        self.post_attn_norm = _nnx_norm(config, config.d_model, rngs) if config.sandwich_norms else None
+        self.mlp_norm = _nnx_norm(config, config.d_model, rngs)
+        self.mlp = MLP(config.d_model, config.ff_size, activation=config.activation, rngs=rngs)
+        self.post_mlp_norm = _nnx_norm(config, config.d_model, rngs) if config.sandwich_norms else None
 
     def __call__(self, x, memory, inputs):
         return block_cached(self, x, memory, inputs)
@@ -259,6 +472,24 @@ class Block(nnx.Module):
     def uncached(self, x, pos):
         """``x [B, T, E]``, ``pos i32[B, T]``: the block without a cache."""
         return block_uncached(self, x, pos)
+
+
+def embed_tokens(model, tokens):
+    """The token embeddings, times ``sqrt(d_model)`` in their own dtype with ``scale_embeddings``."""
+    x = model.embed(tokens)
+    if model.config.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(model.config.d_model), x.dtype)
+    return x
+
+
+def output_logits(model, x):
+    """Final norm, output projection (tied or not) and the final-logit soft-cap (shared by NNX and linen)."""
+    x = model.norm(x)
+    logits = model.embed.attend(x) if model.lm_head is None else model.lm_head(x)
+    cap = model.config.final_logit_softcap
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 def model_cached(model, tokens, memory, inputs):
@@ -269,7 +500,7 @@ def model_cached(model, tokens, memory, inputs):
     check_tokens(tokens, inputs.ubatch, cfg.vocab_size)
     # one mask per kind of layer (the cells do not change between layers, only K/V do)
     inputs = inputs.with_masks(memory, cfg.mask_kinds(memory).values())
-    x = model.embed(tokens)
+    x = embed_tokens(model, tokens)
     for block in model.layers:
         x, memory = block(x, memory, inputs)
     return model._logits(x), memory
@@ -286,7 +517,7 @@ def model_uncached(model, tokens, positions=None):
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     positions = jnp.asarray(positions, jnp.int32).reshape(tokens.shape)
-    x = model.embed(tokens)
+    x = embed_tokens(model, tokens)
     for block in model.layers:
         x = block.uncached(x, positions)
     out = model._logits(x)
@@ -307,13 +538,12 @@ class Llama(nnx.Module):
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
         self.layers = nnx.List([Block(config, il, rngs=rngs) for il in range(config.n_layer)])
-        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
+        self.norm = _nnx_norm(config, config.d_model, rngs)
         self.lm_head = None if config.tie_embeddings else nnx.Linear(
             config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
 
     def _logits(self, x):
-        x = self.norm(x)
-        return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return output_logits(self, x)
 
     def __call__(self, tokens: Int[Array, "T"], memory: Memory, inputs: UbatchInputs
                  ) -> Tuple[Float[Array, "T V"], Memory]:

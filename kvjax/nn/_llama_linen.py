@@ -31,7 +31,9 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import UbatchInputs
 from kvjax.nn._linen_attention import LinenCachedAttention
-from kvjax.nn._llama import Llama, LlamaConfig, block_cached, block_uncached, model_cached, model_uncached
+from kvjax.nn._llama import (ACTIVATIONS, Llama, LlamaConfig, attention_options, block_cached, block_uncached,
+                             model_cached, model_uncached, output_logits)
+from kvjax.nn._norm import LinenOffsetRMSNorm
 
 __all__ = ["LlamaLinen", "params_from_nnx"]
 
@@ -39,6 +41,7 @@ __all__ = ["LlamaLinen", "params_from_nnx"]
 class _MLP(nn.Module):
     d_ff: int
     d_model: int
+    activation: str = "silu"
 
     def setup(self):
         self.gate = nn.Dense(self.d_ff, use_bias=False)
@@ -46,7 +49,11 @@ class _MLP(nn.Module):
         self.down = nn.Dense(self.d_model, use_bias=False)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+
+
+def _linen_norm(cfg: LlamaConfig):
+    return LinenOffsetRMSNorm(epsilon=cfg.norm_eps) if cfg.norm_offset else nn.RMSNorm(epsilon=cfg.norm_eps)
 
 
 class _Block(nn.Module):
@@ -55,15 +62,14 @@ class _Block(nn.Module):
 
     def setup(self):
         cfg = self.config
-        swa_type, n_swa = cfg.layer_window(self.layer)
-        self.attn_norm = nn.RMSNorm(epsilon=cfg.norm_eps)
+        self.attn_norm = _linen_norm(cfg)
         self.attn = LinenCachedAttention(
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size,
-            layer=self.layer, rope=cfg.rope_config,
-            alibi_max_bias=cfg.alibi_max_bias if cfg.position == "alibi" else None,
-            swa_type=swa_type, n_swa=n_swa)
-        self.mlp_norm = nn.RMSNorm(epsilon=cfg.norm_eps)
-        self.mlp = _MLP(cfg.ff_size, cfg.d_model)
+            layer=self.layer, **attention_options(cfg, self.layer))
+        self.post_attn_norm = _linen_norm(cfg) if cfg.sandwich_norms else None
+        self.mlp_norm = _linen_norm(cfg)
+        self.mlp = _MLP(cfg.ff_size, cfg.d_model, cfg.activation)
+        self.post_mlp_norm = _linen_norm(cfg) if cfg.sandwich_norms else None
 
     def __call__(self, x, memory, inputs):
         return block_cached(self, x, memory, inputs)
@@ -87,12 +93,11 @@ class LlamaLinen(nn.Module):
             raise ValueError(f"config must be a kvjax.nn.LlamaConfig, got {type(cfg).__name__}")
         self.embed = nn.Embed(cfg.vocab_size, cfg.d_model)
         self.layers = [_Block(cfg, il) for il in range(cfg.n_layer)]
-        self.norm = nn.RMSNorm(epsilon=cfg.norm_eps)
+        self.norm = _linen_norm(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Dense(cfg.vocab_size, use_bias=False)
 
     def _logits(self, x):
-        x = self.norm(x)
-        return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+        return output_logits(self, x)
 
     def __call__(self, tokens: Int[Array, "T"], memory: Memory, inputs: UbatchInputs
                  ) -> Tuple[Float[Array, "T V"], Memory]:

@@ -46,6 +46,7 @@ import kvjax
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
+from kvjax.nn._norm import OffsetRMSNorm
 from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.memory._ubatch import Ubatch
 
@@ -116,7 +117,8 @@ def _alibi_bias(mask: Float[Array, "T N"], slopes) -> Float[Array, "Hq T N"]:
 def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[Array, "T H Dv"],
                   memory: Memory, layer: int, inputs: UbatchInputs, *, rope: Optional[RopeConfig] = None,
                   alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
-                  n_swa: int = 0, scale: Optional[float] = None) -> Tuple[Float[Array, "T Hq Dv"], Memory]:
+                  n_swa: int = 0, scale: Optional[float] = None, softcap: Optional[float] = None
+                  ) -> Tuple[Float[Array, "T Hq Dv"], Memory]:
     """One layer's attention through a memory (any kind with attention parts).
 
     The layer reaches its attention part by its id (``memory.layer_part(layer)``, static), writes
@@ -137,6 +139,8 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
         swa_type: this layer's sliding-window kind.
         n_swa: this layer's window size.
         scale: softmax scale (default ``1 / sqrt(D)``).
+        softcap: attention-logit soft-capping (``softcap * tanh(s / softcap)`` of the scaled
+            scores before the mask; ``None`` for none), as ``kvjax.attention``.
 
     Returns:
         ``(out [T, Hq, Dv], memory)``: rows of fully masked (padding) tokens are 0.
@@ -160,19 +164,22 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
         # the visibility goes in as a boolean mask and the scaled distances as the bias
         bias = _alibi_bias(mask, alibi)
         mask = jnp.isfinite(mask)
-    out = kvjax.attention(q, cache, layer, mask, scale=scale, bias=bias)
+    out = kvjax.attention(q, cache, layer, mask, scale=scale, bias=bias, softcap=softcap)
     return out, memory.with_part(part, cache)
 
 
 def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: Float[Array, "B T H Dv"],
                     pos: Int[Array, "B T"], *, rope: Optional[RopeConfig] = None,
                     alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
-                    n_swa: int = 0, scale: Optional[float] = None) -> Float[Array, "B T Hq Dv"]:
+                    n_swa: int = 0, scale: Optional[float] = None, softcap: Optional[float] = None
+                    ) -> Float[Array, "B T Hq Dv"]:
     """Attention of each sequence (row b) over its own tokens, without any cache: the reference.
 
     Token ``i`` sees token ``j`` of its row when ``pos[j] <= pos[i]`` and ``pos[j]`` is inside
     ``pos[i]``'s sliding window; ALiBi adds ``-slope_h * |pos[i] - pos[j]|``. Built on
-    ``jax.nn.dot_product_attention`` (GQA included), independent of ``kvjax.attention``.
+    ``jax.nn.dot_product_attention`` (GQA included), independent of ``kvjax.attention``; with
+    ``softcap`` (which that function does not offer) on a plain einsum softmax whose scaled scores
+    ``s`` become ``softcap * tanh(s / softcap)`` before the mask, as in Gemma 2.
 
     Example:
         >>> q, k = jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))      # [B, T, Hq, D], [B, T, H, D]
@@ -192,16 +199,41 @@ def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: 
     if alibi is not None:
         slopes = jnp.asarray(alibi, jnp.float32)
         bias = -slopes[None, :, None, None] * jnp.abs(p_tok - p_key).astype(jnp.float32)[:, None]
+    if softcap is not None:
+        out = _softcapped_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                    bias, visible[:, None], scale, softcap)
+        return out.astype(v.dtype)
     out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
                                        v.astype(jnp.float32), bias=bias, mask=visible[:, None],
                                        scale=scale)
     return out.astype(v.dtype)
 
 
+def _softcapped_attention(q: Float[Array, "B T Hq D"], k: Float[Array, "B S H D"], v: Float[Array, "B S H Dv"],
+                          bias: Optional[Float[Array, "B Hq T S"]], visible: Bool[Array, "B 1 T S"],
+                          scale: Optional[float], softcap: float) -> Float[Array, "B T Hq Dv"]:
+    """``softmax(cap(q k^T * scale) + bias, masked) v`` with ``cap(s) = softcap * tanh(s / softcap)``.
+
+    Query head ``j`` reads kv head ``j // G`` (``G = Hq / H``); a row that sees nothing gives 0.
+    """
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
+    s = softcap * jnp.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    s = jnp.where(visible, s, -jnp.inf)
+    seen = jnp.any(visible, axis=-1, keepdims=True)
+    p = jax.nn.softmax(jnp.where(seen, s, 0.0), axis=-1) * seen
+    return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
 def cached_attention_call(layer, x, memory, inputs, **options):
     """The cached call of an attention layer (shared by the NNX and linen layers).
 
-    ``options`` are :func:`attend_cached`'s (``rope``, ``alibi``, ``swa_type``, ``n_swa``).
+    ``options`` are :func:`attend_cached`'s (``rope``, ``alibi``, ``swa_type``, ``n_swa``,
+    ``scale``, ``softcap``).
     """
     check_layer_cache(memory, layer.layer, layer.n_kv_heads, layer.head_dim)
     check_inputs(inputs)
@@ -232,6 +264,19 @@ def check_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"n_heads={n_heads} is out of range: allowed a multiple of n_kv_heads={n_kv_heads} (GQA)")
 
 
+def check_attention_options(scale, softcap, qk_norm, norm_eps) -> None:
+    """Validate the Gemma-style options of an attention layer (shared by the NNX and linen layers)."""
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+                                  or not (math.isfinite(value) and value > 0)):
+            raise ValueError(f"{name}={value!r} is out of range: allowed a finite number > 0 (or None)")
+    if not isinstance(qk_norm, (bool, np.bool_)):
+        raise ValueError(f"qk_norm={qk_norm!r} is out of range: allowed a bool")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(norm_eps) and norm_eps > 0):
+        raise ValueError(f"norm_eps={norm_eps!r} is out of range: allowed a finite number > 0")
+
+
 def check_layer_cache(memory: Memory, layer: int, n_kv_heads: int, head_dim: int) -> None:
     """Validate that ``memory`` stores ``layer`` (in the part the layer reads) with its kv heads and head size."""
     require_memory(memory)
@@ -251,12 +296,15 @@ def check_layer_cache(memory: Memory, layer: int, n_kv_heads: int, head_dim: int
 def project_qkv(layer, x):
     """Q ``[..., Hq, D]``, K and V ``[..., H, D]`` of ``x [..., E]`` through ``layer``'s projections.
 
-    Shared by the NNX and linen layers, which both name them ``q_proj``, ``k_proj``, ``v_proj``.
+    Shared by the NNX and linen layers, which both name them ``q_proj``, ``k_proj``, ``v_proj``
+    (and, with ``qk_norm``, normalise each head of Q and K with ``q_norm`` / ``k_norm``).
     """
     lead = x.shape[:-1]
     q = layer.q_proj(x).reshape(lead + (layer.n_heads, layer.head_dim))
     k = layer.k_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
     v = layer.v_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
+    if layer.qk_norm:  # Gemma 3 / Qwen 3: RMSNorm of each head's q and k over D, before RoPE
+        q, k = layer.q_norm(q), layer.k_norm(k)
     return q, k, v
 
 
@@ -275,14 +323,25 @@ class CachedAttention(nnx.Module):
         n_swa: the window size (> 0 with a window).
         use_bias: biases in the projections.
         param_dtype: parameter dtype.
+        scale: softmax scale of the scores (default ``1 / sqrt(head_dim)``; Gemma's
+            ``query_pre_attn_scalar ** -0.5``); a finite number > 0.
+        softcap: attention-logit soft-capping (Gemma 2), a finite number > 0, or ``None``.
+        qk_norm: RMSNorm each head of Q and K over ``head_dim`` before RoPE (Gemma 3), with
+            weights ``q_norm.scale`` and ``k_norm.scale`` of shape ``[D]``.
+        norm_offset: those norms scale by ``(1 + w)`` (Gemma) instead of ``w``.
+        norm_eps: their epsilon (> 0).
         rngs: NNX random streams.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, layer: int,
                  rope: Optional[RopeConfig] = None, alibi_max_bias: Optional[float] = None,
                  swa_type: Union[SwaType, str] = SwaType.NONE, n_swa: int = 0, use_bias: bool = False,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, scale: Optional[float] = None, softcap: Optional[float] = None,
+                 qk_norm: bool = False, norm_offset: bool = False, norm_eps: float = 1e-6, rngs: nnx.Rngs):
         check_heads(n_heads, n_kv_heads, head_dim)
+        check_attention_options(scale, softcap, qk_norm, norm_eps)
+        if not isinstance(norm_offset, (bool, np.bool_)):
+            raise ValueError(f"norm_offset={norm_offset!r} is out of range: allowed a bool")
         self.swa_type = SwaType(swa_type)
         if self.swa_type != SwaType.NONE and not (isinstance(n_swa, (int, np.integer)) and n_swa > 0):
             raise ValueError(f"n_swa={n_swa!r} is out of range: allowed an integer > 0 with swa_type="
@@ -297,6 +356,13 @@ class CachedAttention(nnx.Module):
         self.k_proj = nnx.Linear(d_model, n_kv_heads * head_dim, **lin)
         self.v_proj = nnx.Linear(d_model, n_kv_heads * head_dim, **lin)
         self.o_proj = nnx.Linear(n_heads * head_dim, d_model, **lin)
+        self.scale = None if scale is None else float(scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.qk_norm = bool(qk_norm)
+        norm = OffsetRMSNorm if norm_offset else nnx.RMSNorm
+        make = lambda: norm(head_dim, epsilon=norm_eps, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
+        self.q_norm = make() if self.qk_norm else None
+        self.k_norm = make() if self.qk_norm else None
 
     def _qkv(self, x):
         return project_qkv(self, x)
@@ -315,13 +381,14 @@ class CachedAttention(nnx.Module):
             ``(y [T, E], memory)`` with this layer's K/V rows written.
         """
         return cached_attention_call(self, x, memory, inputs, rope=self.rope, alibi=self.alibi,
-                                     swa_type=self.swa_type, n_swa=self.n_swa)
+                                     swa_type=self.swa_type, n_swa=self.n_swa, scale=self.scale,
+                                     softcap=self.softcap)
 
     def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
         """Attention of each sequence (row) over its own tokens, no cache (``attend_uncached``)."""
         q, k, v = self._qkv(x)
         out = attend_uncached(q, k, v, pos, rope=self.rope, alibi=self.alibi, swa_type=self.swa_type,
-                              n_swa=self.n_swa)
+                              n_swa=self.n_swa, scale=self.scale, softcap=self.softcap)
         return self.o_proj(out.reshape(x.shape[:-1] + (-1,)))
 
 
