@@ -111,7 +111,9 @@ class PromptCache:
         self.clock = 0
         self._lengths = np.zeros(n_seq_max, np.int64)   # host mirror of store.length (tiny)
         self._used = np.zeros(n_seq_max, np.int64)
+        #: tokens lent to new sequences, and parked sequences evicted, since construction
         self.reused_tokens = 0
+        self.evictions = 0
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -175,11 +177,11 @@ class PromptCache:
         memory = engine.cache
         if memory.n_seq_max != self.n_seq_max:
             raise ValueError(f"prompt_cache has n_seq_max={self.n_seq_max}: allowed the memory's {memory.n_seq_max}")
-        saved = (self.store, self.clock, self._lengths.copy(), self._used.copy())
+        saved = (self.store, self.clock, self._lengths.copy(), self._used.copy(), self.evictions)
         try:
             return self._attach(engine, memory, prompts, max_new_tokens)
         except Exception:
-            self.store, self.clock, self._lengths, self._used = saved
+            self.store, self.clock, self._lengths, self._used, self.evictions = saved
             raise
 
     def _attach(self, engine, memory, prompts, max_new_tokens):
@@ -192,6 +194,7 @@ class PromptCache:
             victim = evictable.pop(0)
             memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
             self.forget(victim)
+            self.evictions += 1
             free.append(victim)
         if len(free) < n:
             raise ValueError(f"{n} prompts are out of range: allowed at most {len(free)} (free sequence ids of "
@@ -217,6 +220,7 @@ class PromptCache:
             victim = candidates[0]
             memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
             self.forget(victim)
+            self.evictions += 1
         engine.cache = memory
         self.reused_tokens += sum(held)
         return seq_ids, held
