@@ -183,7 +183,77 @@ memory, ok = kvjax.seq_rm(rec.cache, 1, 2, -1)
 print("cut sequence 1 at position 2 (inside its state):", bool(ok))"""),
 ]
 
-NOTEBOOKS = {"01_tour.ipynb": TOUR, "02_memories.ipynb": MEMORIES}
+SERVING = [
+    ("md", """# Serving: a prompt cache on the device
+
+A chat server sees the same conversation again and again: each request repeats the conversation so
+far and adds a turn. `kvjax.PromptCache` keeps finished sequences parked in the memory (their
+tokens in a small device array), finds the longest common prefix of a new prompt with all of them
+in one jitted call, and lends it with `seq_cp`: the cells are shared, not copied, and only the new
+part of the prompt is evaluated. When room runs out, the least recently used parked sequences go."""),
+    ("code", """%matplotlib inline
+import jax, numpy as np, matplotlib.pyplot as plt
+import kvjax
+from kvjax.app._charlm import load
+from kvjax.plot import plot_cells
+
+model, tok, trained = load(verbose=False)
+print("character model:", "trained" if trained else "random weights (charlm.npz missing)")
+cfg = model.config
+engine = kvjax.Engine(model, kvjax.init(cfg.cache_config(size=256, n_seq_max=4, padding=32)), n_ubatch=64)
+cache = kvjax.PromptCache(n_seq_max=4, max_tokens=256)
+greedy = kvjax.SamplingConfig(temperature=0)
+
+def ask(text, n=16):
+    out = kvjax.generate(engine, [tok.encode(text).tolist()], max_new_tokens=n, key=jax.random.PRNGKey(0),
+                         sampling=greedy, prompt_cache=cache)
+    reply = tok.decode(out.tokens[0])
+    print(f"{len(text):3d} prompt chars, {out.prompt_tokens:3d} evaluated -> {reply!r}")
+    return text + reply"""),
+    ("md", """## A conversation and a second user
+
+Each turn of the first user repeats everything before it; only the new turn is evaluated. The
+second user's requests share nothing with the first's and get sequences of their own."""),
+    ("code", """chat = ask("The file is ")
+other = ask("Return the value ")
+chat = ask(chat + " and the name ")
+other = ask(other + " of the ")
+chat = ask(chat + " If the ")
+print("parked sequences:", cache.parked(), "- tokens reused so far:", cache.reused_tokens)
+plot_cells(engine.cache, n_cells=256, show_pos=False); plt.show()"""),
+    ("md", """## Parallel sampling from a parked prefix
+
+Several continuations of one prompt: `n_parallel` evaluates the prompt once and shares it with
+`seq_cp`; sampling draws a different continuation per sequence."""),
+    ("code", """fresh = kvjax.Engine(model, kvjax.init(cfg.cache_config(size=256, n_seq_max=4, padding=32)), n_ubatch=64)
+out = kvjax.generate(fresh, [tok.encode("The file is ").tolist()], n_parallel=3, max_new_tokens=16,
+                     key=jax.random.PRNGKey(1), sampling=kvjax.SamplingConfig(temperature=0.8, top_k=10))
+for t in out.tokens:
+    print(repr(tok.decode(t)))
+plot_cells(fresh.cache, n_cells=96, show_pos=False); plt.show()"""),
+    ("md", """## Rollback
+
+Removing the last tokens of a sequence (a rejected speculative draft, a retry) is one `seq_rm`:
+the cells are freed and the next decode continues from the kept positions."""),
+    ("code", """seq = 0
+end = int(kvjax.seq_pos_max(fresh.cache, seq)) + 1
+fresh.rollback(seq, end - 5)
+print("sequence 0 held", end, "positions, now", int(kvjax.seq_pos_max(fresh.cache, seq)) + 1)
+plot_cells(fresh.cache, n_cells=96, show_pos=False); plt.show()"""),
+    ("md", """## Eviction
+
+A memory with room for few sequences: parked conversations are evicted, least recently used first,
+when a new request needs their cells or their sequence ids."""),
+    ("code", """small = kvjax.Engine(model, kvjax.init(cfg.cache_config(size=96, n_seq_max=3, padding=32)), n_ubatch=64)
+small_cache = kvjax.PromptCache(n_seq_max=3, max_tokens=96)
+for i, text in enumerate(["The file is ", "Return the ", "If the value ", "The file is a ", "Return the name "]):
+    out = kvjax.generate(small, [tok.encode(text).tolist()], max_new_tokens=12, key=jax.random.PRNGKey(i),
+                         sampling=greedy, prompt_cache=small_cache)
+    print(f"{text!r:22} evaluated {out.prompt_tokens:2d} of {len(text):2d}; parked {small_cache.parked()}, "
+          f"evictions so far {small_cache.evictions}")"""),
+]
+
+NOTEBOOKS = {"01_tour.ipynb": TOUR, "02_memories.ipynb": MEMORIES, "03_serving.ipynb": SERVING}
 
 
 def build(cells) -> nbformat.NotebookNode:

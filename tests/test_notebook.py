@@ -7,7 +7,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
-PICTURES = {"01_tour.ipynb": 4, "02_memories.ipynb": 2}
+PICTURES = {"01_tour.ipynb": 4, "02_memories.ipynb": 4, "03_serving.ipynb": 3}
 
 
 @pytest.mark.parametrize("name", sorted(PICTURES))

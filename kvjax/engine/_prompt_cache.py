@@ -186,26 +186,38 @@ class PromptCache:
 
     def _attach(self, engine, memory, prompts, max_new_tokens):
         n = len(prompts)
+        matches = []
+        for prompt in prompts:
+            src, length = self.match(prompt)
+            matches.append((src, min(length, len(prompt) - 1)))   # the last prompt token is evaluated
+        # a prompt that extends everything a parked sequence holds continues that sequence in place
+        seq_ids = [None] * n
+        for i, (src, m) in enumerate(matches):
+            whole = src >= 0 and m > 0 and m == self._lengths[src] == int(memory.seq_pos_max(np.int32(src))) + 1
+            if whole and src not in seq_ids:
+                seq_ids[i] = src
+        protected = {src for src, m in matches if src >= 0 and m > 0}
         parked = set(self.parked())
         free = [s for s in range(self.n_seq_max) if s not in parked and int(memory.seq_pos_max(np.int32(s))) < 0]
-        evictable = self.lru()
+        evictable = [s for s in self.lru() if s not in protected]
         # not enough sequence ids: the least recently used parked sequences make room
-        while len(free) < n and evictable:
-            victim = evictable.pop(0)
-            memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
-            self.forget(victim)
-            self.evictions += 1
-            free.append(victim)
-        if len(free) < n:
-            raise ValueError(f"{n} prompts are out of range: allowed at most {len(free)} (free sequence ids of "
-                             f"n_seq_max={self.n_seq_max}, every parked one evicted)")
-        seq_ids, held = sorted(free)[:n], []
-        for prompt, dst in zip(prompts, seq_ids):
-            src, length = self.match(prompt)
-            length = min(length, len(prompt) - 1)      # the last prompt token is evaluated: its logits
+        while len(free) < seq_ids.count(None) and evictable:
+            memory = self._evict(memory, evictable.pop(0))
+            free.append(self._last_evicted)
+        if len(free) < seq_ids.count(None):
+            raise ValueError(f"{n} prompts are out of range: allowed at most {len(free) + n - seq_ids.count(None)} "
+                             f"(free sequence ids of n_seq_max={self.n_seq_max}, every unmatched parked one evicted)")
+        free = iter(sorted(free))
+        held = []
+        for i, (src, m) in enumerate(matches):
+            if seq_ids[i] is not None:                    # continues its own parked sequence
+                self.forget(src)
+                held.append(m)
+                continue
+            dst = seq_ids[i] = next(free)
             shared = 0
-            if src >= 0 and length > 0:
-                memory, shared, consumed = memory.share_prefix(src, dst, length)
+            if src >= 0 and m > 0:
+                memory, shared, consumed = memory.share_prefix(src, dst, m)
                 if consumed:
                     self.forget(src)
                 elif shared:
@@ -217,10 +229,14 @@ class PromptCache:
             if not candidates:
                 raise CacheFullError(f"a request of {n} prompts and {max_new_tokens} new tokens each does not fit "
                                      f"even with every parked sequence evicted; nothing changed")
-            victim = candidates[0]
-            memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
-            self.forget(victim)
-            self.evictions += 1
+            memory = self._evict(memory, candidates[0])
         engine.cache = memory
         self.reused_tokens += sum(held)
         return seq_ids, held
+
+    def _evict(self, memory, victim: int):
+        memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
+        self.forget(victim)
+        self.evictions += 1
+        self._last_evicted = victim
+        return memory
