@@ -17,9 +17,7 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 import kvjax
@@ -32,26 +30,8 @@ GREEDY = kvjax.SamplingConfig(temperature=0)
 
 def _train_draft(tok, steps: int) -> Llama:
     """A small character model trained on the demo corpus (the draft)."""
-    data = tok.encode(_charlm.read_corpus())
-    model = Llama(LlamaConfig(vocab_size=tok.vocab_size, d_model=64, n_layer=1, n_heads=2, n_kv_heads=1),
-                  rngs=nnx.Rngs(7))
-    optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, windows):
-        def loss_fn(model):
-            logits = model.forward(windows[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
-    rng = np.random.default_rng(0)
-    for _ in range(steps):
-        starts = rng.integers(0, len(data) - 65, size=16)
-        step(model, optimizer, jnp.asarray(np.stack([data[s:s + 65] for s in starts])))
-    return model
+    config = LlamaConfig(vocab_size=tok.vocab_size, d_model=64, n_layer=1, n_heads=2, n_kv_heads=1)
+    return _charlm.train(steps, seq_len=64, seed=7, out=None, progress=False, config=config).model
 
 
 def _run(make_target, make_draft, prompts, n_new, repeats, n_draft=4):

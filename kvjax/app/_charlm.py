@@ -68,7 +68,8 @@ class TrainResult:
 
 
 def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 3e-3, seed: int = 0,
-          out: Optional[pathlib.Path] = WEIGHTS, progress: bool = True) -> TrainResult:
+          out: Optional[pathlib.Path] = WEIGHTS, progress: bool = True, config: Optional[LlamaConfig] = None
+          ) -> TrainResult:
     """Train the demo model on the bundled corpus and save its weights.
 
     Args:
@@ -79,11 +80,17 @@ def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 
         seed: initial weights and window sampling.
         out: where to save the weights (``None``: do not save).
         progress: show a progress bar.
+        config: the model's sizes (default :func:`model_config`; its ``vocab_size`` must be the
+            corpus tokenizer's), e.g. a smaller draft model for speculative decoding.
     """
     text = read_corpus()
     tok = CharTokenizer(text)
     data = tok.encode(text)
-    model = Llama(model_config(tok.vocab_size), rngs=nnx.Rngs(seed))
+    config = model_config(tok.vocab_size) if config is None else config
+    if config.vocab_size != tok.vocab_size:
+        raise ValueError(f"config.vocab_size={config.vocab_size} is out of range: allowed the corpus vocabulary "
+                         f"{tok.vocab_size}")
+    model = Llama(config, rngs=nnx.Rngs(seed))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10 + 1), steps, lr / 10)
     optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)),
                               wrt=nnx.Param)

@@ -41,6 +41,30 @@ def _strip(key: str) -> str:
     return key
 
 
+def hf_source(hf_model_or_state_dict, model, model_cls, config_cls, family: str, **config_overrides):
+    """``(state_dict, model)`` of a loader's first argument: a transformers model (the model to load
+    into is made from its config unless given) or a bare state dict (then ``model`` is required).
+
+    Shared by the Hugging Face loaders of kvjax.nn (``llama_from_hf``, ``Mamba``'s ``params_from_hf``).
+    """
+    if hasattr(hf_model_or_state_dict, "state_dict") and hasattr(hf_model_or_state_dict, "config"):
+        sd = hf_model_or_state_dict.state_dict()
+        if model is None:
+            cfg = config_cls.from_hf(hf_model_or_state_dict.config, **config_overrides)
+            model = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
+    elif isinstance(hf_model_or_state_dict, Mapping):
+        sd = hf_model_or_state_dict
+        if model is None:
+            raise ValueError(f"model is None with a state dict: allowed a {model_cls.__name__} to load into (a state "
+                             f"dict carries no config)")
+    else:
+        raise ValueError(f"hf_model_or_state_dict must be a transformers {family} model or a state dict, got "
+                         f"{type(hf_model_or_state_dict).__name__}")
+    if not isinstance(model, model_cls):
+        raise ValueError(f"model must be a kvjax.nn.{model_cls.__name__}, got {type(model).__name__}")
+    return sd, model
+
+
 def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **config_overrides) -> Llama:
     """Load the weights of a Hugging Face Gemma 2 / Gemma 3 text model into an NNX :class:`Llama`.
 
@@ -60,21 +84,7 @@ def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **confi
         ValueError: a state dict without ``model``, a model that is not a sandwich-norm Llama, a
             missing or unexpected key, or a weight whose shape does not fit the model's config.
     """
-    if hasattr(hf_model_or_state_dict, "state_dict") and hasattr(hf_model_or_state_dict, "config"):
-        sd = hf_model_or_state_dict.state_dict()
-        if model is None:
-            cfg = LlamaConfig.from_hf(hf_model_or_state_dict.config, **config_overrides)
-            model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    elif isinstance(hf_model_or_state_dict, Mapping):
-        sd = hf_model_or_state_dict
-        if model is None:
-            raise ValueError("model is None with a state dict: allowed a Llama to load into (a state dict "
-                             "carries no config)")
-    else:
-        raise ValueError(f"hf_model_or_state_dict must be a transformers Gemma model or a state dict, got "
-                         f"{type(hf_model_or_state_dict).__name__}")
-    if not isinstance(model, Llama):
-        raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
+    sd, model = hf_source(hf_model_or_state_dict, model, Llama, LlamaConfig, "Gemma", **config_overrides)
     cfg = model.config
     if not cfg.sandwich_norms:
         raise ValueError("model.config.sandwich_norms=False is out of range: allowed True (the Gemma layout "

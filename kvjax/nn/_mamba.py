@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -673,21 +673,9 @@ def params_from_hf(hf_model_or_state_dict, model: Optional[Mamba] = None, **conf
         ValueError: a state dict without ``model``, a missing or unexpected key, or a weight
             whose shape does not fit the model's config.
     """
-    if hasattr(hf_model_or_state_dict, "state_dict") and hasattr(hf_model_or_state_dict, "config"):
-        sd = hf_model_or_state_dict.state_dict()
-        if model is None:
-            cfg = MambaConfig.from_hf(hf_model_or_state_dict.config, **config_overrides)
-            model = nnx.eval_shape(lambda: Mamba(cfg, rngs=nnx.Rngs(0)))
-    elif isinstance(hf_model_or_state_dict, Mapping):
-        sd = hf_model_or_state_dict
-        if model is None:
-            raise ValueError("model is None with a state dict: allowed a Mamba to load into (a state dict "
-                             "carries no config)")
-    else:
-        raise ValueError(f"hf_model_or_state_dict must be a transformers Mamba model or a state dict, got "
-                         f"{type(hf_model_or_state_dict).__name__}")
-    if not isinstance(model, Mamba):
-        raise ValueError(f"model must be a Mamba, got {type(model).__name__}")
+    from kvjax.nn._hf import hf_source
+
+    sd, model = hf_source(hf_model_or_state_dict, model, Mamba, MambaConfig, "Mamba", **config_overrides)
     cfg = model.config
 
     weights = {}
