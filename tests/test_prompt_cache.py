@@ -67,14 +67,22 @@ CHAT = [[1, 2, 3, 4, 5], [7, 8, 9], [1, 2, 3, 4, 5, 11, 12], [7, 8, 9, 13], [1, 
         [1, 2, 9, 9], [7, 8, 9, 13, 18, 3]]
 
 
-@pytest.mark.parametrize("kind", ["unified", "iswa", "recurrent", "hybrid"])
-@pytest.mark.parametrize("sampling", [GREEDY, kvjax.SamplingConfig(temperature=0.8)], ids=["greedy", "sampled"])
-def test_cached_generation_equals_fresh_generation(kind, sampling):
+SAMPLED = kvjax.SamplingConfig(temperature=0.8)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind, sampling, n_requests", [
+    ("unified", GREEDY, 7), ("iswa", SAMPLED, 7), ("recurrent", GREEDY, 5), ("hybrid", SAMPLED, 4),
+    # the other combinations, and the whole chat on the costlier models, with -m slow
+    pytest.param("unified", SAMPLED, 7, marks=SLOW), pytest.param("iswa", GREEDY, 7, marks=SLOW),
+    pytest.param("recurrent", SAMPLED, 7, marks=SLOW), pytest.param("hybrid", GREEDY, 7, marks=SLOW)],
+    ids=lambda x: getattr(x, "greedy", None) is not None and ("greedy" if x.greedy else "sampled") or str(x))
+def test_cached_generation_equals_fresh_generation(kind, sampling, n_requests):
     eng = engine(kind)
     cache = kvjax.PromptCache(n_seq_max=4, max_tokens=64)
     reused = 0
     history = {}
-    for i, prompt in enumerate(CHAT):
+    for i, prompt in enumerate(CHAT[:n_requests]):
         # a chat turn continues the previous answer when the prompt extends an earlier request
         key = jax.random.PRNGKey(i)
         got = kvjax.generate(eng, [prompt], max_new_tokens=3, key=key, sampling=sampling, prompt_cache=cache)

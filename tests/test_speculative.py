@@ -87,7 +87,13 @@ def _greedy_reference(engine, prompts, n, width=32):
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 
 
-@pytest.mark.parametrize("kind", ["unified", "iswa", "recurrent", "hybrid"])
+# the default suite runs the memories whose rollback differs most (cells freed / a kept state); the
+# others (each compiling its own programs) run with -m slow
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind", ["unified", "recurrent", pytest.param("iswa", marks=SLOW),
+                                  pytest.param("hybrid", marks=SLOW)])
 def test_greedy_speculative_is_the_targets_greedy_output(kind):
     target, draft = _engines(kind)
     out = kvjax.generate(target, PROMPTS, max_new_tokens=10, key=jax.random.PRNGKey(0), sampling=GREEDY,
@@ -96,7 +102,7 @@ def test_greedy_speculative_is_the_targets_greedy_output(kind):
     assert out.drafted > 0 and 0 <= out.accepted <= out.drafted
 
 
-@pytest.mark.parametrize("kind", ["unified", "recurrent", pytest.param("hybrid", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["unified", pytest.param("recurrent", marks=SLOW), pytest.param("hybrid", marks=SLOW)])
 def test_the_target_as_its_own_draft_accepts_everything(kind):
     target, draft = _engines(kind, same=True)
     out = kvjax.generate(target, PROMPTS, max_new_tokens=9, key=jax.random.PRNGKey(0), sampling=GREEDY,
