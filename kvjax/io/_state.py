@@ -250,9 +250,22 @@ def _check_type(field: str, expected: int, found: int) -> None:
     if found == expected:
         return
     msg = f"{field}: expected {expected} ({_type_name(expected)}), found {found} ({_type_name(found)})"
-    if found in QUANTIZED_TYPE_IDS or expected in QUANTIZED_TYPE_IDS:
-        msg += ": the blob's K/V storage type differs from the cache's (make the cache with that k_dtype/v_dtype)"
+    names = {i: n for n, i in GGML_TYPE_IDS.items()}
+    if found in QUANTIZED_TYPE_IDS:
+        fix = (f"make the cache with that {field.split()[-2].lower()}_dtype={names[found]!r}" if found in names
+               else "kvjax has no storage of that type")
+        msg += f": quantized K/V state is not supported by a cache of another storage type ({fix})"
+    elif expected in QUANTIZED_TYPE_IDS:
+        msg += ": the cache stores block-quantized K/V and the blob does not (make the cache with its float dtype)"
     raise StateError(msg)
+
+
+def _row_why(n_heads: int, head_dim: int, width: int, size: int) -> str:
+    """How a row size is made up, for a refusal message."""
+    if width == head_dim:
+        return f" bytes ({n_heads} heads x head size {head_dim} x {size})"
+    n_blocks = head_dim // _quant.BLOCK
+    return f" bytes ({n_heads} heads x head size {head_dim} = {n_blocks} blocks of {width // n_blocks} bytes)"
 
 
 def _check_equal(field: str, expected: int, found: int, why: str = "") -> None:
@@ -375,7 +388,7 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
         name = f"layer {lay.layer}"
         _check_type(f"{name} K type", lay.k_type, cur.scalar("<i", f"{name} K type"))
         _check_equal(f"{name} K row size", lay.k_row, cur.scalar("<Q", f"{name} K row size"),
-                     f" bytes ({lay.n_kv_heads} heads x {lay.k_width} elements x {lay.k_size})")
+                     _row_why(lay.n_kv_heads, lay.head_dim, lay.k_width, lay.k_size))
         rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.k_width, f"{name} K rows")
         ks.append(rows.reshape(n, lay.n_kv_heads, lay.k_width))
     for lay in layouts:
@@ -383,7 +396,7 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
         _check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
         if not config.v_trans:
             _check_equal(f"{name} V row size", lay.v_row, cur.scalar("<Q", f"{name} V row size"),
-                         f" bytes ({lay.n_kv_heads} heads x {lay.v_width} elements x {lay.v_size})")
+                         _row_why(lay.n_kv_heads, lay.head_dim_v, lay.v_width, lay.v_size))
             rows = cur.array(_UINT[lay.v_size], n * lay.n_kv_heads * lay.v_width, f"{name} V rows")
             vs.append(rows.reshape(n, lay.n_kv_heads, lay.v_width))
         else:
