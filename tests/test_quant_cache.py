@@ -185,3 +185,27 @@ def test_write_jit_only_written_rows():
     k1 = np.asarray(cache2.k[0])
     changed = np.nonzero((k1 != k0).any(axis=(0, 1, 3)))[0]
     assert changed.tolist() == [7]
+
+
+def test_update_under_jit_shifts_quantized_k_like_eager():
+    cfg = _cfg("q4_0", "q8_0")
+    cache, _, slot, _ = _fill(cfg, 10)
+    cache = kvjax.seq_add(cache, 0, 2, 10, -2)
+    eager = kvjax.update(cache)
+    traced = jax.jit(kvjax.update)(cache)
+    for a, b in zip(eager.k + eager.v, traced.k + traced.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(eager.k[0]), np.asarray(cache.k[0]))
+
+
+def test_engine_context_shift_with_q8_0():
+    """Generation past n_ctx (context shift: seq_rm + seq_add + K-shift of quantized K) runs."""
+    from flax import nnx
+    from kvjax.engine._engine import Engine, generate
+    from kvjax.nn import Llama, LlamaConfig
+
+    mcfg = LlamaConfig(vocab_size=64, d_model=64, n_layer=1, n_heads=2, n_kv_heads=1)  # head size 32
+    cache = kvjax.init(mcfg.cache_config(size=64, n_seq_max=1, padding=32, k_dtype="q8_0", v_dtype="q8_0"))
+    out = generate(Engine(Llama(mcfg, rngs=nnx.Rngs(0)), cache), [[1, 2, 3, 4]], max_new_tokens=80,
+                   key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0), n_ctx=40)
+    assert out.context_shifts >= 1 and len(out.tokens[0]) == 80
