@@ -136,3 +136,15 @@ def test_perplexity_on_held_out_text_moves_little():
     ref = float(np.exp(-np.asarray(logp)[np.arange(len(ids) - 1), np.asarray(ids[1:])].mean()))
     print("uncached float perplexity:", ref, "trained weights:", trained)
     assert abs(ppl["float32"] / ref - 1) < 1e-4
+
+
+def test_demo_takes_a_cache_type(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KVJAX_CACHE_DIR=str(tmp_path / "xla"))
+    out = subprocess.run([sys.executable, "-m", "kvjax", "demo", "--quick", "--cache-type", "q4_0"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "of q4_0 K/V" in out.stdout and "after defrag" in out.stdout and "context shift of sequence 0" in out.stdout
