@@ -111,3 +111,14 @@ def test_checkpoint_round_trip(tmp_path, name):
         np.testing.assert_array_equal(np.asarray(back.k[g]), np.asarray(cache.k[g]))
         np.testing.assert_array_equal(np.asarray(back.v[g]), np.asarray(cache.v[g]))
     np.testing.assert_array_equal(np.asarray(back.cells.pos), np.asarray(cache.cells.pos))
+
+
+def test_iswa_memory_with_quantized_parts_round_trips():
+    base = kvjax.CacheConfig(size=64, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=32, k_dtype="q8_0",
+                             v_dtype="q4_0")
+    cfg = kvjax.IswaConfig(base, swa_layers=(1,), n_swa=16, n_batch=8)
+    mem = kvjax.init(cfg)
+    assert all(mem.part(p).k[0].dtype == jnp.uint8 for p in range(mem.n_parts))
+    blob = kvjax.state_write(mem)
+    back = kvjax.state_read(kvjax.init(cfg), blob)
+    assert kvjax.state_write(back) == blob
