@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk through the cache operations (the main job)")
     demo.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
+    demo.add_argument("--cache-type", default="float32",
+                      choices=["float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"],
+                      help="K/V storage type of the cache (default float32; q8_0 etc. are ggml's blocks)")
     train = sub.add_parser("train", help="train the demo's character-level model on the bundled corpus")
     train.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     train.add_argument("--seed", type=int, default=0)
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from kvjax.app import _demo as demo_mod
 
-        return demo_mod.main(quick=args.quick)
+        return demo_mod.main(quick=args.quick, cache_type=args.cache_type)
     if args.command == "train":
         from kvjax.app import _charlm as charlm
 

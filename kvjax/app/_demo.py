@@ -33,16 +33,17 @@ def _print_texts(tok, prompts, tokens):
         print(f"  [{i}] {text}")
 
 
-def main(quick: bool = False) -> int:
+def main(quick: bool = False, cache_type: str = "float32") -> int:
     t_start = time.perf_counter()
     model, tok, trained = charlm.load()
-    cfg = model.config.cache_config(size=256 if quick else 512, n_seq_max=4, padding=32)
+    cfg = model.config.cache_config(size=256 if quick else 512, n_seq_max=4, padding=32, k_dtype=cache_type,
+                                    v_dtype=cache_type)
     n_new = 24 if quick else 96
     key = jax.random.PRNGKey(0)
     sampling = kvjax.SamplingConfig(temperature=0.7, top_k=20, top_p=0.95)
     print(f"model: {'trained' if trained else 'random'} character model, {model.config.n_layer} layers, "
           f"width {model.config.d_model}; cache: {cfg.size} cells x {len(cfg.cached_layers)} layers "
-          f"({kvjax.total_size(cfg) / 2**20:.1f} MiB of K/V), {cfg.n_seq_max} sequences")
+          f"({kvjax.total_size(cfg) / 2**20:.2f} MiB of {cache_type} K/V), {cfg.n_seq_max} sequences")
     prompts = [tok.encode(p).tolist() for p in PROMPTS]
 
     # 1. the same prompts without and with prefix sharing

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float
+from kvjax.memory import _quant
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._validate import check_window
 
@@ -84,7 +85,8 @@ def _clean_pv(p, vc, pv_dims):
     return jnp.where(sees[..., None], jnp.nan, pv)
 
 
-def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None):
+def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None, k_type="float32",
+            v_type="float32"):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
     ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
@@ -99,7 +101,8 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     """
     n_heads, n_rows, _ = qr.shape
     n_tok = n_rows // group
-    dv = v_all.shape[-1]
+    dv = v_all.shape[-1] if not _quant.is_quantized(v_type) else \
+        v_all.shape[-1] // _quant.QUANT_TYPES[v_type].type_size * _quant.QUANT_TYPES[v_type].block
     n_steps = -(-n_kv // chunk)
     qk_dims = (((2,), (2,)), ((0,), (0,)))  # [H, R, D] x [H, C, D] -> [H, R, C]
     pv_dims = (((2,), (1,)), ((0,), (0,)))  # [H, R, C] x [H, C, Dv] -> [H, R, Dv]
@@ -113,6 +116,8 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         start = jnp.minimum(i * chunk, n_kv - chunk)
         kc = jax.lax.dynamic_slice(k_all, (index, 0, start, 0), (1,) + k_all.shape[1:2] + (chunk,) + k_all.shape[3:])[0]
         vc = jax.lax.dynamic_slice(v_all, (index, 0, start, 0), (1,) + v_all.shape[1:2] + (chunk,) + v_all.shape[3:])[0]
+        kc = _quant.from_storage(kc, k_type) if _quant.is_quantized(k_type) else kc  # this chunk only
+        vc = _quant.from_storage(vc, v_type) if _quant.is_quantized(v_type) else vc
         ac = cells_of(add, start)                                   # [T, chunk]
         if n_kv % chunk:
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
@@ -173,7 +178,8 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, soft
     b = None
     if bias is not None:  # as [1 | Hq, 1 | T, 1 | N], broadcast chunk by chunk
         b = bias.astype(jnp.float32).reshape((1,) * (3 - bias.ndim) + tuple(bias.shape))
-    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g, softcap)
+    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g, softcap,
+                       cache.config.k_dtype, cache.config.v_dtype)
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:

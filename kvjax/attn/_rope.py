@@ -57,6 +57,7 @@ import numpy as np
 from kvjax._typing import Array, Float, Int
 from kvjax._jit import JitTwins, donating
 from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values
+from kvjax.memory import _quant
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 
@@ -221,7 +222,7 @@ def k_to_float(stored: Array, config: CacheConfig) -> Float[Array, "... C D"]:
         >>> k_to_float(jnp.ones((1, 1, 32, 2), jnp.float16), cfg).dtype
         dtype('float32')
     """
-    return stored.astype(jnp.float32)
+    return _quant.from_storage(stored, config.k_dtype)
 
 
 def k_from_float(k: Float[Array, "... C D"], config: CacheConfig) -> Array:
@@ -235,7 +236,7 @@ def k_from_float(k: Float[Array, "... C D"], config: CacheConfig) -> Array:
         >>> k_from_float(jnp.ones((1, 1, 32, 2)), cfg).dtype
         dtype('float16')
     """
-    return k.astype(jnp.dtype(config.k_dtype))
+    return _quant.to_storage(k, config.k_dtype)
 
 
 # -- K-shift ------------------------------------------------------------------------------------
@@ -271,6 +272,9 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
             x = k_to_float(block, config)[0, 0]                             # [C, D] float32
             y = _rotate(x, cos[u], sin[u], n_rot, mode)
             new = k_from_float(y[None, None], config)
+            if _quant.is_quantized(config.k_dtype):
+                # requantizing is not the identity: only cells with a pending shift are rewritten
+                new = jnp.where((delta != 0)[None, None, :, None], new, block)
             return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice(a, b, (l, h) + (0,) * (a.ndim - 2)),
                                 acc, new)
 

@@ -14,8 +14,11 @@ cached layers in model-layer order::
     v_trans = 1, per layer:  i32 V type, u32 V element size, u32 H*Dv,
                              H*Dv x { n x element }                 # V transposed: [H*Dv, n]
 
-ggml type ids: F32 = 0, F16 = 1, BF16 = 30 (``kvjax.memory._config.GGML_TYPE_IDS``); quantized K/V
-blobs (Q4_0 = 2, Q8_0 = 8, ...) are refused with :class:`kvjax.StateError`. kvjax stores one
+ggml type ids: F32 = 0, F16 = 1, BF16 = 30, and the block types Q4_0 = 2, Q4_1 = 3, Q5_0 = 6,
+Q5_1 = 7, Q8_0 = 8 (``kvjax.memory._config.GGML_TYPE_IDS``). A block-quantized row is
+``ggml_row_size(type, H*D)`` bytes: the cell's ``H*D/32`` blocks, heads outer, exactly the bytes kvjax
+stores per cell (``[H, C, D/32*bytes]`` uint8), so they travel untouched. A blob whose type id is
+not the cache's is refused (the memory unchanged); IQ4_NL (20) is not a kvjax storage type. kvjax stores one
 layer's K as ``[H, C, D]``; the seed's row for cell ``c`` is ``k[:, c, :]`` flattened, so writing
 is a gather of the cells and a transpose to ``[n, H, D]``, done on device.
 
@@ -69,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.memory import _api as ops
+from kvjax.memory import _quant
 from kvjax.memory import _seqbits as seqbits
 from kvjax.memory._protocol import require_memory
 from kvjax.memory._unified import KVCache, require_cache
@@ -84,7 +88,7 @@ QUANTIZED_TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20:
 _GGML_NAMES = {0: "F32", 1: "F16", 30: "BF16", **QUANTIZED_TYPE_IDS}
 # K/V bytes travel as unsigned ints of the element size: bit-exact (no float conversion can
 # touch a NaN payload) and exportable through dlpack, which knows no bfloat16.
-_UINT = {4: np.dtype("<u4"), 2: np.dtype("<u2")}
+_UINT = {4: np.dtype("<u4"), 2: np.dtype("<u2"), 1: np.dtype("u1")}
 _ALIGN = 64  # XLA's CPU client adopts host buffers without a copy when they are this aligned
 
 
@@ -103,9 +107,11 @@ class LayerLayout:
         head_dim: D.
         head_dim_v: Dv.
         k_type: ggml type id of K.
-        k_size: bytes per K element.
+        k_size: bytes per K element (1 for a block type: its stored elements are bytes).
         v_type: ggml type id of V.
         v_size: bytes per V element.
+        k_width: stored K elements per head (D, or ``D / 32 * block bytes`` for a block type).
+        v_width: stored V elements per head.
     """
 
     layer: int
@@ -118,11 +124,13 @@ class LayerLayout:
     k_size: int
     v_type: int
     v_size: int
+    k_width: int = 0
+    v_width: int = 0
 
     @property
     def k_row(self) -> int:
         """Bytes of one cell's K row (the seed's ``ggml_row_size(type, n_embd_k_gqa)``)."""
-        return self.n_kv_heads * self.head_dim * self.k_size
+        return self.n_kv_heads * self.k_width * self.k_size
 
     @property
     def n_embd_v(self) -> int:
@@ -132,7 +140,7 @@ class LayerLayout:
     @property
     def v_row(self) -> int:
         """Bytes of one cell's V row."""
-        return self.n_embd_v * self.v_size
+        return self.n_kv_heads * self.v_width * self.v_size
 
 
 def layer_layouts(config: CacheConfig) -> Tuple[LayerLayout, ...]:
@@ -145,14 +153,16 @@ def layer_layouts(config: CacheConfig) -> Tuple[LayerLayout, ...]:
         >>> [(lay.layer, lay.k_type, lay.k_row) for lay in layer_layouts(cfg)]
         [(0, 0, 32), (2, 0, 32)]
     """
-    k_size = np.dtype(config.k_dtype).itemsize
-    v_size = np.dtype(config.v_dtype).itemsize
+    k_size = _elem_dtype(config.k_dtype).itemsize
+    v_size = _elem_dtype(config.v_dtype).itemsize
     out = []
     for il in config.cached_layers:
         g, i = config.locate(il)
         out.append(LayerLayout(il, g, i, config.n_kv_heads[il], config.head_dim[il],
                                config.head_dim_v[il], GGML_TYPE_IDS[config.k_dtype], k_size,
-                               GGML_TYPE_IDS[config.v_dtype], v_size))
+                               GGML_TYPE_IDS[config.v_dtype], v_size,
+                               _quant.stored_width(config.k_dtype, config.head_dim[il]),
+                               _quant.stored_width(config.v_dtype, config.head_dim_v[il])))
     return tuple(out)
 
 
@@ -240,9 +250,22 @@ def _check_type(field: str, expected: int, found: int) -> None:
     if found == expected:
         return
     msg = f"{field}: expected {expected} ({_type_name(expected)}), found {found} ({_type_name(found)})"
+    names = {i: n for n, i in GGML_TYPE_IDS.items()}
     if found in QUANTIZED_TYPE_IDS:
-        msg += ": quantized K/V state is not supported by kvjax yet"
+        fix = (f"make the cache with that {field.split()[-2].lower()}_dtype={names[found]!r}" if found in names
+               else "kvjax has no storage of that type")
+        msg += f": quantized K/V state is not supported by a cache of another storage type ({fix})"
+    elif expected in QUANTIZED_TYPE_IDS:
+        msg += ": the cache stores block-quantized K/V and the blob does not (make the cache with its float dtype)"
     raise StateError(msg)
+
+
+def _row_why(n_heads: int, head_dim: int, width: int, size: int) -> str:
+    """How a row size is made up, for a refusal message."""
+    if width == head_dim:
+        return f" bytes ({n_heads} heads x head size {head_dim} x {size})"
+    n_blocks = head_dim // _quant.BLOCK
+    return f" bytes ({n_heads} heads x head size {head_dim} = {n_blocks} blocks of {width // n_blocks} bytes)"
 
 
 def _check_equal(field: str, expected: int, found: int, why: str = "") -> None:
@@ -365,17 +388,17 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
         name = f"layer {lay.layer}"
         _check_type(f"{name} K type", lay.k_type, cur.scalar("<i", f"{name} K type"))
         _check_equal(f"{name} K row size", lay.k_row, cur.scalar("<Q", f"{name} K row size"),
-                     f" bytes ({lay.n_kv_heads} heads x head size {lay.head_dim} x {lay.k_size})")
-        rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.head_dim, f"{name} K rows")
-        ks.append(rows.reshape(n, lay.n_kv_heads, lay.head_dim))
+                     _row_why(lay.n_kv_heads, lay.head_dim, lay.k_width, lay.k_size))
+        rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.k_width, f"{name} K rows")
+        ks.append(rows.reshape(n, lay.n_kv_heads, lay.k_width))
     for lay in layouts:
         name = f"layer {lay.layer}"
         _check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
         if not config.v_trans:
             _check_equal(f"{name} V row size", lay.v_row, cur.scalar("<Q", f"{name} V row size"),
-                         f" bytes ({lay.n_kv_heads} heads x head size {lay.head_dim_v} x {lay.v_size})")
-            rows = cur.array(_UINT[lay.v_size], n * lay.n_embd_v, f"{name} V rows")
-            vs.append(rows.reshape(n, lay.n_kv_heads, lay.head_dim_v))
+                         _row_why(lay.n_kv_heads, lay.head_dim_v, lay.v_width, lay.v_size))
+            rows = cur.array(_UINT[lay.v_size], n * lay.n_kv_heads * lay.v_width, f"{name} V rows")
+            vs.append(rows.reshape(n, lay.n_kv_heads, lay.v_width))
         else:
             _check_equal(f"{name} V element size", lay.v_size, cur.scalar("<I", f"{name} V element size"))
             _check_equal(f"{name} V n_embd_v_gqa", lay.n_embd_v, cur.scalar("<I", f"{name} V n_embd_v_gqa"),
@@ -415,8 +438,13 @@ def _encode_meta(pos: np.ndarray, masks: Optional[np.ndarray], n_seq_max: int) -
 # -- device parts -------------------------------------------------------------------------------
 
 
+def _elem_dtype(name) -> np.dtype:
+    """The array dtype of a storage leaf (uint8 for a block type)."""
+    return np.dtype(_quant.storage_dtype(name)) if isinstance(name, str) else np.dtype(name)
+
+
 def _uint_of(dtype) -> np.dtype:
-    return _UINT[np.dtype(dtype).itemsize]
+    return _UINT[_elem_dtype(dtype).itemsize]
 
 
 @functools.partial(jax.jit, static_argnames=("full", "v_trans"))
@@ -507,9 +535,10 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int):
     k_bufs, v_bufs = [], []
     for grp in config.groups:
         n_l = len(grp.layers)
-        k_bufs.append(_aligned_empty((n_l, rows, grp.n_kv_heads, grp.head_dim), _uint_of(config.k_dtype)))
+        k_bufs.append(_aligned_empty((n_l, rows, grp.n_kv_heads, _quant.stored_width(config.k_dtype, grp.head_dim)),
+                                     _uint_of(config.k_dtype)))
         v_shape = ((n_l, grp.n_kv_heads * grp.head_dim_v, rows) if config.v_trans
-                   else (n_l, rows, grp.n_kv_heads, grp.head_dim_v))
+                   else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v)))
         v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
     for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
         kb = k_bufs[lay.group][lay.index]

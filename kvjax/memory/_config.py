@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from kvjax.memory import _seqbits as seqbits
+from kvjax.memory._quant import BLOCK, QUANT_TYPES
 
 #: Largest ``n_seq_max`` accepted (32 words of sequence bitmask per cell).
 MAX_SEQ = 1024
@@ -34,12 +35,16 @@ MAX_LAYERS = 4096
 #: Largest kv-head count or head size accepted per layer.
 MAX_WIDTH = 65536
 
-#: Storage dtypes understood by kvjax, by name. Quantized names are reserved for block-quantized
-#: K/V (``q8_0``, ``q4_0``), which enter through the quantization seam (see ``kvjax.rope``).
+#: Float storage dtypes understood by kvjax, by name.
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
+#: Block-quantized storage types (ggml's layouts, see :mod:`kvjax.memory._quant`); K/V rows are
+#: stored per cell as ``head_dim // 32`` blocks of bytes, so the head size must be a multiple of 32.
+QUANT_DTYPES = tuple(QUANT_TYPES)
+
 #: ggml type ids of the dtypes (used by the state format).
-GGML_TYPE_IDS = {"float32": 0, "float16": 1, "q4_0": 2, "q8_0": 8, "bfloat16": 30}
+GGML_TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30,
+                 **{name: qt.ggml_id for name, qt in QUANT_TYPES.items()}}
 
 
 class SwaType(str, enum.Enum):
@@ -169,8 +174,11 @@ class CacheConfig:
         n_kv_heads: kv heads per layer, an int for all layers or one value per layer.
         head_dim: K head size, an int or one value per layer.
         head_dim_v: V head size (defaults to ``head_dim``), an int or one value per layer.
-        k_dtype: K storage dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``).
-        v_dtype: V storage dtype name.
+        k_dtype: K storage dtype name (``"float32"``, ``"float16"``, ``"bfloat16"``, or a ggml
+            block type ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, which needs
+            every ``head_dim`` to be a multiple of 32).
+        v_dtype: V storage dtype name (the same choices; a block type needs ``head_dim_v`` a
+            multiple of 32).
         padding: granularity of the attention window ``n_kv`` (the seed's padding, 32 or 256).
         layer_filter: which layers are cached: ``None`` (all), a sequence of layer ids, or a
             predicate on the layer id (evaluated once, on construction).
@@ -217,6 +225,12 @@ class CacheConfig:
         for name in ("k_dtype", "v_dtype"):
             set_(name, _dtype_name(name, getattr(self, name)))
         set_("layer_filter", self._normalize_filter(self.layer_filter))
+        for name, dims in (("k_dtype", "head_dim"), ("v_dtype", "head_dim_v")):
+            if getattr(self, name) in QUANT_TYPES:
+                for il in self.cached_layers:
+                    d = getattr(self, dims)[il]
+                    _require(d % BLOCK == 0, dims, d, f"a multiple of {BLOCK} (the block size of "
+                             f"{name}={getattr(self, name)!r}; layer {il}), or a float {name}")
         try:
             set_("swa_type", SwaType(self.swa_type))
         except ValueError:
@@ -226,6 +240,11 @@ class CacheConfig:
         if self.swa_type != SwaType.NONE:
             _require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
         set_("v_trans", bool(self.v_trans))
+        if self.v_trans and self.v_dtype in QUANT_TYPES:
+            # a transposed V has one value per element of a row across cells: it has no blocks (the
+            # seed needs flash attention, hence v_trans = false, for a quantized V cache)
+            raise ValueError(f"v_trans=True is out of range with v_dtype={self.v_dtype!r}: allowed "
+                             f"v_trans=False for a block-quantized V (blocks run along the head, not the cells)")
         set_("rope", self._normalize_rope(self.rope))
 
     # -- normalization helpers -------------------------------------------------------------
@@ -328,6 +347,7 @@ def _dtype_name(field, dtype) -> str:
             name = np.dtype(dtype).name
         except TypeError:
             name = str(dtype)
-    if name not in FLOAT_DTYPES:
-        raise ValueError(f"{field}={dtype!r} is not a supported storage dtype: allowed {list(FLOAT_DTYPES)}")
+    if name not in FLOAT_DTYPES and name not in QUANT_TYPES:
+        raise ValueError(f"{field}={dtype!r} is not a supported storage dtype: allowed "
+                         f"{list(FLOAT_DTYPES) + list(QUANT_TYPES)}")
     return name

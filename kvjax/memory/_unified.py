@@ -26,7 +26,7 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Float, Int
-from kvjax.memory import _cells
+from kvjax.memory import _cells, _quant
 from kvjax.memory._cells import Cells, empty_cells
 from kvjax.memory._config import CacheConfig
 from kvjax.memory._protocol import Memory, not_defined, require_live
@@ -196,7 +196,7 @@ class KVCache(Memory):
 
 
 def _storage_dtype(name: str):
-    return jnp.dtype(name)
+    return _quant.storage_dtype(name)
 
 
 def init_unified(config: CacheConfig) -> KVCache:
@@ -209,8 +209,12 @@ def _init(config: CacheConfig) -> KVCache:
     k, v = [], []
     for grp in config.groups:
         n = len(grp.layers)
-        k.append(jnp.zeros((n, grp.n_kv_heads, config.size, grp.head_dim), _storage_dtype(config.k_dtype)))
-        v.append(jnp.zeros((n, grp.n_kv_heads, config.size, grp.head_dim_v), _storage_dtype(config.v_dtype)))
+        # a block type stores each cell's row as its ggml blocks: [L, H, C, D // 32 * bytes] uint8
+        # (zero bytes decode to zeros: f16 scale 0)
+        k.append(jnp.zeros((n, grp.n_kv_heads, config.size, _quant.stored_width(config.k_dtype, grp.head_dim)),
+                           _storage_dtype(config.k_dtype)))
+        v.append(jnp.zeros((n, grp.n_kv_heads, config.size, _quant.stored_width(config.v_dtype, grp.head_dim_v)),
+                           _storage_dtype(config.v_dtype)))
     return KVCache(cells=empty_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v), config=config)
 
 
@@ -222,17 +226,17 @@ def _config_of(x: Union[KVCache, CacheConfig]) -> CacheConfig:
 
 
 def size_k_bytes(x: Union[KVCache, CacheConfig]) -> int:
-    """Bytes of K storage over all cached layers (the seed's ``size_k_bytes``)."""
+    """Bytes of K storage over all cached layers (the seed's ``size_k_bytes``; real block bytes)."""
     cfg = _config_of(x)
-    item = np.dtype(_storage_dtype(cfg.k_dtype)).itemsize
-    return sum(cfg.size * cfg.n_kv_heads[il] * cfg.head_dim[il] * item for il in cfg.cached_layers)
+    return sum(cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.k_dtype, cfg.head_dim[il])
+               for il in cfg.cached_layers)
 
 
 def size_v_bytes(x: Union[KVCache, CacheConfig]) -> int:
-    """Bytes of V storage over all cached layers (the seed's ``size_v_bytes``)."""
+    """Bytes of V storage over all cached layers (the seed's ``size_v_bytes``; real block bytes)."""
     cfg = _config_of(x)
-    item = np.dtype(_storage_dtype(cfg.v_dtype)).itemsize
-    return sum(cfg.size * cfg.n_kv_heads[il] * cfg.head_dim_v[il] * item for il in cfg.cached_layers)
+    return sum(cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.v_dtype, cfg.head_dim_v[il])
+               for il in cfg.cached_layers)
 
 
 def size_cells_bytes(x: Union[KVCache, CacheConfig]) -> int:
@@ -345,8 +349,10 @@ def _write(cache: KVCache, g: int, index, layer_ok, slot, k, v) -> KVCache:
     bad = jnp.any((slot < -1) | (slot >= size))
     target = jnp.where(in_bounds, slot, size)  # out of bounds: dropped by the scatter
     # [L, H, C, D] indexed by (scalar, :, [T]) puts the T axis first: rows go in as [T, H, D].
-    new_k = cache.k[g].at[index, :, target].set(k.astype(cache.k[g].dtype), mode="drop")
-    new_v = cache.v[g].at[index, :, target].set(v.astype(cache.v[g].dtype), mode="drop")
+    # only the written rows are converted (quantized to ggml blocks for a block type)
+    cfg = cache.config
+    new_k = cache.k[g].at[index, :, target].set(_quant.to_storage(k, cfg.k_dtype), mode="drop")
+    new_v = cache.v[g].at[index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
     error = cache.cells.error | jnp.where(bad, jnp.uint32(ErrorFlag.SLOT), jnp.uint32(0))
     error = error | jnp.where(layer_ok, jnp.uint32(0), jnp.uint32(ErrorFlag.LAYER))
     ks = cache.k[:g] + (new_k,) + cache.k[g + 1:]
@@ -364,7 +370,9 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
         n_kv: static window N, a positive multiple of ``padding`` and at most ``size``.
 
     Returns:
-        ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes.
+        ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes; a block-quantized type is returned
+        dequantized to float32 (attention itself never makes this copy: it dequantizes chunk by
+        chunk).
     """
     require_cache(cache, "view")
     cfg = cache.config
@@ -372,4 +380,8 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
     g, index, _ = _layer_index(cfg, layer)
     k = jax.lax.dynamic_index_in_dim(cache.k[g], index, axis=0, keepdims=False)[:, :n_kv]
     v = jax.lax.dynamic_index_in_dim(cache.v[g], index, axis=0, keepdims=False)[:, :n_kv]
+    if _quant.is_quantized(cfg.k_dtype):
+        k = _quant.dequantize(k, cfg.k_dtype)
+    if _quant.is_quantized(cfg.v_dtype):
+        v = _quant.dequantize(v, cfg.v_dtype)
     return k, v
