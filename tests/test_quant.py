@@ -10,7 +10,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from kvjax.memory import _quant as Q  # noqa: E402
+from kvjax.storage import _quant as Q  # noqa: E402
 
 TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 import kvjax
-from kvjax.memory import _quant as Q
+from kvjax.storage import _quant as Q
 
 QTYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 

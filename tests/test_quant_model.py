@@ -148,3 +148,24 @@ def test_demo_takes_a_cache_type(tmp_path):
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "of q4_0 K/V" in out.stdout and "after defrag" in out.stdout and "context shift of sequence 0" in out.stdout
+
+
+def test_hybrid_model_on_a_q8_0_attention_part():
+    """The hybrid memory's attention part stores q8_0 blocks (its recurrent part stays float): decoding
+    token by token stays within the q8_0 rounding of the uncached forward, and its state round trips."""
+    from kvjax.nn import HybridLM, HybridLMConfig
+
+    cfg = HybridLMConfig(vocab_size=40, d_model=64, n_layer=3, recurrent_layers=(1,), n_heads=2, n_kv_heads=1,
+                         d_state=4)  # head size 32: one block per head
+    model = HybridLM(cfg, rngs=nnx.Rngs(5))
+    memory = kvjax.init(cfg.memory_config(size=32, n_seq_max=2, padding=16, k_dtype="q8_0", v_dtype="q8_0"))
+    assert memory.attention.k[0].dtype == jnp.uint8
+    eng = Engine(model, memory, n_ubatch=16)
+    tokens = [3, 7, 1, 9, 12, 5, 30, 2]
+    got = [np.asarray(eng.decode(tokens[:5], range(5), [[0]] * 5))]
+    got += [np.asarray(eng.decode([t], [p], [[0]])) for p, t in enumerate(tokens[5:], 5)]
+    want = np.asarray(model.forward(jnp.asarray([tokens]))[0])
+    err = np.max(np.abs(np.concatenate(got) - want))
+    assert 0 < err < 0.05, err  # not bit-equal (the cache rounds), but close
+    blob = kvjax.state_write(eng.cache)
+    assert kvjax.state_write(kvjax.state_read(kvjax.init(memory.config), blob)) == blob

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import kvjax
 from kvjax.io import _state
-from kvjax.memory import _quant as Q
+from kvjax.storage import _quant as Q
 
 QTYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}

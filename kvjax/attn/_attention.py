@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float
-from kvjax.memory import _quant
+from kvjax.storage import _quant
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._validate import check_window
 

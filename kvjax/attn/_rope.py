@@ -57,7 +57,7 @@ import numpy as np
 from kvjax._typing import Array, Float, Int
 from kvjax._jit import JitTwins, donating
 from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values
-from kvjax.memory import _quant
+from kvjax.storage import _quant
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 

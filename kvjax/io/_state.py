@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.memory import _api as ops
-from kvjax.memory import _quant
+from kvjax.storage import _quant
 from kvjax.memory import _seqbits as seqbits
 from kvjax.memory._protocol import require_memory
 from kvjax.memory._unified import KVCache, require_cache

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from kvjax.memory import _seqbits as seqbits
-from kvjax.memory._quant import BLOCK, QUANT_TYPES
+from kvjax.storage._quant import BLOCK, QUANT_TYPES
 
 #: Largest ``n_seq_max`` accepted (32 words of sequence bitmask per cell).
 MAX_SEQ = 1024

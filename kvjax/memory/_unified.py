@@ -26,7 +26,8 @@ import numpy as np
 from flax import struct
 
 from kvjax._typing import Array, Float, Int
-from kvjax.memory import _cells, _quant
+from kvjax.memory import _cells
+from kvjax.storage import _quant
 from kvjax.memory._cells import Cells, empty_cells
 from kvjax.memory._config import CacheConfig
 from kvjax.memory._protocol import Memory, not_defined, require_live
