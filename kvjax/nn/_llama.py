@@ -46,7 +46,7 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
-from kvjax.nn._inputs import MaskKind, UbatchInputs
+from kvjax.nn._inputs import MaskKind, UbatchInputs, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
 from kvjax.nn._norm import OffsetRMSNorm
 
@@ -503,7 +503,8 @@ def model_cached(model, tokens, memory, inputs):
     x = embed_tokens(model, tokens)
     for block in model.layers:
         x, memory = block(x, memory, inputs)
-    return model._logits(x), memory
+    # the head only on the rows asked for: a prefill never builds a [T, V] array
+    return model._logits(select_outputs(x, inputs)), memory
 
 
 def model_uncached(model, tokens, positions=None):
@@ -556,8 +557,9 @@ class Llama(nnx.Module):
                 (:class:`kvjax.nn.UbatchInputs`; the model adds the masks).
 
         Returns:
-            ``(logits f32[T, V], memory)``: the logits of every row (padding rows carry no meaning)
-            and the memory with every layer's K/V written.
+            ``(logits f32[T, V], memory)``: the logits of every row (padding rows carry no meaning),
+            or ``f32[R, V]`` of the rows ``inputs.outputs`` when it is set, and the memory with
+            every layer's K/V written (for every row).
         """
         return model_cached(self, tokens, memory, inputs)
 
