@@ -345,3 +345,76 @@ def test_not_a_gguf_file_and_bad_path(tmp_path):
         from_gguf(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match="path must be a file path"):
         from_gguf(42)
+
+
+# -- the vocabulary ---------------------------------------------------------------------------
+
+
+def _trained_bpe(pre: str):
+    """A small byte-level BPE trained here, with the pre-tokenizer of ``tokenizer.ggml.pre`` = ``pre``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from kvjax.nn._gguf import _SPLITS
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    if pre in _SPLITS:
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+            tokenizers.pre_tokenizers.Split(tokenizers.Regex(_SPLITS[pre]), behavior="isolated"),
+            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin|>", "<|end|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    text = ["The quick brown fox jumps over the lazy dog. 12345 café!\n" * 3, "kvjax caches keys and values, "
+            "like llama.cpp's KV cache does; über naïve 2026."] * 20
+    tok.train_from_iterator(text, trainer)
+    return tok
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "default"])
+def test_gguf_tokenizer_encodes_like_the_vocabulary_it_came_from(tmp_path, pre):
+    tok = _trained_bpe(pre)
+    data = tok.to_str()
+    import json
+
+    model = json.loads(data)["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [3 if t in ("<|begin|>", "<|end|>") else 1 for t in tokens]
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(tokens.index("<|begin|>"))
+    w.add_eos_token_id(tokens.index("<|end|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got, bos, eos = gguf_tokenizer(tmp_path / "v.gguf")
+    assert (bos, eos) == (tokens.index("<|begin|>"), tokens.index("<|end|>"))
+    for text in ["The quick brown fox", "café über 12345678!\n\n  x", "<|begin|>kvjax caches<|end|>", "zebra ∑ 🦊"]:
+        want = tok.encode(text).ids
+        ids = got.encode(text).ids
+        if "<|begin|>" not in text:  # the trained tokenizer never saw the special tokens as added tokens
+            assert ids == want, text
+        else:
+            assert ids[0] == bos and ids[-1] == eos
+        assert got.decode(ids, skip_special_tokens=False) == text
+
+
+def test_gguf_tokenizer_refuses_other_models(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_tokenizer_model("llama")          # sentencepiece: not built here
+    w.add_token_list(["<unk>", "a"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' is out of range: allowed 'gpt2'"):
+        gguf_tokenizer(tmp_path / "v.gguf")
+    with pytest.raises(ValueError, match="lacks 'tokenizer.ggml.model'"):
+        gguf_tokenizer(_good(tmp_path))
