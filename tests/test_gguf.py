@@ -418,3 +418,21 @@ def test_gguf_tokenizer_refuses_other_models(tmp_path):
         gguf_tokenizer(tmp_path / "v.gguf")
     with pytest.raises(ValueError, match="lacks 'tokenizer.ggml.model'"):
         gguf_tokenizer(_good(tmp_path))
+
+
+def test_a_gguf_model_continues_from_a_llama_cpp_session_file(tmp_path):
+    """Prefill, save a session file in llama.cpp's layout, restore it into a fresh cache: the next
+    step's logits are the uninterrupted run's (the K rows are stored in the GGUF's RoPE order)."""
+    from kvjax.io._llama_state import session_read, session_write
+
+    model = from_gguf(_good(tmp_path))
+    cfg = model.config.cache_config(size=64, n_seq_max=1)
+    eng = kvjax.Engine(model, kvjax.init(cfg), n_ubatch=8)
+    prompt = TOKENS[:-1]
+    last = np.asarray(eng.decode(prompt, range(len(prompt)), [[0]] * len(prompt), outputs="last"))
+    data = session_write(eng.cache, prompt, arch="llama", logits=last, output_rows=[len(prompt) - 1])
+    want = np.asarray(eng.decode(TOKENS[-1:], [len(prompt)], [[0]]))
+    sess = session_read(kvjax.init(cfg), data)
+    assert sess.tokens.tolist() == prompt and np.array_equal(sess.logits, last)
+    again = kvjax.Engine(model, sess.cache, n_ubatch=8)
+    np.testing.assert_array_equal(np.asarray(again.decode(TOKENS[-1:], [len(prompt)], [[0]])), want)
