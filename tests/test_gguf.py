@@ -58,11 +58,11 @@ def _rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: fl
 
 def write_gguf(path, arch: str, sd: dict, *, n_layer: int, n_heads: int, n_kv_heads: int, eps: float,
                theta: float, qtype=Q.F32, rope_freqs=None, rope_scaling=None, drop=(), extra=None,
-               shapes=None, types=None):
+               shapes=None, types=None, gemma_kv=None, head_dim=None):
     """Write a GGUF file from an HF-named state dict of numpy arrays (torch layout, [out, in])."""
     w = gguf.GGUFWriter(str(path), arch)
     d_model = sd["model.embed_tokens.weight"].shape[1]
-    head_dim = sd["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
+    head_dim = head_dim or sd["model.layers.0.self_attn.q_proj.weight"].shape[0] // n_heads
     w.add_context_length(256)
     w.add_embedding_length(d_model)
     w.add_block_count(n_layer)
@@ -72,6 +72,10 @@ def write_gguf(path, arch: str, sd: dict, *, n_layer: int, n_heads: int, n_kv_he
     w.add_layer_norm_rms_eps(eps)
     w.add_rope_freq_base(theta)
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    for key, value in (gemma_kv or {}).items():
+        getattr(w, key)(*value) if isinstance(value, tuple) else getattr(w, key)(value)
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
         w.add_rope_scaling_factor(rope_scaling[1])
@@ -83,6 +87,12 @@ def write_gguf(path, arch: str, sd: dict, *, n_layer: int, n_heads: int, n_kv_he
                  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
                  "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
                  "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
+    gemma = arch.startswith("gemma")
+    if gemma:  # convert_hf_to_gguf.py's Gemma names; every norm stored as 1 + w
+        per_layer.update({"post_attention_layernorm.weight": "post_attention_norm.weight",
+                          "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                          "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+                          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"})
     tensors = {}
     for key, value in sd.items():
         value = np.asarray(value, np.float32)
@@ -93,9 +103,13 @@ def write_gguf(path, arch: str, sd: dict, *, n_layer: int, n_heads: int, n_kv_he
             if rest not in per_layer:
                 continue
             name = f"blk.{il}.{per_layer[rest]}"
-            if arch != "qwen2" and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+            if arch in ("llama", "mistral") and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                 value = _permute(value, n_heads if "q_proj" in rest else n_kv_heads)
+        if gemma and name.endswith("norm.weight"):
+            value = value + np.float32(1.0)
         tensors[name] = value
+    if gemma and "lm_head.weight" in sd and np.array_equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+        tensors.pop("output.weight", None)   # tied: llama.cpp's Gemma files have no output tensor
     if rope_freqs is not None:
         tensors["rope_freqs.weight"] = rope_freqs
     tensors.update(extra or {})
@@ -173,7 +187,8 @@ def _kvjax_model(arch: str, tie: bool = False, scale: float = 2.0) -> Llama:
     return model
 
 
-@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen2", True), ("mistral", False)])
+@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen2", True),
+                                       pytest.param("mistral", False, marks=pytest.mark.slow)])
 def test_a_gguf_of_a_kvjax_models_weights_gives_its_logits(tmp_path, arch, tie):
     model = _kvjax_model(arch, tie)
     path = write_gguf(tmp_path / "m.gguf", arch, _kvjax_sd(model), n_layer=2, n_heads=4, n_kv_heads=2, eps=1e-5,
@@ -307,8 +322,8 @@ def test_unexpected_tensor(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    with pytest.raises(ValueError, match=r"general.architecture='gemma2' is out of range: allowed one of "):
-        from_gguf(_good(tmp_path, arch="gemma2"))
+    with pytest.raises(ValueError, match=r"general.architecture='phi3' is out of range: allowed one of "):
+        from_gguf(_good(tmp_path, arch="phi3"))
 
 
 def test_unsupported_rope_kind(tmp_path):
@@ -436,3 +451,35 @@ def test_a_gguf_model_continues_from_a_llama_cpp_session_file(tmp_path):
     assert sess.tokens.tolist() == prompt and np.array_equal(sess.logits, last)
     again = kvjax.Engine(model, sess.cache, n_ubatch=8)
     np.testing.assert_array_equal(np.asarray(again.decode(TOKENS[-1:], [len(prompt)], [[0]])), want)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_twin_gives_the_transformers_logits(tmp_path, kind):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16, sliding_window=4,
+                  max_position_embeddings=256, attn_implementation="eager")
+    if kind == "gemma2":
+        hf = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, attn_logit_softcapping=20.0, final_logit_softcapping=15.0))
+        kv = {"add_sliding_window": 4, "add_attn_logit_softcapping": 20.0, "add_final_logit_softcapping": 15.0}
+        theta = 10000.0
+    else:
+        hf = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, layer_types=["sliding_attention", "full_attention"], rope_theta=1e6,
+            rope_local_base_freq=10000.0))
+        kv = {"add_sliding_window": 4, "add_sliding_window_pattern": ([True, False],)}
+        theta = 1e6
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))   # nonzero norms, larger weights: the options matter
+    hf.eval()
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    path = write_gguf(tmp_path / "g.gguf", kind, sd, n_layer=2, n_heads=4, n_kv_heads=2, eps=1e-6, theta=theta,
+                      gemma_kv=kv, head_dim=16)
+    model = from_gguf(path)
+    assert model.config.sandwich_norms and model.config.swa_layers == (0,) and model.config.n_swa == 4
+    got = np.asarray(model.forward(jnp.asarray(TOKENS)))
+    np.testing.assert_allclose(got, _hf_logits(hf, torch, TOKENS), atol=1e-4, rtol=0)

@@ -7,16 +7,19 @@ built without a random initialisation. A bad file raises ``ValueError`` and no m
 nothing is half-loaded.
 
 **Architectures.** ``llama`` (Llama 1/2/3, and Mistral, which ``convert_hf_to_gguf.py`` writes as
-``llama``), ``mistral`` and ``qwen2`` (q/k/v biases). Gemma's GGUF conversion stores its norms
-as ``1 + w`` and needs other options; it is refused with the supported list.
+``llama``), ``mistral``, ``qwen2`` (q/k/v biases), ``gemma2`` and ``gemma3`` (text): sandwich norms,
+scaled embeddings, GELU-tanh, soft-capping (Gemma 2), per-head q/k norms and a RoPE base of their
+own for the window layers (Gemma 3), the window layers from ``attention.sliding_window_pattern``
+or llama.cpp's default pattern (every 2nd / 6th layer global). Gemma's GGUF norms hold ``1 + w``
+already, so they load as plain RMSNorm scales, as llama.cpp uses them.
 
 **RoPE convention.** llama.cpp rotates ``llama``-arch models in ggml's *normal* mode (adjacent
 pairs), and ``convert_hf_to_gguf.py`` permutes the rows of each head of ``attn_q`` / ``attn_k``
 from Hugging Face's halves layout into pairs to match. The weights are taken as stored and the
 model runs RoPE mode ``"normal"``: ``q . k`` is the same sum in another order, so the logits equal
 the Hugging Face model's, and the K rows written to the cache are in llama.cpp's order (a state
-saved by llama.cpp for that model is read as it is). ``qwen2`` is not permuted and runs
-``"neox"``, as llama.cpp does. Llama 3's RoPE scaling arrives as the ``rope_freqs`` tensor (one
+saved by llama.cpp for that model is read as it is). ``qwen2`` and the Gemmas are not permuted
+and run ``"neox"``, as llama.cpp does. Llama 3's RoPE scaling arrives as the ``rope_freqs`` tensor (one
 divisor per rotated pair: :attr:`kvjax.RopeConfig.freq_factors`); ``linear`` scaling as
 ``rope.scaling.factor``. Other scaling kinds (YaRN, LongRoPE) are refused.
 
@@ -43,7 +46,7 @@ from kvjax.nn._llama import Llama, LlamaConfig
 __all__ = ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
 
 #: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode.
-GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox"}
+GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "gemma2": "neox", "gemma3": "neox"}
 
 #: The tensor types :func:`from_gguf` dequantizes (ggml type names).
 GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
@@ -149,12 +152,47 @@ def _config(reader, tensors) -> LlamaConfig:
     vocab = int(_field(reader, f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1])))
     rope = RopeConfig(n_rot=n_rot, mode=GGUF_ARCHITECTURES[arch], freq_base=base, freq_scale=scale,
                       freq_factors=freq_factors)
+    args = dict(vocab_size=vocab, d_model=d_model, n_layer=n_layer, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                head_dim=head_dim, d_ff=d_ff, norm_eps=eps, rope=rope, tie_embeddings="output.weight" not in tensors,
+                attention_bias=arch == "qwen2")
+    if arch in ("gemma2", "gemma3"):
+        args.update(_gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale))
     try:
-        return LlamaConfig(vocab_size=vocab, d_model=d_model, n_layer=n_layer, n_heads=n_heads,
-                           n_kv_heads=n_kv_heads, head_dim=head_dim, d_ff=d_ff, norm_eps=eps, rope=rope,
-                           tie_embeddings="output.weight" not in tensors, attention_bias=arch == "qwen2")
+        return LlamaConfig(**args)
     except ValueError as e:
         raise ValueError(f"GGUF metadata gives a config that is out of range: {e}") from None
+
+
+def _gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale) -> dict:
+    """The Gemma 2 / 3 options of the reference model, as llama.cpp runs those architectures.
+
+    The norms are plain RMSNorms here (``norm_offset`` off): ``convert_hf_to_gguf.py`` stores Gemma's
+    ``1 + w`` and llama.cpp multiplies by the stored weight. The softmax scale is llama.cpp's: the
+    head size, except for the 27B models (46 layers for Gemma 2, 62 for Gemma 3), which use
+    ``d_model / n_heads``.
+    """
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries: allowed "
+                             f"{n_layer}, one per layer")
+        swa_layers = tuple(i for i, on in enumerate(pattern) if on)
+    else:
+        every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+        swa_layers = LlamaConfig.window_pattern(n_layer, every)
+    n_swa = int(_field(reader, f"{arch}.attention.sliding_window", 0))
+    big = n_layer == (46 if arch == "gemma2" else 62)
+    out = dict(swa_layers=swa_layers if n_swa else (), n_swa=n_swa, sandwich_norms=True, scale_embeddings=True,
+               activation="gelu_tanh", query_pre_attn_scalar=float(d_model // n_heads if big else head_dim))
+    if arch == "gemma2":
+        out["attn_logit_softcap"] = _field(reader, f"{arch}.attn_logit_softcapping")
+        out["final_logit_softcap"] = _field(reader, f"{arch}.final_logit_softcapping")
+    else:
+        # local layers rotate with their own base (10000 unless the file says) and no scaling
+        base_swa = float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+        out["swa_rope"] = RopeConfig(n_rot=n_rot, mode="neox", freq_base=base_swa)
+        out["qk_norm"] = True
+    return out
 
 
 def _shape(t) -> Tuple[int, ...]:
@@ -187,6 +225,11 @@ def _plan(model: Llama, arch: str) -> List[Tuple[Any, str, bool]]:
         plan.append((model.lm_head.kernel, "output.weight", True))
     for il, block in enumerate(model.layers):
         p, a = f"blk.{il}.", block.attn
+        if cfg.sandwich_norms:  # Gemma: norms after attention and MLP too
+            plan += [(block.post_attn_norm.scale, p + "post_attention_norm.weight", False),
+                     (block.post_mlp_norm.scale, p + "post_ffw_norm.weight", False)]
+        if cfg.qk_norm:
+            plan += [(a.q_norm.scale, p + "attn_q_norm.weight", False), (a.k_norm.scale, p + "attn_k_norm.weight", False)]
         plan += [(block.attn_norm.scale, p + "attn_norm.weight", False),
                  (a.q_proj.kernel, p + "attn_q.weight", True),
                  (a.k_proj.kernel, p + "attn_k.weight", True),
