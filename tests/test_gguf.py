@@ -405,12 +405,15 @@ def test_gguf_tokenizer_encodes_like_the_vocabulary_it_came_from(tmp_path, pre):
     w.add_token_types(types)
     w.add_bos_token_id(tokens.index("<|begin|>"))
     w.add_eos_token_id(tokens.index("<|end|>"))
+    w.add_eot_token_id(tokens.index("<|end|>"))      # the same id twice: listed once
+    w.add_add_bos_token(True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    got, bos, eos = gguf_tokenizer(tmp_path / "v.gguf")
-    assert (bos, eos) == (tokens.index("<|begin|>"), tokens.index("<|end|>"))
+    got, bos, eos_ids, add_bos = gguf_tokenizer(tmp_path / "v.gguf")
+    eos = eos_ids[0]
+    assert (bos, eos_ids, add_bos) == (tokens.index("<|begin|>"), (tokens.index("<|end|>"),), True)
     for text in ["The quick brown fox", "café über 12345678!\n\n  x", "<|begin|>kvjax caches<|end|>", "zebra ∑ 🦊"]:
         want = tok.encode(text).ids
         ids = got.encode(text).ids

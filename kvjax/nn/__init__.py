@@ -49,6 +49,6 @@ __all__ = [
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
 ]
 
-from kvjax.nn._gguf import from_gguf, gguf_config, gguf_tokenizer  # noqa: E402  (llama.cpp GGUF files)
+from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer  # noqa: E402  (llama.cpp GGUF files)
 
-__all__ += ["from_gguf", "gguf_config", "gguf_tokenizer"]
+__all__ += ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab"]

@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +43,7 @@ from flax import nnx
 from kvjax.memory._config import RopeConfig
 from kvjax.nn._llama import Llama, LlamaConfig
 
-__all__ = ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
+__all__ = ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
 
 #: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode.
 GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "gemma2": "neox", "gemma3": "neox"}
@@ -299,7 +299,24 @@ def from_gguf(path) -> Llama:
     return model
 
 
-def gguf_tokenizer(path):
+class GGUFVocab(NamedTuple):
+    """What :func:`gguf_tokenizer` returns.
+
+    Attributes:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        bos_id: ``tokenizer.ggml.bos_token_id`` (``None`` when absent).
+        eos_ids: the end ids: ``eos_token_id`` and, when present and different, ``eot_token_id``
+            (Llama 3 instruct models end turns with the latter).
+        add_bos: ``tokenizer.ggml.add_bos_token`` (False when absent).
+    """
+
+    tokenizer: Any
+    bos_id: Optional[int]
+    eos_ids: Tuple[int, ...]
+    add_bos: bool
+
+
+def gguf_tokenizer(path) -> GGUFVocab:
     """The vocabulary of a GGUF file as a ``tokenizers.Tokenizer``, with its bos / eos ids.
 
     Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``, what Llama 3 and Qwen2 use) is built;
@@ -310,7 +327,7 @@ def gguf_tokenizer(path):
         path: a GGUF file with ``tokenizer.ggml.tokens`` and ``tokenizer.ggml.merges``.
 
     Returns:
-        ``(tokenizer, bos_id, eos_id)`` (an id is ``None`` when the file does not name it).
+        A :class:`GGUFVocab` ``(tokenizer, bos_id, eos_ids, add_bos)``.
 
     Raises:
         ValueError: not a GGUF file, no vocabulary, or a tokenizer model other than ``gpt2``.
@@ -327,8 +344,10 @@ def gguf_tokenizer(path):
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return _bpe(tokens, merges, types, pre), bos, eos
+    ends = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    eos_ids = tuple(dict.fromkeys(int(e) for e in ends if e is not None))
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    return GGUFVocab(_bpe(tokens, merges, types, pre), None if bos is None else int(bos), eos_ids, add_bos)
 
 
 # The pre-tokenizer splits of the byte-level BPE vocabularies llama.cpp names in tokenizer.ggml.pre
