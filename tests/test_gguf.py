@@ -58,7 +58,7 @@ def _rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: fl
 
 def write_gguf(path, arch: str, sd: dict, *, n_layer: int, n_heads: int, n_kv_heads: int, eps: float,
                theta: float, qtype=Q.F32, rope_freqs=None, rope_scaling=None, drop=(), extra=None,
-               shapes=None, types=None, gemma_kv=None, head_dim=None):
+               shapes=None, types=None, extra_kv=None, head_dim=None):
     """Write a GGUF file from an HF-named state dict of numpy arrays (torch layout, [out, in])."""
     w = gguf.GGUFWriter(str(path), arch)
     d_model = sd["model.embed_tokens.weight"].shape[1]
@@ -74,7 +74,7 @@ def write_gguf(path, arch: str, sd: dict, *, n_layer: int, n_heads: int, n_kv_he
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    for key, value in (gemma_kv or {}).items():
+    for key, value in (extra_kv or {}).items():
         getattr(w, key)(*value) if isinstance(value, tuple) else getattr(w, key)(value)
     if rope_scaling is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
@@ -254,6 +254,10 @@ def _hf(kind: str, scale: float = 4.0):
     if kind == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=10000.0,
                                                                      tie_word_embeddings=True))
+    elif kind == "qwen2-yarn":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **common, rope_theta=10000.0, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
     else:
         extra = {}
         if kind == "llama3":
@@ -274,14 +278,17 @@ def _hf_logits(hf, torch, tokens):
         return hf(torch.tensor([tokens])).logits[0].float().numpy()
 
 
-@pytest.mark.parametrize("kind, qtype", [("llama", Q.F32), ("llama3", Q.F32), ("qwen2", Q.F32), ("llama", Q.F16),
+@pytest.mark.parametrize("kind, qtype", [("llama", Q.F32), ("llama3", Q.F32), ("qwen2", Q.F32),
+                                         ("qwen2-yarn", Q.F32), ("llama", Q.F16),
                                          ("llama", Q.Q8_0)], ids=lambda x: getattr(x, "name", x))
 def test_a_gguf_twin_of_a_transformers_model_gives_its_logits(tmp_path, kind, qtype):
     hf, sd, torch = _hf(kind, 4.0 if qtype in (Q.F32, Q.F16) else 1.0)
-    arch = "qwen2" if kind == "qwen2" else "llama"
+    arch = "qwen2" if kind.startswith("qwen2") else "llama"
     freqs = _rope_freqs(10000.0, 16, 8.0, 1.0, 4.0, 64) if kind == "llama3" else None
+    yarn = dict(rope_scaling=("yarn", 4.0), extra_kv={"add_rope_scaling_orig_ctx_len": 64}) if kind.endswith("yarn") \
+        else {}
     path = write_gguf(tmp_path / "m.gguf", arch, sd, n_layer=2, n_heads=4, n_kv_heads=2, eps=1e-5, theta=10000.0,
-                      qtype=qtype, rope_freqs=freqs)
+                      qtype=qtype, rope_freqs=freqs, **yarn)
     got = np.asarray(from_gguf(path).forward(jnp.asarray(TOKENS)))
     if qtype in (Q.F32, Q.F16):
         # the HF model with the weights the file holds
@@ -327,8 +334,10 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_rope_kind(tmp_path):
-    with pytest.raises(ValueError, match=r"rope.scaling.type='yarn' is out of range: allowed 'none' or 'linear'"):
-        from_gguf(_good(tmp_path, rope_scaling=("yarn", 4.0)))
+    with pytest.raises(ValueError, match=r"rope.scaling.type='longrope' is out of range: allowed 'none', 'linear' "):
+        from_gguf(_good(tmp_path, rope_scaling=("longrope", 4.0)))
+    with pytest.raises(ValueError, match=r"rope.scaling.yarn_log_multiplier=0.1"):
+        from_gguf(_good(tmp_path, rope_scaling=("yarn", 4.0), extra_kv={"add_rope_scaling_yarn_log_mul": 0.1}))
 
 
 def test_unsupported_tensor_type(tmp_path):
@@ -481,7 +490,7 @@ def test_a_gemma_gguf_twin_gives_the_transformers_logits(tmp_path, kind):
     hf.eval()
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     path = write_gguf(tmp_path / "g.gguf", kind, sd, n_layer=2, n_heads=4, n_kv_heads=2, eps=1e-6, theta=theta,
-                      gemma_kv=kv, head_dim=16)
+                      extra_kv=kv, head_dim=16)
     model = from_gguf(path)
     assert model.config.sandwich_norms and model.config.swa_layers == (0,) and model.config.n_swa == 4
     got = np.asarray(model.forward(jnp.asarray(TOKENS)))

@@ -21,7 +21,9 @@ the Hugging Face model's, and the K rows written to the cache are in llama.cpp's
 saved by llama.cpp for that model is read as it is). ``qwen2`` and the Gemmas are not permuted
 and run ``"neox"``, as llama.cpp does. Llama 3's RoPE scaling arrives as the ``rope_freqs`` tensor (one
 divisor per rotated pair: :attr:`kvjax.RopeConfig.freq_factors`); ``linear`` scaling as
-``rope.scaling.factor``. Other scaling kinds (YaRN, LongRoPE) are refused.
+``rope.scaling.factor``; ``yarn`` as llama.cpp runs it (extrapolation mix 1, ``beta_fast`` /
+``beta_slow`` from the file or 32 / 1, ``original_context_length``, magnitude ``1 + 0.1 ln
+factor``). Other scaling kinds (LongRoPE, YaRN with a log multiplier) are refused.
 
 **Tensor types.** F32, F16, BF16, Q8_0 and Q4_0, dequantized to float32 with the ``gguf``
 package's reference dequantizers (ggml's own arithmetic).
@@ -103,7 +105,7 @@ def gguf_config(path) -> LlamaConfig:
 
     Raises:
         ValueError: not a GGUF file, truncated, another architecture, a RoPE scaling kind other
-            than none / linear, or missing or inconsistent sizes.
+            than none / linear / yarn, or missing or inconsistent sizes.
     """
     reader = _open(path)
     return _config(reader, _tensors(reader))
@@ -131,15 +133,27 @@ def _config(reader, tensors) -> LlamaConfig:
     n_rot = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     base = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    scale = 1.0
-    if kind == "linear":
+    scale, yarn = 1.0, {}
+    if kind in ("linear", "yarn"):
         factor = float(_field(reader, f"{arch}.rope.scaling.factor", required=True))
         if not factor > 0:
             raise ValueError(f"{arch}.rope.scaling.factor={factor} is out of range: allowed > 0")
         scale = 1.0 / factor
     elif kind != "none":
-        raise ValueError(f"{arch}.rope.scaling.type={kind!r} is out of range: allowed 'none' or 'linear' (Llama 3 "
-                         f"scaling comes as the rope_freqs tensor)")
+        raise ValueError(f"{arch}.rope.scaling.type={kind!r} is out of range: allowed 'none', 'linear' or 'yarn' "
+                         f"(Llama 3 scaling comes as the rope_freqs tensor)")
+    if kind == "yarn":
+        # llama.cpp's YaRN: full extrapolation mix, the ramp between beta_fast and beta_slow rotations
+        # of the original context, magnitude 1 + 0.1 ln(factor) (kvjax.rope applies it from freq_scale)
+        for key, neutral in (("yarn_log_multiplier", 0.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0)):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None and float(value) != neutral:
+                raise ValueError(f"{arch}.rope.scaling.{key}={value} is out of range: allowed {neutral} (the YaRN "
+                                 f"variant this loader reproduces)")
+        yarn = dict(ext_factor=1.0, beta_fast=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                    n_ctx_orig=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)
+                                   or _field(reader, f"{arch}.context_length", required=True)))
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         t = tensors["rope_freqs.weight"]
@@ -151,7 +165,7 @@ def _config(reader, tensors) -> LlamaConfig:
         raise ValueError("GGUF file lacks tensor 'token_embd.weight': allowed a complete model file")
     vocab = int(_field(reader, f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1])))
     rope = RopeConfig(n_rot=n_rot, mode=GGUF_ARCHITECTURES[arch], freq_base=base, freq_scale=scale,
-                      freq_factors=freq_factors)
+                      freq_factors=freq_factors, **yarn)
     args = dict(vocab_size=vocab, d_model=d_model, n_layer=n_layer, n_heads=n_heads, n_kv_heads=n_kv_heads,
                 head_dim=head_dim, d_ff=d_ff, norm_eps=eps, rope=rope, tie_embeddings="output.weight" not in tensors,
                 attention_bias=arch == "qwen2")
