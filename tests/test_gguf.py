@@ -207,7 +207,8 @@ def test_a_gguf_of_a_kvjax_models_weights_gives_its_logits(tmp_path, arch, tie):
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [pytest.param(Q.F16, marks=pytest.mark.slow), Q.Q8_0, Q.Q4_0],
+                         ids=lambda q: q.name)
 def test_quantized_tensors_give_the_dequantized_weights_logits(tmp_path, qtype):
     model = _kvjax_model("llama")
     sd = _kvjax_sd(model)
@@ -279,7 +280,7 @@ def _hf_logits(hf, torch, tokens):
 
 
 @pytest.mark.parametrize("kind, qtype", [("llama", Q.F32), ("llama3", Q.F32), ("qwen2", Q.F32),
-                                         ("qwen2-yarn", Q.F32), ("llama", Q.F16),
+                                         ("qwen2-yarn", Q.F32), pytest.param("llama", Q.F16, marks=pytest.mark.slow),
                                          ("llama", Q.Q8_0)], ids=lambda x: getattr(x, "name", x))
 def test_a_gguf_twin_of_a_transformers_model_gives_its_logits(tmp_path, kind, qtype):
     hf, sd, torch = _hf(kind, 4.0 if qtype in (Q.F32, Q.F16) else 1.0)
@@ -395,7 +396,7 @@ def _trained_bpe(pre: str):
     return tok
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "default"])
+@pytest.mark.parametrize("pre", ["llama-bpe", pytest.param("qwen2", marks=pytest.mark.slow), "default"])
 def test_gguf_tokenizer_encodes_like_the_vocabulary_it_came_from(tmp_path, pre):
     tok = _trained_bpe(pre)
     data = tok.to_str()
