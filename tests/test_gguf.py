@@ -496,3 +496,17 @@ def test_a_gemma_gguf_twin_gives_the_transformers_logits(tmp_path, kind):
     assert model.config.sandwich_norms and model.config.swa_layers == (0,) and model.config.n_swa == 4
     got = np.asarray(model.forward(jnp.asarray(TOKENS)))
     np.testing.assert_allclose(got, _hf_logits(hf, torch, TOKENS), atol=1e-4, rtol=0)
+
+
+def test_dtype_option(tmp_path):
+    # the milder model (initialiser weights): the x2 one amplifies bfloat16 rounding through its layers
+    path = write_gguf(tmp_path / "m.gguf", "llama", _kvjax_sd(_kvjax_model("llama", scale=1.0)), n_layer=2,
+                      n_heads=4, n_kv_heads=2, eps=1e-5, theta=1e4)
+    full = from_gguf(path)
+    half = from_gguf(path, dtype="bfloat16")
+    assert half.layers[0].attn.q_proj.kernel[...].dtype == jnp.bfloat16
+    a = np.asarray(full.forward(jnp.asarray(TOKENS)))
+    b = np.asarray(half.forward(jnp.asarray(TOKENS)), np.float32)
+    assert np.abs(a - b).max() < 0.1 * a.std()           # bfloat16 weights: close, not equal
+    with pytest.raises(ValueError, match=r"dtype='int8' is out of range: allowed one of \['float32'"):
+        from_gguf(path, dtype="int8")

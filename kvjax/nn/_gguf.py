@@ -259,24 +259,42 @@ def _plan(model: Llama, arch: str) -> List[Tuple[Any, str, bool]]:
     return plan
 
 
-def from_gguf(path) -> Llama:
+#: Parameter dtypes :func:`from_gguf` makes (every tensor type dequantizes to float32 first).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_dtype(dtype):
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is out of range: allowed one of {list(DTYPES)}")
+    return dt
+
+
+def from_gguf(path, *, dtype=jnp.float32) -> Llama:
     """Load a llama.cpp GGUF file into an NNX :class:`Llama` (see the module docstring).
 
     Args:
         path: a GGUF file (``general.architecture`` in :data:`GGUF_ARCHITECTURES`, tensors of the
             types in :data:`GGUF_TENSOR_TYPES`).
 
+        dtype: the parameters' dtype, one of :data:`DTYPES`.
+
     Returns:
-        The model with float32 parameters; ``model.config`` is :func:`gguf_config`'s. Use it as
+        The model with parameters of ``dtype``; ``model.config`` is :func:`gguf_config`'s. Use it as
         any :class:`Llama` (``kvjax.Engine(model, kvjax.init(model.config.cache_config(...)))``;
         :func:`kvjax.nn.params_from_nnx` for the linen twin).
 
     Raises:
         ValueError: not a GGUF file, a truncated file, an unsupported architecture, RoPE kind or
             tensor type, a missing or unexpected tensor, or a tensor whose shape does not fit the
-            metadata. Everything is checked before any tensor is dequantized.
+            metadata, or a ``dtype`` outside :data:`DTYPES`. Everything is checked before any
+            tensor is dequantized.
         ImportError: the ``gguf`` package is not installed.
     """
+    dt = _check_dtype(dtype)
     reader = _open(path)
     tensors = _tensors(reader)
     cfg = _config(reader, tensors)
@@ -301,15 +319,14 @@ def from_gguf(path) -> Llama:
         want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
         if shape != want:
             raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
-    values = {}
+    # one tensor at a time (host copy, device copy, freed): the model is new, so a failure here
+    # leaves nothing behind that anyone holds
     for var, name, transpose in plan:
         w = _dequantize(tensors[name])
-        values[name] = jnp.asarray(w.T if transpose else w, var.dtype)
+        var.set_value(jnp.asarray(w.T if transpose else w, dt))
     if cfg.attention_bias:  # qwen2 has no output-projection bias: the model's o bias is zero
         for block in model.layers:
-            block.attn.o_proj.bias.set_value(jnp.zeros(block.attn.o_proj.bias.shape, jnp.float32))
-    for var, name, _ in plan:
-        var.set_value(values[name])
+            block.attn.o_proj.bias.set_value(jnp.zeros(block.attn.o_proj.bias.shape, dt))
     return model
 
 
