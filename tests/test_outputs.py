@@ -84,6 +84,26 @@ def test_requested_rows_equal_the_full_steps_rows(kind):
     np.testing.assert_allclose(nxt_part, nxt_full[[1, 0, 1]], atol=ATOL)
 
 
+@pytest.mark.slow
+def test_an_iswa_memory_gives_the_full_steps_rows():
+    """Window layers on their own attention part (Gemma's memory): the rows asked for equal all rows'."""
+    cfg = LlamaConfig(vocab_size=48, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1, swa_layers=(0,), n_swa=4)
+    base = cfg.cache_config(size=64, n_seq_max=3, padding=16)
+
+    def eng():
+        memory = kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, n_batch=16))
+        return kvjax.Engine(Llama(cfg, rngs=nnx.Rngs(4)), memory, n_ubatch=8)
+
+    full_eng, part_eng = eng(), eng()
+    pos = _pos(SEQS)
+    full = np.asarray(full_eng.decode(TOKENS, pos, SEQS))
+    np.testing.assert_allclose(np.asarray(part_eng.decode(TOKENS, pos, SEQS, outputs="last")), full[[11, 12]],
+                               atol=ATOL)
+    nxt_full = np.asarray(full_eng.decode([5, 6], [8, 5], [[0], [1]]))
+    np.testing.assert_allclose(np.asarray(part_eng.decode([5, 6], [8, 5], [[0], [1]], outputs=[1])), nxt_full[[1]],
+                               atol=ATOL)
+
+
 @pytest.mark.parametrize("kind", ["llama", pytest.param("mamba", marks=pytest.mark.slow)])
 def test_explicit_rows_in_any_order_and_none(kind):
     eng, ref = _engine(kind), _engine(kind)
