@@ -17,10 +17,19 @@ import kvjax
 from kvjax._errors import StateError
 from kvjax.io._llama_state import (SEQ_MAGIC, SESSION_MAGIC, seq_file_read, seq_file_write, session_read,
                                    session_write, stream_state_read, stream_state_write)
-from tests.test_state import with_random_kv
 
 PLAIN = dict(size=64, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=4, padding=16)
-CONFIGS = {"plain": kvjax.CacheConfig(**PLAIN), "v_trans": kvjax.CacheConfig(**PLAIN, v_trans=True)}
+CONFIGS = {"plain": kvjax.CacheConfig(**PLAIN), "v_trans": kvjax.CacheConfig(**PLAIN, v_trans=True),
+           # llama.cpp's default storage without flash attention: F16 K/V, V transposed
+           "llama.cpp default": kvjax.CacheConfig(**PLAIN, k_dtype=jnp.float16, v_dtype=jnp.float16, v_trans=True)}
+
+
+def with_random_kv(cache, seed):
+    """The cache with random K/V in every cell, in its storage dtype."""
+    rng = np.random.default_rng(seed)
+    k = tuple(jnp.asarray(rng.standard_normal(x.shape, dtype=np.float32), x.dtype) for x in cache.k)
+    v = tuple(jnp.asarray(rng.standard_normal(x.shape, dtype=np.float32), x.dtype) for x in cache.v)
+    return cache.replace(k=k, v=v)
 
 
 def _filled(cfg, seed=0):
@@ -42,6 +51,10 @@ def test_whole_and_sequence_round_trips(name):
     cache = _filled(cfg)
     blob = stream_state_write(cache)
     assert struct.unpack_from("<II", blob) == (1, int(kvjax.used_cells(cache)))
+    if cfg.k_dtype == jnp.float16:   # ggml type id 1 (F16) in the first layer's K header
+        n = int(kvjax.used_cells(cache))
+        _, _, _, meta, _ = _split(blob, n)
+        assert struct.unpack_from("<IIi", blob, 8 + meta)[2] == 1
     _seed_equal(stream_state_read(kvjax.init(cfg), blob), cache)
     for s in range(3):
         seq = stream_state_write(cache, s)
@@ -50,6 +63,15 @@ def test_whole_and_sequence_round_trips(name):
         assert (rec[:, 1] == 1).all() and (rec[:, 2] == s).all()    # each cell names its sequence
         restored = stream_state_read(kvjax.init(cfg), seq, seq_id=3)
         assert kvjax.state_write(restored, 3) == kvjax.state_write(cache, s)
+
+
+def _split(blob, n):
+    """(n_stream, n, offset, meta bytes, rest) of a one-stream whole blob of n cells."""
+    off = 8
+    for _ in range(n):
+        k = struct.unpack_from("<I", blob, off + 4)[0]
+        off += 8 + 4 * k
+    return 1, n, 8, off - 8, blob[off:]
 
 
 def test_an_empty_sequence_is_its_stream_count_and_a_zero():
