@@ -10,7 +10,6 @@ kept in F32 and matrices in the type under test.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp

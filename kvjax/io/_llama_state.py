@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
