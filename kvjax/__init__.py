@@ -87,3 +87,10 @@ __all__ = [
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
     "CacheFullError", "StateError", "ErrorFlag",
 ]
+
+# today's llama.cpp state layout (stream counts; 'ggsn' session and 'ggsq' sequence files)
+from kvjax.io._llama_state import (LlamaSession, seq_file_read, seq_file_write, session_read,  # noqa: E402
+                                   session_write, stream_state_read, stream_state_write)
+
+__all__ += ["stream_state_write", "stream_state_read", "session_write", "session_read", "seq_file_write",
+            "seq_file_read", "LlamaSession"]

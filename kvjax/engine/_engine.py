@@ -55,7 +55,7 @@ from kvjax.engine._speculative import check_draft, speculative_stream
 from kvjax.engine._prompt_cache import PromptCache
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
-from kvjax.nn._step import make_step
+from kvjax.nn._step import make_step, output_bucket
 
 
 def _equal_ubatches(pos: np.ndarray, seq_ids, n_ubatch: int, n_seq_max: int):
@@ -92,6 +92,30 @@ def _plan(rest: Memory, ubatches, contiguous):
     """
     ok, placements = rest.prepare(ubatches, contiguous=contiguous)
     return rest.pending(), ok, placements, rest.extent()
+
+
+def _output_rows(outputs, seq_ids) -> Optional[np.ndarray]:
+    """The batch rows ``Engine.decode``'s ``outputs`` names (``None`` for every row), or ``ValueError``."""
+    n = len(seq_ids)
+    if isinstance(outputs, str):
+        if outputs == "all":
+            return None
+        if outputs == "last":
+            last = {}
+            for i, ids in enumerate(seq_ids):
+                for s in ids:
+                    last[int(s)] = i
+            return np.unique(np.fromiter(last.values(), np.int64, len(last)))
+    elif outputs is not None and not isinstance(outputs, (bytes, dict, set)):
+        rows = np.asarray(outputs)
+        if rows.ndim == 1 and (rows.size == 0 or np.issubdtype(rows.dtype, np.integer)):
+            rows = rows.astype(np.int64)
+            if rows.size and (rows.min() < 0 or rows.max() >= n):
+                bad = int(rows.min()) if rows.min() < 0 else int(rows.max())
+                raise ValueError(f"outputs contains row {bad}: allowed batch rows in [0, {n})")
+            return rows
+    raise ValueError(f"outputs={outputs!r} is out of range: allowed 'all', 'last' or a list of batch row indices "
+                     f"in [0, {n})")
 
 
 class Engine:
@@ -137,22 +161,30 @@ class Engine:
         _, rest = self.cache.split()
         return _plan(rest, ubatches, contiguous=self.contiguous)
 
-    def decode(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> jax.Array:
-        """Evaluate a batch of tokens; return the logits of every token, in batch order.
+    def decode(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *,
+               outputs="all") -> jax.Array:
+        """Evaluate a batch of tokens; return the logits of the rows asked for (default every token).
 
         Args:
             tokens: n token ids.
             pos: n positions.
             seq_ids: n non-empty lists of sequence ids.
+            outputs: which batch rows need logits (llama.cpp's ``batch.logits``): ``"all"`` (every
+                row, in batch order), ``"last"`` (the last row of each sequence in the batch, in
+                batch order: what sampling the next token needs), or a list of batch row
+                indices in ``[0, n)`` (any order, repeats allowed; empty for none). Every row
+                is evaluated and cached either way; only the output head skips the others, so a
+                prefill's cost and memory do not scale with ``n x V``.
 
         Returns:
-            ``f32[n, V]`` logits (on the device).
+            ``f32[n, V]`` logits (on the device) with ``"all"``; ``f32[R, V]`` of the R rows
+            asked for otherwise (row ``r`` for batch row ``outputs[r]``).
 
         Raises:
             kvjax.CacheFullError: the batch does not fit; nothing of it was placed or written (a
                 pending K-shift or defrag has been applied first, as in the seed).
-            ValueError: malformed tokens (non-integer, outside the vocabulary), positions or
-                sequence ids.
+            ValueError: malformed tokens (non-integer, outside the vocabulary), positions,
+                sequence ids or outputs; nothing was evaluated.
         """
         tokens = np.asarray(tokens)
         if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
@@ -167,6 +199,7 @@ class Engine:
             raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab})")
         tokens = tokens.astype(np.int32)
         pos = np.asarray(pos)
+        wanted = _output_rows(outputs, seq_ids)
         # a recurrent memory takes equal splits: the same number of tokens of each sequence per ubatch
         equal = self.cache.ubatch_split == "equal"
         parts, ubatches = self._ubatches(pos, seq_ids)
@@ -183,19 +216,52 @@ class Engine:
                                  f"nothing was placed (pending work was applied first, as "
                                  f"llama_decode does): free cells with seq_rm or shift the context")
         windows = self.cache.windows_for(placements, extent)
+        if wanted is not None:
+            return self._decode_rows(tokens, parts, ubatches, windows, wanted)
         outputs = []
         for idx, ub, ub_windows in zip(parts, ubatches, windows):
             toks = np.zeros(ub.length, np.int32)
             toks[: len(idx)] = tokens[idx]
             logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows)
             outputs.append(logits[: len(idx)])
-        self.cache = self.cache.commit(ubatches)  # the seed's commit (the iSWA memory prunes here)
-        if self.defrag_thold is not None:
-            self.cache = kvjax.defrag_sched(self.cache, self.defrag_thold)
-        self.n_decoded += len(tokens)
+        self._finish(ubatches, len(tokens))
         logits = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs)
         if equal:  # ubatch rows are slot major: back to batch order
             logits = logits[np.argsort(np.concatenate(parts), kind="stable")]
+        return logits
+
+    def _finish(self, ubatches, n_tokens):
+        self.cache = self.cache.commit(ubatches)  # the seed's commit (the iSWA memory prunes here)
+        if self.defrag_thold is not None:
+            self.cache = kvjax.defrag_sched(self.cache, self.defrag_thold)
+        self.n_decoded += n_tokens
+
+    def _decode_rows(self, tokens, parts, ubatches, windows, wanted):
+        """Run the placed batch with the output head on the ``wanted`` batch rows only."""
+        got, outputs = [], []
+        for idx, ub, ub_windows in zip(parts, ubatches, windows):
+            toks = np.zeros(ub.length, np.int32)
+            toks[: len(idx)] = tokens[idx]
+            local = np.flatnonzero(np.isin(idx, wanted))           # ubatch rows whose batch row is wanted
+            if len(local) == len(idx):
+                # every valid row: the all-rows program (the one a decode step of n tokens uses anyway)
+                logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows)
+            else:
+                rows = np.zeros(output_bucket(len(local)), np.int32)
+                rows[: len(local)] = local
+                rows[len(local):] = local[-1] if len(local) else 0   # bucket padding: a repeated row
+                logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows,
+                                                  outputs=rows)
+            outputs.append(logits[: len(local)])
+            got.append(np.asarray(idx)[local])
+        self._finish(ubatches, len(tokens))
+        got = np.concatenate(got)
+        logits = outputs[0] if len(outputs) == 1 else jnp.concatenate(outputs)
+        where = np.empty(len(tokens), np.int64)
+        where[got] = np.arange(len(got))
+        order = where[wanted]
+        if not np.array_equal(order, np.arange(len(got))):
+            logits = logits[order]
         return logits
 
     def _ubatches(self, pos, seq_ids, memory=None):
@@ -485,7 +551,9 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                          f"would shift it for every sequence: allowed at most n_keep + (n_ctx - n_keep) // 2 = "
                          f"{first_discard} shared tokens; raise n_keep or n_ctx, or pass share_prefix=False")
     if shared:
-        shared_logits = engine.decode(shared, list(range(len(shared))), [[sid[0]]] * len(shared))
+        # only n_parallel reads the shared prompt's logits (its last row); the rest needs its cells only
+        shared_logits = engine.decode(shared, list(range(len(shared))), [[sid[0]]] * len(shared),
+                                      outputs=[len(shared) - 1] if n_parallel > 1 else [])
         for s in range(1, n_seq):
             engine.cache = kvjax.seq_cp(engine.cache, sid[0], sid[s], -1, -1)
         prompt_tokens += len(shared)
@@ -501,9 +569,9 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     if n_parallel > 1:
         rows = jnp.repeat(shared_logits[-1:], n_seq, axis=0)  # n draws from the same distribution
     else:
-        logits = engine.decode(toks, pos, ids)
+        # the head on the last prompt row of each sequence only: a prefill never builds [n, V]
+        rows = engine.decode(toks, pos, ids, outputs=[last_row[s] for s in range(n_seq)])
         prompt_tokens += len(toks)
-        rows = logits[jnp.asarray([last_row[s] for s in range(n_seq)])]
     next_pos = [len(p) for p in (prompts * n_seq if n_parallel > 1 else prompts)]
     stats["prompt_tokens"] = prompt_tokens
     stats["seq_ids"] = sid

@@ -86,11 +86,13 @@ def accept_drafts(target_logits: Float[Array, "B K1 V"], draft_logits: Float[Arr
     return n, nxt
 
 
-def _last_rows(logits, counts: Sequence[int], rows_each: int):
-    """The last ``rows_each`` logits rows of each sequence's block (blocks of ``counts`` rows, in order)."""
+def _last_rows(counts: Sequence[int], rows_each: int) -> np.ndarray:
+    """The batch rows of the last ``rows_each`` rows of each sequence's block (blocks of ``counts`` rows, in order).
+
+    The engines compute logits for these rows only (``Engine.decode(..., outputs=rows)``).
+    """
     ends = np.cumsum(counts)
-    idx = np.concatenate([np.arange(e - rows_each, e) for e in ends])
-    return logits[jnp.asarray(idx)].reshape(len(counts), rows_each, -1)
+    return np.concatenate([np.arange(e - rows_each, e) for e in ends])
 
 
 def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_tokens: int, key: jax.Array,
@@ -105,11 +107,11 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
     toks = [t for p in prompts for t in p]
     pos = [i for p in prompts for i in range(len(p))]
     rows = [[s] for s, p in enumerate(prompts) for _ in p]
-    logits = target.decode(toks, pos, rows)
-    draft.decode(toks, pos, rows)
     last = np.cumsum([len(p) for p in prompts]) - 1
+    logits = target.decode(toks, pos, rows, outputs=last)
+    draft.decode(toks, pos, rows, outputs=[])       # the draft only needs the prompts' cells
     key, sub = jax.random.split(key)
-    first = np.asarray(sample(logits[jnp.asarray(last)], sub, sampling)).tolist()
+    first = np.asarray(sample(logits, sub, sampling)).tolist()
     history = [list(p) + [t] for p, t in zip(prompts, first)]   # every token, the last one not yet fed
     fed_target = [len(p) for p in prompts]                        # positions each memory holds
     fed_draft = list(fed_target)
@@ -129,8 +131,7 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
             d_toks += part
             d_pos += range(fed_draft[s], fed_draft[s] + len(part))
             d_ids += [ids[s]] * len(part)
-        out = draft.decode(d_toks, d_pos, d_ids)
-        q_rows = [_last_rows(out, [len(p) for p in pending], 1)[:, 0]]
+        q_rows = [draft.decode(d_toks, d_pos, d_ids, outputs=_last_rows([len(p) for p in pending], 1))]
         proposals = []
         for j in range(n_draft):
             key, sub = jax.random.split(key)
@@ -149,7 +150,9 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
             t_toks += part
             t_pos += range(fed_target[s], fed_target[s] + len(part))
             t_ids += [ids[s]] * len(part)
-        p_all = _last_rows(target.decode(t_toks, t_pos, t_ids), [len(p) for p in t_parts], n_draft + 1)
+        checked = _last_rows([len(p) for p in t_parts], n_draft + 1)
+        p_all = target.decode(t_toks, t_pos, t_ids, outputs=checked)
+        p_all = p_all.reshape(len(t_parts), n_draft + 1, -1)
         for s in active:
             fed_target[s] = len(history[s]) + n_draft
         key, sub = jax.random.split(key)

@@ -48,3 +48,7 @@ __all__ = [
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
 ]
+
+from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer  # noqa: E402  (llama.cpp GGUF files)
+
+__all__ += ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab"]

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.memory._hybrid import HybridCache, HybridConfig
 from kvjax.memory._ubatch import equal_slots
-from kvjax.nn._inputs import MaskKind, UbatchInputs
+from kvjax.nn._inputs import MaskKind, UbatchInputs, select_outputs
 from kvjax.nn._nnx_attention import check_inputs
 from kvjax.nn._llama import MLP, Block, LlamaConfig, check_tokens
 from kvjax.nn._mamba import MambaBlock, MambaConfig
@@ -140,7 +140,7 @@ class HybridLM(nnx.Module):
 
         Returns:
             ``(logits f32[T, V], memory)`` with the attention layers' K/V and the recurrent
-            layers' states written.
+            layers' states written; ``f32[R, V]`` of the rows ``inputs.outputs`` when it is set.
         """
         cfg = self.config
         if not isinstance(memory, HybridCache) or memory.config.recurrent_layers != cfg.recurrent_layers:
@@ -168,7 +168,7 @@ class HybridLM(nnx.Module):
             else:
                 x, memory = layer(x, memory, inputs)
         states = states.write_states(placement, jnp.stack(convs), jnp.stack(ssms))
-        return self._logits(x), memory.replace(recurrent=states)
+        return self._logits(select_outputs(x, inputs)), memory.replace(recurrent=states)
 
     def forward(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
         """The uncached pass: every row of ``tokens`` is one sequence from position 0 and the zero state."""

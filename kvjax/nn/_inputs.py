@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, NamedTuple, Tuple, Union
 
+import jax.numpy as jnp
 from flax import struct
 
 import kvjax
@@ -29,7 +30,7 @@ from kvjax.memory._config import SwaType
 from kvjax.memory._protocol import Memory
 from kvjax.memory._ubatch import Ubatch
 
-__all__ = ["MaskKind", "UbatchInputs", "layer_mask"]
+__all__ = ["MaskKind", "UbatchInputs", "layer_mask", "select_outputs"]
 
 
 class MaskKind(NamedTuple):
@@ -74,11 +75,17 @@ class UbatchInputs:
         masks: one ``[T, N_part]`` mask per entry of ``mask_kinds`` (filled by :meth:`with_masks`).
         windows: static window ``N`` of each attention part.
         mask_kinds: static, the kind of each mask in ``masks``.
+        outputs: ``i32[R]`` the ubatch rows that need logits (llama.cpp's output ids), or ``None``
+            for every row. The model runs every row through its layers (each writes K/V or a
+            state) but the final norm and output projection only on these rows, so a prefill
+            does not build a ``[T, V]`` array. Traced: new row values never recompile, only a
+            new ``R`` does (the step's caller pads ``R`` to a bucket).
     """
 
     ubatch: Ubatch
     placement: Any
     masks: Tuple[Float[Array, "T N"], ...] = ()
+    outputs: Any = None
     windows: Tuple[int, ...] = struct.field(pytree_node=False, default=())
     mask_kinds: Tuple[MaskKind, ...] = struct.field(pytree_node=False, default=())
 
@@ -96,3 +103,14 @@ class UbatchInputs:
             raise ValueError(f"kind={kind} has no mask in these inputs: allowed {list(self.mask_kinds)} "
                              f"(compute it with inputs.with_masks(memory, kinds))")
         return self.masks[self.mask_kinds.index(kind)]
+
+
+def select_outputs(x: Float[Array, "T E"], inputs: UbatchInputs) -> Float[Array, "R E"]:
+    """The rows of the final hidden states that need logits: ``x[inputs.outputs]``, or ``x`` (all rows).
+
+    Models call it before their output head, so the head's cost and its ``[R, V]`` result scale
+    with the rows asked for, not with the ubatch length.
+    """
+    if inputs.outputs is None:
+        return x
+    return jnp.take(x, inputs.outputs, axis=0, mode="clip")

@@ -103,6 +103,8 @@ class LlamaLinen(nn.Module):
                  ) -> Tuple[Float[Array, "T V"], Memory]:
         """Run a placed ubatch through the memory; returns ``(logits f32[T, V], memory)``.
 
+        With ``inputs.outputs`` set the logits are ``f32[R, V]``, those of the rows asked for.
+
         Arguments as :meth:`kvjax.nn.Llama.__call__`.
         """
         return model_cached(self, tokens, memory, inputs)

@@ -508,13 +508,17 @@ class Mamba(nnx.Module):
             config.d_model, config.vocab_size, use_bias=False, dtype=config.dtype,
             param_dtype=config.param_dtype, rngs=rngs)
 
-    def _run(self, tokens, conv_state, ssm_state, keep: Optional[int] = None):
+    def _run(self, tokens, conv_state, ssm_state, keep: Optional[int] = None, outputs=None):
+        """Layers, then the head; with ``outputs`` (``i32[R]`` rows of the flattened ``[S * T]``)
+        the head runs on those rows only and the logits are ``[R, V]``."""
         x = self.embed(tokens)
         convs, ssms = [], []
         for il, block in enumerate(self.layers):
             x, conv, ssm = block(x, conv_state[il], ssm_state[il], keep)
             convs.append(conv)
             ssms.append(ssm)
+        if outputs is not None:
+            x = jnp.take(x.reshape((-1, x.shape[-1])), outputs, axis=0, mode="clip")
         x = self.norm(x.astype(self.config.dtype))
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32), jnp.stack(convs), jnp.stack(ssms)
@@ -533,7 +537,8 @@ class Mamba(nnx.Module):
             inputs: the step's :class:`kvjax.nn.UbatchInputs` (ubatch and placement).
 
         Returns:
-            ``(logits f32[S * T, V], memory)``.
+            ``(logits f32[S * T, V], memory)``; ``f32[R, V]`` of the rows ``inputs.outputs`` when
+            it is set (the states are written for every row all the same).
         """
         return _memory_call(self, tokens, memory, inputs)
 
@@ -612,10 +617,10 @@ def _memory_call(model: "Mamba", tokens, memory, inputs):
     keep = min(memory.config.n_states, t)
     logits, conv_h, ssm_h = model._run(jnp.asarray(tokens).reshape(n_slots, t),
                                        jnp.swapaxes(conv, -1, -2).astype(jnp.float32),
-                                       ssm.astype(jnp.float32), keep=keep)
+                                       ssm.astype(jnp.float32), keep=keep, outputs=inputs.outputs)
     # stored in the seed's element order: the conv row channel major ([Di, K-1])
     memory = memory.write_states(placement, jnp.swapaxes(conv_h, -1, -2), ssm_h)
-    return logits.reshape(n_slots * t, -1), memory
+    return logits.reshape((-1, logits.shape[-1])), memory
 
 
 def make_mamba_step(model: Mamba, *, donate: bool = True) -> Callable:

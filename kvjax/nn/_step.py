@@ -23,6 +23,12 @@ host before the call:
 
 Both round up with ``kvjax.window_bucket`` so the number of programs stays small.
 
+**Which rows get logits.** ``outputs=`` (``i32[R]`` ubatch rows, llama.cpp's output ids) runs
+the final norm and the output projection on those rows only and returns ``[R, V]``; without it
+every row's logits come back (``[T, V]``). A prefill that needs the last row only then costs
+``T x E`` for the head's input instead of ``T x V``. ``R`` is part of the program's shape (pad it
+with :func:`output_bucket`), the row values are not.
+
 **Donation.** The K/V buffers of the cache passed in are donated (updated in place): use the
 returned cache, never the old one, after a step. The cells are not donated, so a reference to
 ``cache.cells`` kept before the step is a valid snapshot to restore on failure (the seed's
@@ -60,13 +66,13 @@ from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._inputs import UbatchInputs
 
-__all__ = ["Step", "make_step", "window_for", "windows_for", "check_windows"]
+__all__ = ["Step", "make_step", "window_for", "windows_for", "check_windows", "check_outputs", "output_bucket"]
 
 #: ``apply(state, tokens, memory, inputs) -> (logits, memory)``: the model call a Step runs.
 ApplyFn = Callable[[Any, Array, Memory, UbatchInputs], Tuple[Array, Memory]]
 
 
-def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, placement, *, windows):
+def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, placement, outputs, *, windows):
     memory = rest.join(buffers)
     if placement is None:
         memory, placement, ok = memory.find_slot(ubatch, contiguous=contiguous)
@@ -81,7 +87,8 @@ def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, pl
     # a failed step writes nothing (its placement is voided) and keeps the metadata from before it
     # (the seed's restore): no buffer a live sequence reads changes
     placement = memory.mask_placement(placement, ok)
-    logits, memory = apply(state, tokens, memory, UbatchInputs(ubatch=ubatch, placement=placement, windows=windows))
+    logits, memory = apply(state, tokens, memory,
+                           UbatchInputs(ubatch=ubatch, placement=placement, windows=windows, outputs=outputs))
     new_buffers, new_rest = memory.split()
     kept = jax.tree.map(lambda before, after: jnp.where(ok, after, before), rest, new_rest)
     return logits, kept.join(new_buffers), ok
@@ -142,7 +149,8 @@ class Step:
 
     def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, "T"], *,
                  n_kv: Optional[int] = None, windows: Optional[Tuple[int, ...]] = None,
-                 placement: Optional[Placement] = None, slot: Optional[Int[Array, "T"]] = None
+                 placement: Optional[Placement] = None, slot: Optional[Int[Array, "T"]] = None,
+                 outputs: Optional[Int[Array, "R"]] = None
                  ) -> Tuple[Float[Array, "T V"], Memory, Bool[Array, ""]]:
         """Place ``ubatch`` (unless a placement is given), run the model, return the new memory.
 
@@ -155,15 +163,24 @@ class Step:
             windows: static windows, one per attention part (instead of ``n_kv``).
             placement: where the caller already placed the ubatch (``kvjax.find_slot``).
             slot: the unified cache's name for ``placement`` (``i32[T]``).
+            outputs: ``i32[R]`` the ubatch rows (in ``[0, T)``, repeats allowed) whose logits are
+                wanted, in the order wanted (llama.cpp's output ids); ``None`` for every row. Only
+                these rows go through the final norm and the output projection; every row still
+                writes its K/V or state. ``R`` is static (one program per ``R``: pad it to a
+                bucket, e.g. by repeating a row), the values are traced (new rows never
+                recompile). Values of a numpy array or list are checked here; a device array's
+                are not read (no sync) and out-of-range values are clipped.
 
         Returns:
-            ``(logits f32[T, V], memory, ok)``; when ``ok`` is false (no room, a window too small,
+            ``(logits f32[T, V], memory, ok)`` (``f32[R, V]``, row ``r`` the logits of ubatch row
+            ``outputs[r]``, with ``outputs``); when ``ok`` is false (no room, a window too small,
             a token outside the vocabulary) the memory's cells are as before the step and the
             logits carry no meaning.
 
         Raises:
-            ValueError: not a memory, windows outside the allowed ones, or tokens / slot whose
-                shape does not match the ubatch.
+            ValueError: not a memory, windows outside the allowed ones, tokens / slot whose
+                shape does not match the ubatch, or ``outputs`` that is not a 1-d integer array
+                of rows in ``[0, T)``.
         """
         require_memory(memory)
         if not isinstance(ubatch, Ubatch):
@@ -175,8 +192,46 @@ class Step:
             if placement is not None:
                 raise ValueError("pass placement= or slot=, not both")
             placement = _int_rows("slot", slot, t)
+        if outputs is not None:
+            outputs = check_outputs(outputs, t)
         buffers, rest = memory.split()
-        return self._jitted(state, rest, buffers, ubatch, tokens, placement, windows=windows)
+        return self._jitted(state, rest, buffers, ubatch, tokens, placement, outputs, windows=windows)
+
+
+def check_outputs(outputs, t: int):
+    """``outputs`` as a 1-d integer array of ubatch rows in ``[0, t)``, or ``ValueError``.
+
+    Host values (numpy, lists) are checked; a device array is taken as it is (reading it back
+    would cost a sync on the per-token path), its shape and dtype checked only.
+    """
+    if not isinstance(outputs, jax.Array):
+        outputs = np.asarray(outputs)
+        if outputs.size == 0:
+            outputs = outputs.astype(np.int32)
+    if outputs.ndim != 1 or not np.issubdtype(outputs.dtype, np.integer):
+        raise ValueError(f"outputs has shape {tuple(outputs.shape)} and dtype {outputs.dtype}: allowed a 1-d "
+                         f"integer array of ubatch rows in [0, {t})")
+    if isinstance(outputs, np.ndarray):
+        if outputs.size and (outputs.min() < 0 or outputs.max() >= t):
+            bad = int(outputs.min()) if outputs.min() < 0 else int(outputs.max())
+            raise ValueError(f"outputs contains row {bad}: allowed rows in [0, {t}) (T = ubatch.length)")
+        outputs = outputs.astype(np.int32)
+    return outputs
+
+
+def output_bucket(n: int) -> int:
+    """The static number of output rows for ``n`` wanted rows: 0, or the next power of two.
+
+    Pad ``outputs`` to it (repeating a row) so a handful of programs serves every count.
+
+    Example:
+        >>> [output_bucket(n) for n in (0, 1, 3, 8, 9)]
+        [0, 1, 4, 8, 16]
+    """
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"n={n} is out of range: allowed >= 0")
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
 
 
 def _int_rows(name, x, t):

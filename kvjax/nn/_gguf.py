@@ -1,0 +1,413 @@
+"""Loading llama.cpp GGUF files into the reference model :class:`kvjax.nn.Llama`.
+
+:func:`from_gguf` reads a GGUF file with the ``gguf`` package's memory-mapped reader (nothing is
+read until it is needed), checks the whole file first (architecture, RoPE kind, every tensor's
+name, type, shape and extent inside the file), and only then dequantizes the tensors into a model
+built without a random initialisation. A bad file raises ``ValueError`` and no model comes back:
+nothing is half-loaded.
+
+**Architectures.** ``llama`` (Llama 1/2/3, and Mistral, which ``convert_hf_to_gguf.py`` writes as
+``llama``), ``mistral``, ``qwen2`` (q/k/v biases), ``gemma2`` and ``gemma3`` (text): sandwich norms,
+scaled embeddings, GELU-tanh, soft-capping (Gemma 2), per-head q/k norms and a RoPE base of their
+own for the window layers (Gemma 3), the window layers from ``attention.sliding_window_pattern``
+or llama.cpp's default pattern (every 2nd / 6th layer global). Gemma's GGUF norms hold ``1 + w``
+already, so they load as plain RMSNorm scales, as llama.cpp uses them.
+
+**RoPE convention.** llama.cpp rotates ``llama``-arch models in ggml's *normal* mode (adjacent
+pairs), and ``convert_hf_to_gguf.py`` permutes the rows of each head of ``attn_q`` / ``attn_k``
+from Hugging Face's halves layout into pairs to match. The weights are taken as stored and the
+model runs RoPE mode ``"normal"``: ``q . k`` is the same sum in another order, so the logits equal
+the Hugging Face model's, and the K rows written to the cache are in llama.cpp's order (a state
+saved by llama.cpp for that model is read as it is). ``qwen2`` and the Gemmas are not permuted
+and run ``"neox"``, as llama.cpp does. Llama 3's RoPE scaling arrives as the ``rope_freqs`` tensor (one
+divisor per rotated pair: :attr:`kvjax.RopeConfig.freq_factors`); ``linear`` scaling as
+``rope.scaling.factor``; ``yarn`` as llama.cpp runs it (extrapolation mix 1, ``beta_fast`` /
+``beta_slow`` from the file or 32 / 1, ``original_context_length``, magnitude ``1 + 0.1 ln
+factor``). Other scaling kinds (LongRoPE, YaRN with a log multiplier) are refused.
+
+**Tensor types.** F32, F16, BF16, Q8_0 and Q4_0, dequantized to float32 with the ``gguf``
+package's reference dequantizers (ggml's own arithmetic).
+
+Example:
+    >>> model = from_gguf("tinyllama-q8_0.gguf")                        # doctest: +SKIP
+    >>> cache = kvjax.init(model.config.cache_config(size=4096, n_seq_max=1))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.memory._config import RopeConfig
+from kvjax.nn._llama import Llama, LlamaConfig
+
+__all__ = ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
+
+#: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode.
+GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "gemma2": "neox", "gemma3": "neox"}
+
+#: The tensor types :func:`from_gguf` dequantizes (ggml type names).
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # an optional dependency: say which package brings it
+        raise ImportError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
+    return gguf
+
+
+def _open(path) -> Any:
+    """A ``GGUFReader`` over ``path``, or ``ValueError`` naming the file and what is wrong."""
+    gguf = _gguf()
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
+    if not os.path.isfile(path):
+        raise ValueError(f"path={os.fspath(path)!r} is not a file: allowed the path of a GGUF file")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError) as e:
+        raise ValueError(f"{os.fspath(path)!r} is not a readable GGUF file (bad magic or version, or cut short: "
+                         f"{type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        # the reader maps tensor data lazily: a file cut inside the data section shows up here only
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ValueError(f"{os.fspath(path)!r} is truncated: tensor {t.name!r} needs bytes "
+                             f"[{t.data_offset}, {t.data_offset + t.n_bytes}) of a {size}-byte file")
+    return reader
+
+
+def _field(reader, key: str, default=None, *, required: bool = False):
+    field = reader.fields.get(key)
+    if field is None:
+        if required:
+            raise ValueError(f"GGUF metadata lacks {key!r}: allowed a file written by convert_hf_to_gguf.py "
+                             f"(it always writes this key)")
+        return default
+    return field.contents()
+
+
+def gguf_config(path) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a GGUF file's metadata (no tensor data is read).
+
+    Args:
+        path: a GGUF file of an architecture in :data:`GGUF_ARCHITECTURES`.
+
+    Returns:
+        The config (RoPE mode as llama.cpp runs the architecture; Llama 3 ``rope_freqs`` as
+        ``rope.freq_factors``; tied embeddings when the file has no ``output.weight``).
+
+    Raises:
+        ValueError: not a GGUF file, truncated, another architecture, a RoPE scaling kind other
+            than none / linear / yarn, or missing or inconsistent sizes.
+    """
+    reader = _open(path)
+    return _config(reader, _tensors(reader))
+
+
+def _tensors(reader) -> Dict[str, Any]:
+    return {t.name: t for t in reader.tensors}
+
+
+def _config(reader, tensors) -> LlamaConfig:
+    arch = _field(reader, "general.architecture", required=True)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"general.architecture={arch!r} is out of range: allowed one of "
+                         f"{sorted(GGUF_ARCHITECTURES)}")
+    n_layer = int(_field(reader, f"{arch}.block_count", required=True))
+    d_model = int(_field(reader, f"{arch}.embedding_length", required=True))
+    d_ff = int(_field(reader, f"{arch}.feed_forward_length", required=True))
+    n_heads = int(_field(reader, f"{arch}.attention.head_count", required=True))
+    n_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", d_model // max(n_heads, 1)))
+    head_dim_v = int(_field(reader, f"{arch}.attention.value_length", head_dim))
+    if head_dim_v != head_dim:
+        raise ValueError(f"{arch}.attention.value_length={head_dim_v} is out of range: allowed key_length={head_dim}")
+    eps = float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", required=True))
+    n_rot = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    base = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    scale, yarn = 1.0, {}
+    if kind in ("linear", "yarn"):
+        factor = float(_field(reader, f"{arch}.rope.scaling.factor", required=True))
+        if not factor > 0:
+            raise ValueError(f"{arch}.rope.scaling.factor={factor} is out of range: allowed > 0")
+        scale = 1.0 / factor
+    elif kind != "none":
+        raise ValueError(f"{arch}.rope.scaling.type={kind!r} is out of range: allowed 'none', 'linear' or 'yarn' "
+                         f"(Llama 3 scaling comes as the rope_freqs tensor)")
+    if kind == "yarn":
+        # llama.cpp's YaRN: full extrapolation mix, the ramp between beta_fast and beta_slow rotations
+        # of the original context, magnitude 1 + 0.1 ln(factor) (kvjax.rope applies it from freq_scale)
+        for key, neutral in (("yarn_log_multiplier", 0.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0)):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None and float(value) != neutral:
+                raise ValueError(f"{arch}.rope.scaling.{key}={value} is out of range: allowed {neutral} (the YaRN "
+                                 f"variant this loader reproduces)")
+        yarn = dict(ext_factor=1.0, beta_fast=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                    n_ctx_orig=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)
+                                   or _field(reader, f"{arch}.context_length", required=True)))
+    freq_factors = None
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        if tuple(int(d) for d in t.shape) != (n_rot // 2,):
+            raise ValueError(f"tensor 'rope_freqs.weight' has shape {_shape(t)}: allowed ({n_rot // 2},) "
+                             f"(one factor per rotated pair)")
+        freq_factors = tuple(float(x) for x in _dequantize(t).reshape(-1))
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file lacks tensor 'token_embd.weight': allowed a complete model file")
+    vocab = int(_field(reader, f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1])))
+    rope = RopeConfig(n_rot=n_rot, mode=GGUF_ARCHITECTURES[arch], freq_base=base, freq_scale=scale,
+                      freq_factors=freq_factors, **yarn)
+    args = dict(vocab_size=vocab, d_model=d_model, n_layer=n_layer, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                head_dim=head_dim, d_ff=d_ff, norm_eps=eps, rope=rope, tie_embeddings="output.weight" not in tensors,
+                attention_bias=arch == "qwen2")
+    if arch in ("gemma2", "gemma3"):
+        args.update(_gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale))
+    try:
+        return LlamaConfig(**args)
+    except ValueError as e:
+        raise ValueError(f"GGUF metadata gives a config that is out of range: {e}") from None
+
+
+def _gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale) -> dict:
+    """The Gemma 2 / 3 options of the reference model, as llama.cpp runs those architectures.
+
+    The norms are plain RMSNorms here (``norm_offset`` off): ``convert_hf_to_gguf.py`` stores Gemma's
+    ``1 + w`` and llama.cpp multiplies by the stored weight. The softmax scale is llama.cpp's: the
+    head size, except for the 27B models (46 layers for Gemma 2, 62 for Gemma 3), which use
+    ``d_model / n_heads``.
+    """
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries: allowed "
+                             f"{n_layer}, one per layer")
+        swa_layers = tuple(i for i, on in enumerate(pattern) if on)
+    else:
+        every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
+        swa_layers = LlamaConfig.window_pattern(n_layer, every)
+    n_swa = int(_field(reader, f"{arch}.attention.sliding_window", 0))
+    big = n_layer == (46 if arch == "gemma2" else 62)
+    out = dict(swa_layers=swa_layers if n_swa else (), n_swa=n_swa, sandwich_norms=True, scale_embeddings=True,
+               activation="gelu_tanh", query_pre_attn_scalar=float(d_model // n_heads if big else head_dim))
+    if arch == "gemma2":
+        out["attn_logit_softcap"] = _field(reader, f"{arch}.attn_logit_softcapping")
+        out["final_logit_softcap"] = _field(reader, f"{arch}.final_logit_softcapping")
+    else:
+        # local layers rotate with their own base (10000 unless the file says) and no scaling
+        base_swa = float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))
+        out["swa_rope"] = RopeConfig(n_rot=n_rot, mode="neox", freq_base=base_swa)
+        out["qk_norm"] = True
+    return out
+
+
+def _shape(t) -> Tuple[int, ...]:
+    """A tensor's shape in numpy order (GGUF stores ``ne0`` first: reversed)."""
+    return tuple(int(d) for d in reversed(list(t.shape)))
+
+
+def _type_name(t) -> str:
+    return _gguf().GGMLQuantizationType(int(t.tensor_type)).name
+
+
+def _dequantize(t) -> np.ndarray:
+    """A tensor as float32 in numpy order (``[out, in]`` for a matrix)."""
+    gguf = _gguf()
+    kind = gguf.GGMLQuantizationType(int(t.tensor_type))
+    if kind == gguf.GGMLQuantizationType.F32:
+        out = np.asarray(t.data, np.float32)
+    elif kind == gguf.GGMLQuantizationType.F16:
+        out = np.asarray(t.data).astype(np.float32)
+    else:
+        out = gguf.quants.dequantize(np.asarray(t.data), kind).astype(np.float32)
+    return out.reshape(_shape(t))
+
+
+def _plan(model: Llama, arch: str) -> List[Tuple[Any, str, bool]]:
+    """``(variable, tensor name, transpose)`` for every weight of the model."""
+    cfg = model.config
+    plan = [(model.embed.embedding, "token_embd.weight", False), (model.norm.scale, "output_norm.weight", False)]
+    if model.lm_head is not None:
+        plan.append((model.lm_head.kernel, "output.weight", True))
+    for il, block in enumerate(model.layers):
+        p, a = f"blk.{il}.", block.attn
+        if cfg.sandwich_norms:  # Gemma: norms after attention and MLP too
+            plan += [(block.post_attn_norm.scale, p + "post_attention_norm.weight", False),
+                     (block.post_mlp_norm.scale, p + "post_ffw_norm.weight", False)]
+        if cfg.qk_norm:
+            plan += [(a.q_norm.scale, p + "attn_q_norm.weight", False), (a.k_norm.scale, p + "attn_k_norm.weight", False)]
+        plan += [(block.attn_norm.scale, p + "attn_norm.weight", False),
+                 (a.q_proj.kernel, p + "attn_q.weight", True),
+                 (a.k_proj.kernel, p + "attn_k.weight", True),
+                 (a.v_proj.kernel, p + "attn_v.weight", True),
+                 (a.o_proj.kernel, p + "attn_output.weight", True),
+                 (block.mlp_norm.scale, p + "ffn_norm.weight", False),
+                 (block.mlp.gate.kernel, p + "ffn_gate.weight", True),
+                 (block.mlp.up.kernel, p + "ffn_up.weight", True),
+                 (block.mlp.down.kernel, p + "ffn_down.weight", True)]
+        if cfg.attention_bias:
+            plan += [(a.q_proj.bias, p + "attn_q.bias", False), (a.k_proj.bias, p + "attn_k.bias", False),
+                     (a.v_proj.bias, p + "attn_v.bias", False)]
+    return plan
+
+
+#: Parameter dtypes :func:`from_gguf` makes (every tensor type dequantizes to float32 first).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_dtype(dtype):
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is out of range: allowed one of {list(DTYPES)}")
+    return dt
+
+
+def from_gguf(path, *, dtype=jnp.float32) -> Llama:
+    """Load a llama.cpp GGUF file into an NNX :class:`Llama` (see the module docstring).
+
+    Args:
+        path: a GGUF file (``general.architecture`` in :data:`GGUF_ARCHITECTURES`, tensors of the
+            types in :data:`GGUF_TENSOR_TYPES`).
+
+        dtype: the parameters' dtype, one of :data:`DTYPES`.
+
+    Returns:
+        The model with parameters of ``dtype``; ``model.config`` is :func:`gguf_config`'s. Use it as
+        any :class:`Llama` (``kvjax.Engine(model, kvjax.init(model.config.cache_config(...)))``;
+        :func:`kvjax.nn.params_from_nnx` for the linen twin).
+
+    Raises:
+        ValueError: not a GGUF file, a truncated file, an unsupported architecture, RoPE kind or
+            tensor type, a missing or unexpected tensor, or a tensor whose shape does not fit the
+            metadata, or a ``dtype`` outside :data:`DTYPES`. Everything is checked before any
+            tensor is dequantized.
+        ImportError: the ``gguf`` package is not installed.
+    """
+    dt = _check_dtype(dtype)
+    reader = _open(path)
+    tensors = _tensors(reader)
+    cfg = _config(reader, tensors)
+    arch = _field(reader, "general.architecture")
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # shapes only: no random init to throw away
+    plan = _plan(model, arch)
+    what = f"a {arch} model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
+    missing = [name for _, name, _ in plan if name not in tensors]
+    if missing:
+        raise ValueError(f"GGUF file lacks tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed "
+                         f"the tensors of {what}")
+    # rope_freqs is read into the config; llama.cpp files may carry other non-weight tensors we do not use
+    unexpected = sorted(set(tensors) - {name for _, name, _ in plan} - {"rope_freqs.weight"})
+    if unexpected:
+        raise ValueError(f"GGUF file has unexpected tensors {unexpected[:4]}: allowed only the tensors of {what}")
+    for var, name, transpose in plan:
+        t = tensors[name]
+        kind = _type_name(t)
+        if kind not in GGUF_TENSOR_TYPES:
+            raise ValueError(f"tensor {name!r} has type {kind}: allowed one of {list(GGUF_TENSOR_TYPES)}")
+        shape = _shape(t)
+        want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
+        if shape != want:
+            raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
+    # one tensor at a time (host copy, device copy, freed): the model is new, so a failure here
+    # leaves nothing behind that anyone holds
+    for var, name, transpose in plan:
+        w = _dequantize(tensors[name])
+        var.set_value(jnp.asarray(w.T if transpose else w, dt))
+    if cfg.attention_bias:  # qwen2 has no output-projection bias: the model's o bias is zero
+        for block in model.layers:
+            block.attn.o_proj.bias.set_value(jnp.zeros(block.attn.o_proj.bias.shape, dt))
+    return model
+
+
+class GGUFVocab(NamedTuple):
+    """What :func:`gguf_tokenizer` returns.
+
+    Attributes:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        bos_id: ``tokenizer.ggml.bos_token_id`` (``None`` when absent).
+        eos_ids: the end ids: ``eos_token_id`` and, when present and different, ``eot_token_id``
+            (Llama 3 instruct models end turns with the latter).
+        add_bos: ``tokenizer.ggml.add_bos_token`` (False when absent).
+    """
+
+    tokenizer: Any
+    bos_id: Optional[int]
+    eos_ids: Tuple[int, ...]
+    add_bos: bool
+
+
+def gguf_tokenizer(path) -> GGUFVocab:
+    """The vocabulary of a GGUF file as a ``tokenizers.Tokenizer``, with its bos / eos ids.
+
+    Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``, what Llama 3 and Qwen2 use) is built;
+    the pre-tokenizer split follows ``tokenizer.ggml.pre`` for ``llama-bpe`` / ``llama3`` and
+    ``qwen2`` and is GPT-2's otherwise.
+
+    Args:
+        path: a GGUF file with ``tokenizer.ggml.tokens`` and ``tokenizer.ggml.merges``.
+
+    Returns:
+        A :class:`GGUFVocab` ``(tokenizer, bos_id, eos_ids, add_bos)``.
+
+    Raises:
+        ValueError: not a GGUF file, no vocabulary, or a tokenizer model other than ``gpt2``.
+        ImportError: the ``tokenizers`` package is not installed.
+    """
+    reader = _open(path)
+    model = _field(reader, "tokenizer.ggml.model")
+    if model is None:
+        raise ValueError("GGUF metadata lacks 'tokenizer.ggml.model': allowed a file with a vocabulary")
+    if model != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model={model!r} is out of range: allowed 'gpt2' (byte-level BPE)")
+    tokens = _field(reader, "tokenizer.ggml.tokens", required=True)
+    merges = _field(reader, "tokenizer.ggml.merges", required=True)
+    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    ends = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    eos_ids = tuple(dict.fromkeys(int(e) for e in ends if e is not None))
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    return GGUFVocab(_bpe(tokens, merges, types, pre), None if bos is None else int(bos), eos_ids, add_bos)
+
+
+# The pre-tokenizer splits of the byte-level BPE vocabularies llama.cpp names in tokenizer.ggml.pre
+# (the regexes are those of the models' own tokenizer.json files).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+
+def _bpe(tokens, merges, types, pre):
+    try:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError as e:
+        raise ImportError("gguf_tokenizer needs the 'tokenizers' package: pip install tokenizers") from e
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    split = _SPLITS.get(pre)
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # control (3) and user-defined (4) tokens match as whole strings, never split into bytes
+    special = [AddedToken(t, special=ty == 3, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
+    if special:
+        tok.add_tokens(special)
+    return tok
