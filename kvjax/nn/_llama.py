@@ -122,6 +122,8 @@ class LlamaConfig:
             then gets one RoPE per layer for its K-shift.
         qk_norm: RMSNorm of each head of Q and K over ``head_dim`` before RoPE (Gemma 3), with
             the ``(1 + w)`` scale when ``norm_offset``.
+        attention_bias: biases on the q/k/v/o projections (Qwen2's q/k/v biases load with a zero
+            o bias; HF Llama's ``attention_bias``).
 
     Example:
         >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
@@ -153,6 +155,7 @@ class LlamaConfig:
     final_logit_softcap: Optional[float] = None
     swa_rope: Optional[RopeConfig] = None
     qk_norm: bool = False
+    attention_bias: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "n_heads", "n_kv_heads"):
@@ -186,7 +189,7 @@ class LlamaConfig:
                 raise ValueError("swa_type='none' is out of range with swa_layers: allowed 'standard', "
                                  "'chunked' or 'symmetric'")
             _pos_int("n_swa", self.n_swa)
-        for name in ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm"):
+        for name in ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm", "attention_bias"):
             object.__setattr__(self, name, _flag(name, getattr(self, name)))
         if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} is out of range: allowed one of {sorted(ACTIVATIONS)}")
@@ -447,7 +450,8 @@ def attention_options(config: LlamaConfig, layer: int) -> dict:
     return dict(rope=config.layer_rope(layer),
                 alibi_max_bias=config.alibi_max_bias if config.position == "alibi" else None,
                 swa_type=swa_type, n_swa=n_swa, scale=config.attn_scale, softcap=config.attn_logit_softcap,
-                qk_norm=config.qk_norm, norm_offset=config.norm_offset, norm_eps=config.norm_eps)
+                qk_norm=config.qk_norm, norm_offset=config.norm_offset, norm_eps=config.norm_eps,
+                use_bias=config.attention_bias)
 
 
 class Block(nnx.Module):
