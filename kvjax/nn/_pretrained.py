@@ -38,7 +38,7 @@ from kvjax.nn._hf import LLAMA_TYPES, _strip, llama_config_from_hf, load_llama
 from kvjax.nn._llama import Llama
 from kvjax.nn._mamba import Mamba, MambaConfig, params_from_hf
 
-__all__ = ["from_pretrained", "memory_config_for", "read_config", "SafetensorsSource", "ARCHITECTURES", "DTYPES"]
+__all__ = ["from_pretrained", "memory_config_for", "save_llama", "read_config", "SafetensorsSource", "ARCHITECTURES", "DTYPES"]
 
 #: ``model_type`` values :func:`from_pretrained` loads.
 ARCHITECTURES = LLAMA_TYPES + ("mamba",)
@@ -221,7 +221,7 @@ def _model_type(cfg, path) -> str:
 def _all_loaded(model, path) -> None:
     """Every leaf of the model's state is a real array (nothing left abstract from ``eval_shape``)."""
     for p, leaf in nnx.to_flat_state(nnx.state(model)):
-        value = getattr(leaf, "value", leaf)
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         if not isinstance(value, jax.Array):
             raise ValueError(f"{path}: variable {'/'.join(map(str, p))} was not loaded from the checkpoint: allowed "
                              f"a checkpoint that sets every weight")
@@ -323,3 +323,93 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
         return IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, swa_type=cfg.swa_type, n_batch=n_batch,
                           swa_full=swa_full)
     return base
+
+
+def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_shard_bytes: Optional[int] = None
+               ) -> pathlib.Path:
+    """Write a :class:`~kvjax.nn.Llama` as a Hugging Face Llama / Qwen2 checkpoint folder (the inverse of
+    :func:`from_pretrained`, through the same :func:`~kvjax.nn._hf.llama_plan`).
+
+    Writes ``config.json`` (``model_type`` ``"qwen2"`` with ``attention_bias``, else ``"llama"``) and
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
+    ``model.safetensors.index.json``. Meant for tests and benchmarks: random or trained kvjax
+    weights that transformers (and :func:`from_pretrained`) read back.
+
+    Args:
+        model: a plain Llama (RoPE in neox mode with default scaling, no window layers, no
+            Gemma options).
+        path: the folder (created).
+        dtype: the stored dtype (default the parameters'), one of :data:`DTYPES`.
+        max_shard_bytes: split into shards of at most this many bytes (> 0), or one file.
+
+    Raises:
+        ValueError: a model those configs cannot describe (named option), or bad arguments.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from kvjax.nn._hf import llama_plan
+
+    if not isinstance(model, Llama):
+        raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
+    cfg = model.config
+    rope = cfg.rope_config
+    plain = rope is not None and _is_default_rope(rope, cfg.head_size)
+    for name, bad in (("position", cfg.position != "rope"), ("rope", not plain), ("swa_layers", bool(cfg.swa_layers)),
+                      ("sandwich_norms", cfg.sandwich_norms), ("norm_offset", cfg.norm_offset),
+                      ("qk_norm", cfg.qk_norm), ("scale_embeddings", cfg.scale_embeddings),
+                      ("activation", cfg.activation != "silu"), ("final_logit_softcap", cfg.final_logit_softcap),
+                      ("attn_logit_softcap", cfg.attn_logit_softcap), ("query_pre_attn_scalar", cfg.query_pre_attn_scalar)):
+        if bad:
+            raise ValueError(f"model.config.{name}={getattr(cfg, name)!r} is out of range: allowed the plain Llama "
+                             f"value (neox RoPE over the whole head with default scaling, no windows, no Gemma "
+                             f"options)")
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is out of range: allowed an integer > 0 or None")
+    dt = None if dtype is None else _check_dtype(dtype)
+    folder = pathlib.Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    model_type = "qwen2" if cfg.attention_bias else "llama"
+    config = dict(architectures=["Qwen2ForCausalLM" if cfg.attention_bias else "LlamaForCausalLM"],
+                  model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                  intermediate_size=cfg.ff_size, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_heads,
+                  num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_size, rms_norm_eps=cfg.norm_eps,
+                  hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=4096,
+                  rope_parameters={"rope_type": "default", "rope_theta": rope.freq_base},
+                  attention_bias=cfg.attention_bias, mlp_bias=False,
+                  dtype=(dt or jnp.dtype(model.embed.embedding.dtype)).name)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for var, key, fn in llama_plan(model):
+        value = var.get_value() if dt is None else var.get_value().astype(dt)
+        arr = np.asarray(value)
+        arr = fn(arr) if fn is not None else arr
+        if key.endswith("o_proj.bias") and model_type == "qwen2":
+            continue   # Qwen2 has no o bias (kvjax's is zero after loading)
+        tensors[key if key.startswith("lm_head") else "model." + key] = np.ascontiguousarray(arr)
+    if max_shard_bytes is None:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return folder
+    shards, current, size = [], {}, 0
+    for key, arr in tensors.items():
+        if current and size + arr.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = arr
+        size += arr.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
+def _is_default_rope(rope, head_dim) -> bool:
+    """Whether ``rope`` is HF's default RoPE (neox over the whole head, no scaling)."""
+    from kvjax.memory._config import RopeConfig
+
+    return rope == RopeConfig(n_rot=head_dim, mode="neox", freq_base=rope.freq_base)
