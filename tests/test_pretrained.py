@@ -6,11 +6,8 @@
   truncated or corrupt file, missing shard, unsupported architecture or RoPE kind, integer
   tensors, bad ``dtype``) raise ``ValueError`` naming what is wrong, shapes checked before any
   tensor is read; :func:`memory_config_for` picks the memory kind.
-- With transformers (skipped without it): tiny random ``*ForCausalLM`` of every supported
-  architecture saved with ``save_pretrained`` (one Llama sharded) equal transformers' logits
-  within 1e-4 in float32, uncached and through :class:`kvjax.Engine` (prefill, a shared prefix
-  by ``seq_cp``, greedy decode, a context shift); RoPE linear / llama3 / yarn on Llama;
-  bfloat16 within :data:`BF16_TOL`.
+- RoPE kinds: :func:`rope_from_hf`'s frequencies and magnitude equal transformers' own
+  (skipped without it). The models against transformers are in ``test_pretrained_hf.py``.
 """
 
 from __future__ import annotations
