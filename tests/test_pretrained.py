@@ -246,6 +246,7 @@ def test_memory_config_for_each_kind():
     plain = _kvjax_llama()
     cfg = memory_config_for(plain, size=64, n_seq_max=2, k_dtype="float16", v_dtype="float16")
     assert isinstance(cfg, kvjax.CacheConfig) and cfg.size == 64 and cfg.n_seq_max == 2
+    assert memory_config_for(plain, size=65, n_seq_max=1, padding=16).size == 80     # whole padding blocks
     gemma_like = _kvjax_llama(swa_layers=(0,), n_swa=4)
     iswa = memory_config_for(gemma_like, size=64, n_seq_max=2, n_batch=16)
     assert isinstance(iswa, kvjax.IswaConfig) and iswa.swa_layers == (0,) and iswa.n_swa == 4 and iswa.n_batch == 16

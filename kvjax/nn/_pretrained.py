@@ -104,7 +104,7 @@ class SafetensorsSource(Mapping):
     """A lazy mapping from tensor name to numpy array over a checkpoint's safetensors files.
 
     Opening reads only the headers (every shard is opened, so a truncated or corrupt file fails
-    here, naming it). ``source[name]`` reads that tensor (bfloat16 comes back as ml_dtypes'
+    here, naming it). ``source[name]`` opens the file again and reads that tensor (bfloat16 comes back as ml_dtypes'
     ``bfloat16``); :attr:`shapes` and :attr:`dtypes` come from the headers.
 
     Args:
@@ -136,7 +136,7 @@ class SafetensorsSource(Mapping):
             if not files:
                 raise ValueError(f"{folder} has no *.safetensors files: allowed model.safetensors (or shards with "
                                  f"model.safetensors.index.json); .bin / .pt checkpoints are not read")
-        self._handles = {}
+        self._paths: Dict[str, pathlib.Path] = {}
         self._where: Dict[str, Tuple[str, str]] = {}
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         self.dtypes: Dict[str, str] = {}
@@ -149,7 +149,7 @@ class SafetensorsSource(Mapping):
             except Exception as e:   # safetensors raises its own SafetensorError (truncated, bad header)
                 raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}): allowed "
                                  f"a complete file (re-download or re-save it)") from None
-            self._handles[name] = handle
+            self._paths[name] = path
             for key in stored:
                 if key.startswith(skip):
                     continue
@@ -173,9 +173,14 @@ class SafetensorsSource(Mapping):
                 raise ValueError(f"{index} lists {absent[:4]} but its shards lack them: allowed complete shards")
 
     def __getitem__(self, key: str):
+        from safetensors import safe_open
+
         name, stored = self._where[key]
         try:
-            return self._handles[name].get_tensor(stored)
+            # open per tensor: the file's mapping (and its pages in this process's resident set)
+            # goes away with the tensor, so reading holds one tensor at a time, not the files
+            with safe_open(str(self._paths[name]), framework="numpy") as handle:
+                return handle.get_tensor(stored)
         except Exception as e:
             raise ValueError(f"reading {stored!r} from {name} failed ({type(e).__name__}: {e}): allowed a "
                              f"complete safetensors file") from None
@@ -285,7 +290,8 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
 
     Args:
         model: the model (:func:`from_pretrained`'s, or any of those classes).
-        size: K/V cells shared by all sequences (required for attention models).
+        size: K/V cells shared by all sequences (required for attention models; rounded up to a
+            multiple of the cache's ``padding``).
         n_seq_max: sequence ids.
         **overrides: passed on to the cache config (``k_dtype``, ``v_dtype``, ``padding``, ...).
 
@@ -313,6 +319,12 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
         raise ValueError(f"model must be a kvjax.nn.Llama, Mamba or HybridLM, got {type(model).__name__}")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size={size!r} is out of range: allowed an integer >= 1 (K/V cells for all sequences)")
+    # the cache's size is a whole number of padding blocks: round up rather than refuse
+    from kvjax.memory._config import CacheConfig
+
+    padding = overrides.get("padding", CacheConfig.__dataclass_fields__["padding"].default)
+    if isinstance(padding, int) and padding > 0:
+        size = -(-size // padding) * padding
     if isinstance(model, HybridLM):
         return model.config.memory_config(size, n_seq_max, **overrides)
     cfg = model.config
