@@ -330,3 +330,46 @@ def test_attention_bias_option():
     np.testing.assert_allclose(np.asarray(linen), np.asarray(model.forward(TOKENS)), atol=1e-5)
     with pytest.raises(ValueError, match=r"attention_bias='yes' is out of range: allowed a bool"):
         LlamaConfig(attention_bias="yes")
+
+
+def _save_mamba(model, folder):
+    """A kvjax Mamba as a transformers ``MambaForCausalLM`` folder (the inverse of ``params_from_hf``)."""
+    from safetensors.numpy import save_file
+
+    cfg = model.config
+    arr = lambda v: np.ascontiguousarray(np.asarray(v.get_value()))   # noqa: E731
+    t = {"backbone.embeddings.weight": arr(model.embed.embedding), "backbone.norm_f.weight": arr(model.norm.scale)}
+    for il, block in enumerate(model.layers):
+        p, m = f"backbone.layers.{il}.", block.mixer
+        t.update({p + "norm.weight": arr(block.norm.scale), p + "mixer.in_proj.weight": arr(m.in_proj.kernel).T.copy(),
+                  p + "mixer.conv1d.weight": arr(m.conv_kernel).T[:, None, :].copy(),
+                  p + "mixer.conv1d.bias": arr(m.conv_bias), p + "mixer.x_proj.weight": arr(m.x_proj.kernel).T.copy(),
+                  p + "mixer.dt_proj.weight": arr(m.dt_proj.kernel).T.copy(), p + "mixer.dt_proj.bias": arr(m.dt_proj.bias),
+                  p + "mixer.A_log": arr(m.A_log), p + "mixer.D": arr(m.D),
+                  p + "mixer.out_proj.weight": arr(m.out_proj.kernel).T.copy()})
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="mamba", architectures=["MambaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layer, state_size=cfg.d_state, conv_kernel=cfg.d_conv, expand=cfg.expand,
+        time_step_rank=cfg.dt_rank, intermediate_size=cfg.d_inner, layer_norm_epsilon=cfg.norm_eps,
+        use_bias=False, use_conv_bias=True, tie_word_embeddings=True)))
+
+
+def test_mamba_roundtrip_and_errors(tmp_path):
+    model = Mamba(kvjax.nn.MambaConfig(vocab_size=V, d_model=16, n_layer=2, d_state=4), rngs=nnx.Rngs(4))
+    _save_mamba(model, tmp_path / "m")
+    loaded = from_pretrained(tmp_path / "m")
+    tokens = TOKENS[None, :8]
+    np.testing.assert_array_equal(np.asarray(loaded.forward(tokens)), np.asarray(model.forward(tokens)))
+    assert isinstance(memory_config_for(loaded, n_seq_max=2), kvjax.RecurrentConfig)
+    _rewrite(tmp_path / "m", lambda t: t.pop("backbone.layers.1.mixer.D"))
+    with pytest.raises(ValueError, match=r"checkpoint .*: state dict lacks \['layers.1.mixer.D'\]"):
+        from_pretrained(tmp_path / "m")
+    _save_mamba(model, tmp_path / "m")
+    _rewrite(tmp_path / "m", lambda t: t.update({"backbone.layers.0.mixer.D": np.zeros(3, np.float32)}))
+    with pytest.raises(ValueError, match=r"layers.0.mixer.D has shape \(3,\)"):
+        from_pretrained(tmp_path / "m")
+    _edit_config(tmp_path / "m", hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"hidden_act='gelu' is out of range: allowed 'silu'"):
+        from_pretrained(tmp_path / "m")
