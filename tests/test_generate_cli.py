@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,11 +39,16 @@ def folder(tmp_path_factory):
     return path
 
 
-def _greedy(model, ids, n):
+def _greedy(model, ids, n, pad=32):
+    """Greedy continuation by full uncached passes (one jitted program: padded to ``pad`` tokens;
+    trailing padding does not change the logits before it)."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).forward(tokens))
     out = []
     for _ in range(n):
-        nxt = int(np.argmax(np.asarray(model.forward(jnp.asarray(ids + out)))[-1]))
-        out.append(nxt)
+        seq = ids + out
+        logits = np.asarray(forward(state, jnp.asarray(seq + [0] * (pad - len(seq)))))
+        out.append(int(np.argmax(logits[len(seq) - 1])))
     return out
 
 
