@@ -20,7 +20,7 @@ import pathlib
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional, TextIO
+from typing import List, TextIO
 
 # jax and kvjax are imported inside the functions: ``python -m kvjax`` builds this parser for every
 # subcommand and should not pay for them there

@@ -143,9 +143,10 @@ class SafetensorsSource(Mapping):
         for name in files:
             path = folder / name
             try:
-                handle = safe_open(str(path), framework="numpy")
-                stored = list(handle.keys())
-                slices = {k: handle.get_slice(k) for k in stored}
+                with safe_open(str(path), framework="numpy") as handle:   # the header only
+                    stored = list(handle.keys())
+                    slices = {k: handle.get_slice(k) for k in stored}
+                    meta = {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
             except Exception as e:   # safetensors raises its own SafetensorError (truncated, bad header)
                 raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}): allowed "
                                  f"a complete file (re-download or re-save it)") from None
@@ -160,12 +161,12 @@ class SafetensorsSource(Mapping):
                 if shown in self._where:
                     raise ValueError(f"{path} holds {key!r}, a second tensor named {shown!r} (also in "
                                      f"{self._where[shown][0]}): allowed one tensor per weight")
-                dtype = slices[key].get_dtype()
+                dtype, shape = meta[key]
                 if dtype not in _FLOAT_DTYPES:
                     raise ValueError(f"{path} tensor {key!r} has dtype {dtype}: allowed one of {list(_FLOAT_DTYPES)} "
                                      f"(quantized safetensors are not read)")
                 self._where[shown] = (name, key)
-                self.shapes[shown] = tuple(slices[key].get_shape())
+                self.shapes[shown] = shape
                 self.dtypes[shown] = dtype
         if weight_map is not None:
             absent = sorted(k for k, f in weight_map.items() if not k.startswith(skip) and rename(k) not in self._where)
