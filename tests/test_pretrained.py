@@ -55,7 +55,8 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, V, 13), jnp.int32)
 
 @pytest.mark.parametrize("changes, shard", [
     (dict(), None), (dict(tie_embeddings=True), 30_000), (dict(attention_bias=True), None),
-    (dict(attention_bias=True, tie_embeddings=True), 20_000)], ids=["untied", "tied-sharded", "qwen2", "qwen2-tied-sharded"])
+    (dict(attention_bias=True, tie_embeddings=True), 20_000)],
+    ids=["untied", "tied-sharded", "qwen2", "qwen2-tied-sharded"])
 def test_roundtrip_equals_original(tmp_path, changes, shard):
     model = _kvjax_llama(**changes)
     save_llama(model, tmp_path, max_shard_bytes=shard)
@@ -344,7 +345,8 @@ def _save_mamba(model, folder):
         t.update({p + "norm.weight": arr(block.norm.scale), p + "mixer.in_proj.weight": arr(m.in_proj.kernel).T.copy(),
                   p + "mixer.conv1d.weight": arr(m.conv_kernel).T[:, None, :].copy(),
                   p + "mixer.conv1d.bias": arr(m.conv_bias), p + "mixer.x_proj.weight": arr(m.x_proj.kernel).T.copy(),
-                  p + "mixer.dt_proj.weight": arr(m.dt_proj.kernel).T.copy(), p + "mixer.dt_proj.bias": arr(m.dt_proj.bias),
+                  p + "mixer.dt_proj.weight": arr(m.dt_proj.kernel).T.copy(),
+                  p + "mixer.dt_proj.bias": arr(m.dt_proj.bias),
                   p + "mixer.A_log": arr(m.A_log), p + "mixer.D": arr(m.D),
                   p + "mixer.out_proj.weight": arr(m.out_proj.kernel).T.copy()})
     folder.mkdir(parents=True, exist_ok=True)

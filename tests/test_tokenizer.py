@@ -17,7 +17,8 @@ from kvjax.nn import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café", "日本語のテキスト 🙂 emoji",
+CORPUS = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café",
+          "日本語のテキスト 🙂 emoji",
           "Return a new list of items", "kv cache for every sequence"] * 4
 
 

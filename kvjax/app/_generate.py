@@ -161,14 +161,16 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     report = Report(texts, result.tokens, result.prompt_tokens, load_seconds, compile_seconds, prompt_tps,
                     result.steady_tokens_per_second)
     cfg = model.config
+    n_shift = result.context_shifts
+    shifts = f"; {n_shift} context shift{'s' if n_shift != 1 else ''}" if n_shift else ""
     err.write(f"model: {type(model).__name__} {cfg.n_layer} layers, width {cfg.d_model}, vocab {vocab}, "
               f"{dtype}; memory: {type(mem_cfg).__name__} ({cache_type} K/V, {ctx} positions x {n_parallel} "
               f"sequences)\n")
     err.write(f"load {load_seconds:.2f} s; compile {compile_seconds:.2f} s ({warm.compiles + result.compiles} "
               f"programs, in a warm-up run and apart from the speeds)\n")
+    n_seq = len(result.tokens)
     err.write(f"prompt: {result.prompt_tokens} tokens, {prompt_tps:.1f} tokens/s; generated: {n_gen} tokens over "
-              f"{len(result.tokens)} sequences, {result.steady_tokens_per_second:.1f} tokens/s"
-              f"{f'; {result.context_shifts} context shifts' if result.context_shifts else ''}\n")
+              f"{n_seq} sequence{'s' if n_seq != 1 else ''}, {result.steady_tokens_per_second:.1f} tokens/s{shifts}\n")
     err.flush()
     return report
 

@@ -335,7 +335,7 @@ def load_plan(plan: Plan, weights: Mapping, what: str, *, dtype=None, source: st
 
 
 def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **config_overrides) -> Llama:
-    """Load the weights of a Hugging Face Llama / Qwen2 / Mistral / Gemma 2 / Gemma 3 text model into an NNX :class:`Llama`.
+    """Load the weights of a Hugging Face Llama / Qwen2 / Mistral / Gemma 2 / Gemma 3 text model into a :class:`Llama`.
 
     Args:
         hf_model_or_state_dict: a ``transformers`` ``*ForCausalLM`` of those families (or their

@@ -38,7 +38,8 @@ from kvjax.nn._hf import LLAMA_TYPES, _strip, llama_config_from_hf, load_llama
 from kvjax.nn._llama import Llama
 from kvjax.nn._mamba import Mamba, MambaConfig, params_from_hf
 
-__all__ = ["from_pretrained", "memory_config_for", "save_llama", "read_config", "SafetensorsSource", "ARCHITECTURES", "DTYPES"]
+__all__ = ["from_pretrained", "memory_config_for", "save_llama", "read_config", "SafetensorsSource", "ARCHITECTURES",
+           "DTYPES"]
 
 #: ``model_type`` values :func:`from_pretrained` loads.
 ARCHITECTURES = LLAMA_TYPES + ("mamba",)
@@ -372,7 +373,8 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
                       ("sandwich_norms", cfg.sandwich_norms), ("norm_offset", cfg.norm_offset),
                       ("qk_norm", cfg.qk_norm), ("scale_embeddings", cfg.scale_embeddings),
                       ("activation", cfg.activation != "silu"), ("final_logit_softcap", cfg.final_logit_softcap),
-                      ("attn_logit_softcap", cfg.attn_logit_softcap), ("query_pre_attn_scalar", cfg.query_pre_attn_scalar)):
+                      ("attn_logit_softcap", cfg.attn_logit_softcap),
+                      ("query_pre_attn_scalar", cfg.query_pre_attn_scalar)):
         if bad:
             raise ValueError(f"model.config.{name}={getattr(cfg, name)!r} is out of range: allowed the plain Llama "
                              f"value (neox RoPE over the whole head with default scaling, no windows, no Gemma "
