@@ -375,3 +375,13 @@ def test_mamba_roundtrip_and_errors(tmp_path):
     _edit_config(tmp_path / "m", hidden_act="gelu")
     with pytest.raises(ValueError, match=r"hidden_act='gelu' is out of range: allowed 'silu'"):
         from_pretrained(tmp_path / "m")
+
+
+def test_older_config_with_rope_scaling(good):
+    """``rope_theta`` + ``rope_scaling`` (``type`` instead of ``rope_type``), as configs before transformers 5."""
+    _edit_config(good, rope_parameters=None, rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    rope = from_pretrained(good).config.rope
+    assert (rope.freq_base, rope.freq_scale, rope.mode.value) == (500000.0, 0.5, "neox")
+    _edit_config(good, rope_scaling={"type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type='dynamic' is out of range"):
+        from_pretrained(good)
