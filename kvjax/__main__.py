@@ -6,6 +6,9 @@ Compiled programs are kept in JAX's persistent compilation cache (``~/.cache/kvj
 
 - ``demo``: the main job (see :mod:`kvjax.app._demo`).
 - ``train [--steps N]``: train the demo's character model (writes ``kvjax/data/charlm.npz``).
+- ``generate --model PATH --prompt TEXT [--n-parallel N] [--max-new-tokens N] [--temperature T]
+  [--cache-type T] [--ctx N]``: text from a checkpoint folder (or .gguf), streamed, with the speed
+  (see :mod:`kvjax.app._generate`).
 - ``bench [--quick] [--only NAME ...] [--out BENCHMARKS.md]``: run ``benchmarks/bench_*.py``
   from a source checkout and write the results.
 """
@@ -50,6 +53,9 @@ def main(argv=None) -> int:
     train = sub.add_parser("train", help="train the demo's character-level model on the bundled corpus")
     train.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     train.add_argument("--seed", type=int, default=0)
+    from kvjax.app._generate import add_parser as add_generate
+
+    add_generate(sub)
     bench = sub.add_parser("bench", help="run the benchmarks and write BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="small sizes, few repeats (a smoke run)")
     bench.add_argument("--only", nargs="*", default=None, help="benchmark module names (e.g. core)")
@@ -69,6 +75,10 @@ def main(argv=None) -> int:
         print(f"trained {args.steps} steps in {result.seconds:.0f} s, final loss "
               f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}; weights in {charlm.WEIGHTS}")
         return 0
+    if args.command == "generate":
+        from kvjax.app import _generate as generate_mod
+
+        return generate_mod.main(args)
     from kvjax.app import _bench as bench_runner
 
     return bench_runner.main(quick=args.quick, only=args.only, out=args.out)

@@ -11,6 +11,9 @@
   ``MambaForCausalLM``, with an explicit per-sequence state (the recurrent memory's rows).
 - :class:`HybridLM` (NNX): attention blocks and Mamba blocks by a layer pattern (Jamba-like) over a
   :class:`kvjax.HybridCache`.
+- :func:`from_pretrained`: a local Hugging Face checkpoint folder (Llama, Qwen2, Mistral, Gemma 2/3,
+  Mamba) to one of these models; :func:`memory_config_for` the memory it needs; :class:`Tokenizer`
+  its ``tokenizer.json`` (see ``docs/checkpoints.md``).
 - :func:`make_step`: one jitted program per (ubatch bucket, window bucket) that places a ubatch,
   runs the model and donates the memory's buffers; :func:`window_for` / :func:`windows_for` pick
   the windows.
@@ -39,6 +42,9 @@ from kvjax.nn._norm import LinenOffsetRMSNorm, OffsetRMSNorm, offset_rms_norm
 from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
                                     attend_uncached, swa_visible)
 from kvjax.nn._step import Step, make_step, window_for, windows_for
+from kvjax.nn._hf import llama_config_from_hf, rope_from_hf
+from kvjax.nn._pretrained import from_pretrained, memory_config_for
+from kvjax.nn._tokenizer import Tokenizer
 
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",
@@ -47,6 +53,7 @@ __all__ = [
     "llama_from_hf", "OffsetRMSNorm", "LinenOffsetRMSNorm", "offset_rms_norm", "HybridLM", "HybridLMConfig",
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
+    "from_pretrained", "memory_config_for", "llama_config_from_hf", "rope_from_hf", "Tokenizer",
 ]
 
 from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer  # noqa: E402  (llama.cpp GGUF files)

@@ -1,9 +1,15 @@
-"""Loading Hugging Face Gemma 2 / Gemma 3 (text) weights into the reference model :class:`kvjax.nn.Llama`.
+"""Loading Hugging Face Llama-family weights (Llama, Qwen2, Mistral, Gemma 2/3) into :class:`kvjax.nn.Llama`.
 
-:func:`llama_from_hf` maps a ``transformers`` ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` (or
-its state dict) onto an NNX :class:`~kvjax.nn.Llama` configured by
-:meth:`~kvjax.nn.LlamaConfig.from_hf`; :func:`kvjax.nn.params_from_nnx` then gives the linen
-twin's variables. Norm weights are copied as stored (``(1 + w)`` is the model's
+One mapping serves every source: :func:`llama_plan` lists ``(variable, HF key, transform)`` for a
+model, :func:`load_plan` checks a source against it (missing keys, unexpected keys, shapes) and
+copies the tensors one at a time. The source is any mapping from HF key to tensor: a torch
+``state_dict()`` (:func:`llama_from_hf`) or the lazy safetensors reader of
+:func:`kvjax.nn.from_pretrained`, which reads each tensor only when the plan asks for it.
+
+:func:`llama_config_from_hf` maps a ``transformers`` config (or a namespace read from
+``config.json``) onto :class:`~kvjax.nn.LlamaConfig`: Llama, Qwen2 and Mistral here (with the RoPE
+scaling kinds default, linear, llama3 and yarn, :func:`rope_from_hf`), Gemma 2/3 through
+:meth:`LlamaConfig.from_hf`. Norm weights are copied as stored (Gemma's ``(1 + w)`` is the model's
 ``norm_offset``), linear weights transposed (torch ``[out, in]`` to flax ``[in, out]``).
 
 Example:
@@ -14,15 +20,26 @@ Example:
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+import math
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.nn._llama import Llama, LlamaConfig
 
-__all__ = ["llama_from_hf"]
+__all__ = ["llama_from_hf", "llama_config_from_hf", "rope_from_hf", "llama_plan", "load_plan", "ROPE_KINDS",
+           "LLAMA_TYPES"]
+
+#: The RoPE scaling kinds (transformers' ``rope_type``) that map onto a :class:`kvjax.RopeConfig`.
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+
+#: ``model_type`` values :func:`llama_config_from_hf` maps (Gemma's go through ``LlamaConfig.from_hf``).
+LLAMA_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "gemma3")
+
+Plan = List[Tuple[nnx.Variable, str, Optional[Callable]]]
 
 
 def _to_numpy(x) -> np.ndarray:
@@ -41,16 +58,19 @@ def _strip(key: str) -> str:
     return key
 
 
-def hf_source(hf_model_or_state_dict, model, model_cls, config_cls, family: str, **config_overrides):
+def hf_source(hf_model_or_state_dict, model, model_cls, config_cls, family: str, *, make_config=None,
+              **config_overrides):
     """``(state_dict, model)`` of a loader's first argument: a transformers model (the model to load
     into is made from its config unless given) or a bare state dict (then ``model`` is required).
 
     Shared by the Hugging Face loaders of kvjax.nn (``llama_from_hf``, ``Mamba``'s ``params_from_hf``).
+    ``make_config(hf_config, **overrides)`` replaces ``config_cls.from_hf`` when given.
     """
     if hasattr(hf_model_or_state_dict, "state_dict") and hasattr(hf_model_or_state_dict, "config"):
         sd = hf_model_or_state_dict.state_dict()
         if model is None:
-            cfg = config_cls.from_hf(hf_model_or_state_dict.config, **config_overrides)
+            make = make_config or config_cls.from_hf
+            cfg = make(hf_model_or_state_dict.config, **config_overrides)
             model = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
     elif isinstance(hf_model_or_state_dict, Mapping):
         sd = hf_model_or_state_dict
@@ -65,70 +85,293 @@ def hf_source(hf_model_or_state_dict, model, model_cls, config_cls, family: str,
     return sd, model
 
 
-def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **config_overrides) -> Llama:
-    """Load the weights of a Hugging Face Gemma 2 / Gemma 3 text model into an NNX :class:`Llama`.
+# -- config --------------------------------------------------------------------------------------
+
+
+def _get(hf_config, name, default=None):
+    value = getattr(hf_config, name, None)
+    return default if value is None else value
+
+
+def rope_from_hf(params: Mapping, head_dim: int, max_position_embeddings: Optional[int] = None) -> RopeConfig:
+    """The :class:`kvjax.RopeConfig` of one transformers ``rope_parameters`` (or ``rope_scaling``) dict.
+
+    Neox layout over the whole head (HF's ``rotate_half``). The kinds map onto ggml's ``rope_ext``
+    as llama.cpp's converter does:
+
+    - ``default``: ``freq_base = rope_theta``.
+    - ``linear``: ``freq_scale = 1 / factor``.
+    - ``llama3``: per-pair ``freq_factors`` (HF's smoothed wavelength rule, as divisors).
+    - ``yarn``: ``freq_scale = 1 / factor``, ``ext_factor = 1``, ``beta_fast`` / ``beta_slow``,
+      ``n_ctx_orig = original_max_position_embeddings``, and ``attn_factor`` such that ggml's
+      magnitude ``attn_factor * (1 + 0.1 ln factor)`` equals HF's ``attention_factor``.
 
     Args:
-        hf_model_or_state_dict: a ``transformers`` ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM``
-            (or their ``*Model`` bodies), or a ``state_dict()`` (torch tensors or arrays; keys with
-            or without ``model.``).
+        params: ``{"rope_type": ..., "rope_theta": ..., "factor": ..., ...}`` (``type`` is read
+            as ``rope_type`` as in old configs).
+        head_dim: D, the rotated width.
+        max_position_embeddings: the config's, the default of ``original_max_position_embeddings``.
+
+    Raises:
+        ValueError: a ``rope_type`` outside :data:`ROPE_KINDS` (the message names it), or a
+            missing / bad scaling parameter.
+
+    Example:
+        >>> rope_from_hf({"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}, 8).freq_scale
+        0.25
+    """
+    params = dict(params or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise ValueError(f"hf_config partial_rotary_factor={params['partial_rotary_factor']!r} is out of range: "
+                         f"allowed 1.0 (RoPE over the whole head)")
+
+    def need(name):
+        value = params.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"hf_config rope_parameters[{name!r}]={value!r} is out of range for rope_type="
+                             f"{kind!r}: allowed a number > 0")
+        return float(value)
+
+    base = dict(n_rot=head_dim, mode="neox", freq_base=theta)
+    if kind == "default":
+        return RopeConfig(**base)
+    if kind == "linear":
+        return RopeConfig(**base, freq_scale=1.0 / need("factor"))
+    if kind == "llama3":
+        factor, low, high = need("factor"), need("low_freq_factor"), need("high_freq_factor")
+        n_orig = need("original_max_position_embeddings")
+        # transformers' _compute_llama3_parameters, as a divisor of each pair's frequency
+        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = n_orig / low, n_orig / high
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (n_orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        new = np.where(medium, smoothed, scaled)
+        return RopeConfig(**base, freq_factors=tuple((inv_freq / new).tolist()))
+    if kind == "yarn":
+        if params.get("truncate", True) is not True:
+            raise ValueError("hf_config rope_parameters['truncate']=False is out of range for rope_type='yarn': "
+                             "allowed True (ggml floors/ceils the correction range)")
+        n_orig = params.get("original_max_position_embeddings") or max_position_embeddings
+        if n_orig is None:
+            raise ValueError("hf_config rope_parameters lacks 'original_max_position_embeddings' for rope_type="
+                             "'yarn' (and the config has no max_position_embeddings): allowed an integer > 0")
+        factor = params.get("factor")
+        factor = float(max_position_embeddings) / float(n_orig) if factor is None else need("factor")
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = params.get("attention_factor")
+        if attention is None:
+            m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+        builtin = 1.0 + 0.1 * math.log(factor)   # ggml multiplies this in whenever ext_factor != 0
+        return RopeConfig(**base, freq_scale=1.0 / factor, ext_factor=1.0, attn_factor=float(attention) / builtin,
+                          beta_fast=float(params.get("beta_fast") or 32.0),
+                          beta_slow=float(params.get("beta_slow") or 1.0), n_ctx_orig=int(n_orig))
+    raise ValueError(f"hf_config rope_type={kind!r} is out of range: allowed one of {list(ROPE_KINDS)} (kvjax maps "
+                     f"these onto ggml's rope_ext)")
+
+
+def _rope_params(hf_config) -> dict:
+    """The one RoPE dict of a non-Gemma config: ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (older ``config.json`` files)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if "full_attention" in params or "sliding_attention" in params:
+            raise ValueError("hf_config.rope_parameters has one entry per layer kind: allowed one RoPE for every "
+                             "layer (Llama, Qwen2, Mistral)")
+        params.setdefault("rope_theta", _get(hf_config, "rope_theta", 10000.0))
+        return params
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_theta"] = _get(hf_config, "rope_theta", 10000.0)
+    return params
+
+
+def llama_config_from_hf(hf_config, **overrides) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a ``transformers`` Llama / Qwen2 / Mistral / Gemma 2 / Gemma 3 config.
+
+    ``hf_config`` may be a ``transformers`` config or any object with its attributes (e.g. a
+    namespace made from ``config.json``). Gemma goes through :meth:`LlamaConfig.from_hf`; Llama,
+    Qwen2 and Mistral map sizes, ``rms_norm_eps``, tied embeddings, the RoPE
+    (:func:`rope_from_hf`), q/k/v(/o) biases (Qwen2 always, Llama's ``attention_bias``) and the
+    sliding window (Mistral's ``sliding_window`` on every layer, Qwen2's ``layer_types``).
+    ``overrides`` replace fields afterwards.
+
+    Raises:
+        ValueError: another ``model_type`` (allowed :data:`LLAMA_TYPES`), an activation other than
+            SiLU, an MLP bias, a RoPE kind outside :data:`ROPE_KINDS`, or a bad mapped value.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in ("gemma2", "gemma3_text", "gemma3"):
+        return LlamaConfig.from_hf(hf_config, **overrides)
+    if model_type not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"hf_config.model_type={model_type!r} is out of range: allowed one of {list(LLAMA_TYPES)}")
+    act = _get(hf_config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hf_config.hidden_act={act!r} is out of range: allowed 'silu' (the SwiGLU MLP)")
+    if _get(hf_config, "mlp_bias", False):
+        raise ValueError("hf_config.mlp_bias=True is out of range: allowed False")
+    n_layer = int(hf_config.num_hidden_layers)
+    n_heads = int(hf_config.num_attention_heads)
+    head_dim = int(_get(hf_config, "head_dim", int(hf_config.hidden_size) // n_heads))
+    window = _get(hf_config, "sliding_window", None)
+    swa_layers: Tuple[int, ...] = ()
+    if model_type == "mistral" and window:
+        swa_layers = tuple(range(n_layer))
+    elif model_type == "qwen2" and window and _get(hf_config, "use_sliding_window", False):
+        types = _get(hf_config, "layer_types", None)
+        if types is None:   # transformers' default: layers from max_window_layers on slide
+            first = int(_get(hf_config, "max_window_layers", n_layer))
+            swa_layers = tuple(range(first, n_layer))
+        else:
+            swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    args = dict(
+        vocab_size=int(hf_config.vocab_size), d_model=int(hf_config.hidden_size), n_layer=n_layer,
+        n_heads=n_heads, n_kv_heads=int(_get(hf_config, "num_key_value_heads", n_heads)), head_dim=head_dim,
+        d_ff=int(hf_config.intermediate_size), norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        rope=rope_from_hf(_rope_params(hf_config), head_dim, _get(hf_config, "max_position_embeddings", None)),
+        swa_layers=swa_layers, swa_type=SwaType.STANDARD, n_swa=int(window) if swa_layers else 0,
+        tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)))
+    args.update(overrides)
+    return LlamaConfig(**args)
+
+
+# -- weights -------------------------------------------------------------------------------------
+
+
+def _T(w):
+    return w.T   # torch Linear [out, in] -> flax [in, out]
+
+
+def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
+    """``(variable, HF key, transform)`` of every weight of ``model`` (HF keys without ``model.``).
+
+    The Llama layout (``input_layernorm``, ``post_attention_layernorm`` before the MLP), or
+    Gemma's sandwich norms with ``config.sandwich_norms``. With ``attention_bias`` the q/k/v
+    biases are listed, and the o bias when ``o_bias`` (Qwen2 has none: the caller zeroes it).
+    """
+    cfg = model.config
+    plan: Plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
+    if model.lm_head is not None:
+        plan.append((model.lm_head.kernel, "lm_head.weight", _T))
+    for il, block in enumerate(model.layers):
+        p, a = f"layers.{il}.", block.attn
+        plan.append((block.attn_norm.scale, p + "input_layernorm.weight", None))
+        if cfg.sandwich_norms:
+            plan += [(block.post_attn_norm.scale, p + "post_attention_layernorm.weight", None),
+                     (block.mlp_norm.scale, p + "pre_feedforward_layernorm.weight", None),
+                     (block.post_mlp_norm.scale, p + "post_feedforward_layernorm.weight", None)]
+        else:
+            plan.append((block.mlp_norm.scale, p + "post_attention_layernorm.weight", None))
+        plan += [(a.q_proj.kernel, p + "self_attn.q_proj.weight", _T),
+                 (a.k_proj.kernel, p + "self_attn.k_proj.weight", _T),
+                 (a.v_proj.kernel, p + "self_attn.v_proj.weight", _T),
+                 (a.o_proj.kernel, p + "self_attn.o_proj.weight", _T),
+                 (block.mlp.gate.kernel, p + "mlp.gate_proj.weight", _T),
+                 (block.mlp.up.kernel, p + "mlp.up_proj.weight", _T),
+                 (block.mlp.down.kernel, p + "mlp.down_proj.weight", _T)]
+        if cfg.attention_bias:
+            plan += [(a.q_proj.bias, p + "self_attn.q_proj.bias", None),
+                     (a.k_proj.bias, p + "self_attn.k_proj.bias", None),
+                     (a.v_proj.bias, p + "self_attn.v_proj.bias", None)]
+            if o_bias:
+                plan.append((a.o_proj.bias, p + "self_attn.o_proj.bias", None))
+        if cfg.qk_norm:
+            plan += [(a.q_norm.scale, p + "self_attn.q_norm.weight", None),
+                     (a.k_norm.scale, p + "self_attn.k_norm.weight", None)]
+    return plan
+
+
+def load_plan(plan: Plan, weights: Mapping, what: str, *, dtype=None, source: str = "state dict",
+              shapes: Optional[Mapping] = None, ignore: Tuple[str, ...] = ()) -> None:
+    """Check ``weights`` against ``plan``, then set every variable (tensors read one at a time).
+
+    Args:
+        plan: ``(variable, key, transform)`` entries (:func:`llama_plan`).
+        weights: key to tensor (torch, numpy, or a lazy mapping that reads on ``[]``).
+        what: the config summary the error messages name.
+        dtype: the parameters' dtype (default: each variable's own).
+        source: what ``weights`` is, for the messages (``"state dict"``, ``"checkpoint /path"``).
+        shapes: key to the stored shape when known without reading (safetensors headers): every
+            shape is then checked before any tensor is read.
+        ignore: keys that may be present without a variable (e.g. rotary caches).
+
+    Raises:
+        ValueError: a missing key (the first ones are listed), an unexpected key, or a tensor whose
+            shape does not fit; raised before any variable is set when ``shapes`` is given.
+    """
+    missing = [key for _, key, _ in plan if key not in weights]
+    if missing:
+        raise ValueError(f"{source} lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} ({len(missing)} "
+                         f"tensors): allowed the weights of a config with {what}")
+    planned = {key for _, key, _ in plan}
+    unexpected = sorted(k for k in set(weights) - planned if k not in ignore)
+    if unexpected:
+        raise ValueError(f"{source} has unexpected keys {unexpected[:4]}: allowed only the weights of a config "
+                         f"with {what}")
+
+    def check(key, shape, var, fn):
+        got = tuple(fn(np.empty(shape, np.bool_)).shape) if fn is not None else tuple(shape)
+        if got != tuple(var.shape):
+            want = tuple(fn(np.empty(var.shape, np.bool_)).shape) if fn is not None else tuple(var.shape)
+            raise ValueError(f"{source} {key} has shape {tuple(shape)}: allowed {want} for this config ({what})")
+
+    if shapes is not None:
+        for var, key, fn in plan:
+            check(key, shapes[key], var, fn)
+    for var, key, fn in plan:
+        raw = _to_numpy(weights[key])
+        check(key, raw.shape, var, fn)
+        w = fn(raw) if fn is not None else raw
+        var.set_value(jnp.asarray(w, var.dtype if dtype is None else dtype))
+
+
+def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **config_overrides) -> Llama:
+    """Load the weights of a Hugging Face Llama / Qwen2 / Mistral / Gemma 2 / Gemma 3 text model into a :class:`Llama`.
+
+    Args:
+        hf_model_or_state_dict: a ``transformers`` ``*ForCausalLM`` of those families (or their
+            ``*Model`` bodies), or a ``state_dict()`` (torch tensors or arrays; keys with or
+            without ``model.``).
         model: the model to load into (updated in place and returned). Without it the model is
-            built from ``LlamaConfig.from_hf(hf_model.config, **config_overrides)`` (needs a model,
-            not a bare state dict), its random initialisation skipped.
+            built from ``llama_config_from_hf(hf_model.config, **config_overrides)`` (needs a
+            model, not a bare state dict), its random initialisation skipped.
 
     Returns:
         The model holding the HF weights in its parameter dtype. With tied embeddings an
         ``lm_head.weight`` in the state dict is ignored (HF ties it to the embedding).
 
     Raises:
-        ValueError: a state dict without ``model``, a model that is not a sandwich-norm Llama, a
-            missing or unexpected key, or a weight whose shape does not fit the model's config.
+        ValueError: a state dict without ``model``, a missing or unexpected key, or a weight whose
+            shape does not fit the model's config.
     """
-    sd, model = hf_source(hf_model_or_state_dict, model, Llama, LlamaConfig, "Gemma", **config_overrides)
-    cfg = model.config
-    if not cfg.sandwich_norms:
-        raise ValueError("model.config.sandwich_norms=False is out of range: allowed True (the Gemma layout "
-                         "this loader maps)")
-
-    weights = {_strip(k): v for k, v in sd.items()}
-    if cfg.tie_embeddings:
-        weights.pop("lm_head.weight", None)
-
-    T = lambda w: w.T  # noqa: E731  torch Linear [out, in] -> flax [in, out]
-    plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
-    if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "lm_head.weight", T))
-    for il, block in enumerate(model.layers):
-        p, a = f"layers.{il}.", block.attn
-        plan += [(block.attn_norm.scale, p + "input_layernorm.weight", None),
-                 (block.post_attn_norm.scale, p + "post_attention_layernorm.weight", None),
-                 (block.mlp_norm.scale, p + "pre_feedforward_layernorm.weight", None),
-                 (block.post_mlp_norm.scale, p + "post_feedforward_layernorm.weight", None),
-                 (a.q_proj.kernel, p + "self_attn.q_proj.weight", T),
-                 (a.k_proj.kernel, p + "self_attn.k_proj.weight", T),
-                 (a.v_proj.kernel, p + "self_attn.v_proj.weight", T),
-                 (a.o_proj.kernel, p + "self_attn.o_proj.weight", T),
-                 (block.mlp.gate.kernel, p + "mlp.gate_proj.weight", T),
-                 (block.mlp.up.kernel, p + "mlp.up_proj.weight", T),
-                 (block.mlp.down.kernel, p + "mlp.down_proj.weight", T)]
-        if cfg.qk_norm:
-            plan += [(a.q_norm.scale, p + "self_attn.q_norm.weight", None),
-                     (a.k_norm.scale, p + "self_attn.k_norm.weight", None)]
-
-    what = (f"n_layer={cfg.n_layer}, qk_norm={cfg.qk_norm}, tie_embeddings={cfg.tie_embeddings}")
-    missing = [key for _, key, _ in plan if key not in weights]
-    if missing:
-        raise ValueError(f"state dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed the "
-                         f"weights of a config with {what}")
-    unexpected = sorted(set(weights) - {key for _, key, _ in plan})
-    if unexpected:
-        raise ValueError(f"state dict has unexpected keys {unexpected[:4]}: allowed only the weights of a "
-                         f"config with {what}")
-    for var, key, fn in plan:
-        w = _to_numpy(weights[key])
-        w = fn(w) if fn is not None else w
-        if tuple(w.shape) != tuple(var.shape):
-            raise ValueError(f"state dict {key} has shape {tuple(_to_numpy(weights[key]).shape)}: allowed the "
-                             f"shape that gives {tuple(var.shape)} for this config")
-        var.set_value(jnp.asarray(w, var.dtype))
+    sd, model = hf_source(hf_model_or_state_dict, model, Llama, LlamaConfig, "Llama-family",
+                          make_config=llama_config_from_hf, **config_overrides)
+    load_llama(model, {_strip(k): v for k, v in sd.items()})
     return model
+
+
+def load_llama(model: Llama, weights: Mapping, *, dtype=None, source: str = "state dict",
+               shapes: Optional[Mapping] = None) -> None:
+    """Set ``model``'s variables from HF-named ``weights`` (keys without ``model.``): :func:`llama_plan`
+    then :func:`load_plan`; a missing o bias of a biased model (Qwen2) becomes zeros."""
+    cfg = model.config
+    o_bias = cfg.attention_bias and "layers.0.self_attn.o_proj.bias" in weights
+    plan = llama_plan(model, o_bias=o_bias)
+    what = (f"n_layer={cfg.n_layer}, sandwich_norms={cfg.sandwich_norms}, qk_norm={cfg.qk_norm}, "
+            f"attention_bias={cfg.attention_bias}, tie_embeddings={cfg.tie_embeddings}")
+    ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    ignore += tuple(f"layers.{il}.self_attn.rotary_emb.inv_freq" for il in range(cfg.n_layer))
+    load_plan(plan, weights, what, dtype=dtype, source=source, shapes=shapes, ignore=ignore)
+    if cfg.attention_bias and not o_bias:
+        for block in model.layers:
+            b = block.attn.o_proj.bias
+            b.set_value(jnp.zeros(b.shape, b.dtype if dtype is None else dtype))

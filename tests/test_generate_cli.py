@@ -1,0 +1,119 @@
+"""``python -m kvjax generate``: a tiny checkpoint folder (kvjax weights written with ``save_llama``
+and a trained character tokenizer, no torch), streamed text, the speed report, stops, bad arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax.app import _generate
+from kvjax.nn import Llama, LlamaConfig, Tokenizer
+from kvjax.nn._pretrained import save_llama
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from tests.test_tokenizer import make_tokenizer, write_tokenizer_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    backend = make_tokenizer(100, byte_level=False)
+    model = Llama(LlamaConfig(vocab_size=backend.get_vocab_size(), d_model=32, n_layer=2, n_heads=4, n_kv_heads=2,
+                              rope=kvjax.RopeConfig(n_rot=8, mode="neox")), rngs=nnx.Rngs(0))
+    save_llama(model, path)
+    write_tokenizer_folder(path, backend, generation={"bos_token_id": 0, "eos_token_id": 1},
+                           tokenizer_config={"add_bos_token": True})
+    return path
+
+
+def _greedy(model, ids, n, pad=32):
+    """Greedy continuation by full uncached passes (one jitted program: padded to ``pad`` tokens;
+    trailing padding does not change the logits before it)."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).forward(tokens))
+    out = []
+    for _ in range(n):
+        seq = ids + out
+        logits = np.asarray(forward(state, jnp.asarray(seq + [0] * (pad - len(seq)))))
+        out.append(int(np.argmax(logits[len(seq) - 1])))
+    return out
+
+
+def test_run_streams_the_greedy_continuation(folder):
+    out, err = io.StringIO(), io.StringIO()
+    report = _generate.run(folder, "the lazy dog", max_new_tokens=6, ctx=64, out=out, err=err)
+    model = kvjax.nn.from_pretrained(folder)
+    tok = Tokenizer.from_pretrained(folder)
+    ids = tok.encode("the lazy dog")
+    want = _greedy(model, ids, 6)
+    want = want[: want.index(1) + 1] if 1 in want else want     # stops after EOS
+    assert report.tokens == [want] and report.prompt_tokens == len(ids)
+    text = out.getvalue()
+    assert text.startswith("the lazy dog") and text.rstrip("\n") == "the lazy dog" + tok.decode(want)
+    log = err.getvalue()
+    assert "load " in log and "compile " in log and "prompt: " in log and "generated: " in log
+    assert report.prompt_tokens_per_second > 0 and report.tokens_per_second > 0 and report.load_seconds > 0
+
+
+def test_run_parallel_sequences_and_quantized_cache(folder):
+    out, err = io.StringIO(), io.StringIO()
+    report = _generate.run(folder, "quick brown", n_parallel=3, max_new_tokens=5, temperature=1.0, seed=3,
+                           cache_type="float16", ctx=32, out=out, err=err)
+    assert len(report.tokens) == 3 and len(report.texts) == 3
+    text = out.getvalue()
+    assert "[1] quick brown" in text and "[2] quick brown" in text
+    assert "3 sequences" in err.getvalue()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_parallel=0), r"--n-parallel 0 is out of range: allowed an integer in \[1, 64\]"),
+    (dict(max_new_tokens=0), r"--max-new-tokens 0 is out of range: allowed an integer >= 1"),
+    (dict(temperature=-1.0), r"--temperature -1.0 is out of range: allowed a number >= 0"),
+    (dict(cache_type="int4"), r"--cache-type 'int4' is out of range: allowed one of \['float32'"),
+    (dict(dtype="float64"), r"--dtype 'float64' is out of range"),
+    (dict(ctx=1), r"--ctx 1 is out of range: allowed an integer >= 2"),
+    (dict(ctx=3), r"--ctx 3 is out of range for a prompt of \d+ tokens"),
+    (dict(prompt=""), r"--prompt '' is out of range: allowed a non-empty text"),
+])
+def test_run_bad_arguments(folder, kwargs, match):
+    args = dict(prompt="the lazy dog jumps over")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        _generate.run(folder, args.pop("prompt"), out=io.StringIO(), err=io.StringIO(), **args)
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(ValueError, match=r"--model '.*nowhere' does not exist"):
+        _generate.load(tmp_path / "nowhere")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"is a file: allowed a Hugging Face checkpoint folder or a .gguf file"):
+        _generate.load(tmp_path / "weights.bin")
+    if importlib.util.find_spec("kvjax.nn._gguf") is None:
+        (tmp_path / "m.gguf").write_bytes(b"")
+        with pytest.raises(ValueError, match=r"is a GGUF file, but this kvjax has no GGUF loader"):
+            _generate.load(tmp_path / "m.gguf")
+
+
+def test_command_line(folder):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "kvjax", "--no-compile-cache", "generate", "--model", str(folder), "--prompt",
+           "the lazy dog", "--max-new-tokens", "4", "--ctx", "32"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("the lazy dog")
+    assert "tokens/s" in done.stderr and "compile " in done.stderr
+    bad = subprocess.run(cmd[:-2] + ["--ctx", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "error: --ctx 2 is out of range" in bad.stderr
