@@ -39,6 +39,8 @@ from kvjax.memory._update import update
 from kvjax.io._state import state_read, state_write
 from kvjax.io._session import load, save
 from kvjax.io._checkpoint import checkpoint_restore, checkpoint_save
+from kvjax.io._llama_state import (LlamaSession, seq_file_read, seq_file_write, session_read, session_write,
+                                   stream_state_read, stream_state_write)
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax._compiles import CompileCounter
 
@@ -80,6 +82,9 @@ __all__ = [
     "fragmentation", "defrag_sched", "defrag", "defrag_plan", "DefragPlan", "compact", "compact_seq",
     # state: the seed's byte format, session files, orbax checkpoints
     "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
+    # today's llama.cpp state layout (stream counts; 'ggsn' session and 'ggsq' sequence files)
+    "stream_state_write", "stream_state_read", "session_write", "session_read", "seq_file_write",
+    "seq_file_read", "LlamaSession",
     # generation: the decode driver, sampling
     "Engine", "generate", "generate_stream", "GenerationResult", "PromptCache", "SamplingConfig", "sample",
     "CompileCounter",
@@ -87,10 +92,3 @@ __all__ = [
     "cell_table", "cell_map", "CellTable", "errors", "check", "clear_errors",
     "CacheFullError", "StateError", "ErrorFlag",
 ]
-
-# today's llama.cpp state layout (stream counts; 'ggsn' session and 'ggsq' sequence files)
-from kvjax.io._llama_state import (LlamaSession, seq_file_read, seq_file_write, session_read,  # noqa: E402
-                                   session_write, stream_state_read, stream_state_write)
-
-__all__ += ["stream_state_write", "stream_state_read", "session_write", "session_read", "seq_file_write",
-            "seq_file_read", "LlamaSession"]

@@ -4,8 +4,8 @@ and a trained character tokenizer, no torch), streamed text, the speed report, s
 
 from __future__ import annotations
 
-import importlib.util
 import io
+import json
 import os
 import subprocess
 import sys
@@ -101,10 +101,41 @@ def test_bad_model_paths(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"is a file: allowed a Hugging Face checkpoint folder or a .gguf file"):
         _generate.load(tmp_path / "weights.bin")
-    if importlib.util.find_spec("kvjax.nn._gguf") is None:
-        (tmp_path / "m.gguf").write_bytes(b"")
-        with pytest.raises(ValueError, match=r"is a GGUF file, but this kvjax has no GGUF loader"):
-            _generate.load(tmp_path / "m.gguf")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="GGUF"):
+        _generate.load(tmp_path / "m.gguf")
+
+
+def test_a_gguf_file_generates_like_its_weights(tmp_path):
+    """A GGUF file holding a kvjax model's weights and a byte-level BPE vocabulary: the command's
+    greedy continuation is the model's own (llama.cpp's RoPE convention inside the file)."""
+    gguf = pytest.importorskip("gguf")
+    from tests.test_gguf import _kvjax_model, _kvjax_sd, _trained_bpe, write_gguf
+
+    tok = _trained_bpe("llama-bpe")
+    vocab = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    model = _kvjax_model("llama")
+    sd = _kvjax_sd(model)
+    n = len(vocab)  # the model's vocabulary grows to the tokenizer's (new rows random, the old ones kept)
+    extra = np.random.default_rng(0).normal(size=(n - sd["model.embed_tokens.weight"].shape[0], 64)).astype(np.float32)
+    sd["model.embed_tokens.weight"] = np.concatenate([sd["model.embed_tokens.weight"], extra])
+    sd["lm_head.weight"] = np.concatenate([sd["lm_head.weight"], extra])
+    path = write_gguf(tmp_path / "m.gguf", "llama", sd, n_layer=2, n_heads=4, n_kv_heads=2, eps=1e-5, theta=10000.0,
+                      extra_kv={"add_tokenizer_model": "gpt2", "add_tokenizer_pre": "llama-bpe",
+                                "add_token_list": vocab, "add_token_merges": merges,
+                                "add_token_types": [3 if t in ("<|begin|>", "<|end|>") else 1 for t in vocab],
+                                "add_bos_token_id": vocab.index("<|begin|>"),
+                                "add_eos_token_id": vocab.index("<|end|>"), "add_add_bos_token": True})
+    out = io.StringIO()
+    report = _generate.run(path, "The quick brown", max_new_tokens=5, ctx=64, out=out, err=io.StringIO())
+    loaded = kvjax.nn.from_gguf(path)
+    ids = Tokenizer.from_gguf(path).encode("The quick brown")
+    assert ids[0] == vocab.index("<|begin|>") and report.prompt_tokens == len(ids)
+    want = _greedy(loaded, ids, 5)
+    want = want[: want.index(vocab.index("<|end|>")) + 1] if vocab.index("<|end|>") in want else want
+    assert report.tokens == [want]
+    assert out.getvalue().startswith("The quick brown")
 
 
 def test_command_line(folder):

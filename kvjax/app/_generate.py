@@ -1,7 +1,7 @@
 """``python -m kvjax generate``: text from a real checkpoint, streamed, with the speed reported.
 
 Loads a Hugging Face folder (:func:`kvjax.nn.from_pretrained`) or a ``.gguf`` file
-(``kvjax.nn._gguf.from_gguf``), tokenizes the prompt with the checkpoint's tokenizer, runs
+(:func:`kvjax.nn.from_gguf`), tokenizes the prompt with the checkpoint's tokenizer, runs
 :func:`kvjax.generate` on the memory the model needs (:func:`kvjax.nn.memory_config_for`) and
 prints sequence 0's text as its tokens come (the other ``--n-parallel`` sequences at the end).
 Generation stops at the model's EOS tokens or ``--max-new-tokens``; a sequence that reaches
@@ -46,8 +46,7 @@ def load(path, dtype: str = "float32"):
     """``(model, tokenizer)`` of a checkpoint folder or a ``.gguf`` file.
 
     Raises:
-        ValueError: the path does not exist, or a ``.gguf`` file while GGUF loading
-            (``kvjax.nn._gguf``) is not installed; the loaders' own errors otherwise.
+        ValueError: the path does not exist or is neither; the loaders' own errors otherwise.
     """
     from kvjax.nn._tokenizer import Tokenizer
 
@@ -56,17 +55,9 @@ def load(path, dtype: str = "float32"):
         raise ValueError(f"--model {str(path)!r} does not exist: allowed a Hugging Face checkpoint folder or a "
                          f".gguf file")
     if p.suffix == ".gguf":
-        try:
-            from kvjax.nn import _gguf
-        except ImportError:
-            raise ValueError(f"--model {str(path)!r} is a GGUF file, but this kvjax has no GGUF loader "
-                             f"(kvjax.nn._gguf): allowed a Hugging Face checkpoint folder") from None
-        model = _gguf.from_gguf(str(p), dtype=dtype)
-        make_tok = getattr(_gguf, "tokenizer_from_gguf", None) or getattr(Tokenizer, "from_gguf", None)
-        if make_tok is None:
-            raise ValueError(f"--model {str(path)!r}: kvjax.nn._gguf has no tokenizer constructor "
-                             f"(tokenizer_from_gguf or Tokenizer.from_gguf)")
-        return model, make_tok(str(p))
+        from kvjax.nn._gguf import from_gguf
+
+        return from_gguf(str(p), dtype=dtype), Tokenizer.from_gguf(p)
     if not p.is_dir():
         raise ValueError(f"--model {str(path)!r} is a file: allowed a Hugging Face checkpoint folder or a .gguf file")
     from kvjax.nn._pretrained import from_pretrained

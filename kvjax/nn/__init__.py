@@ -13,7 +13,8 @@
   :class:`kvjax.HybridCache`.
 - :func:`from_pretrained`: a local Hugging Face checkpoint folder (Llama, Qwen2, Mistral, Gemma 2/3,
   Mamba) to one of these models; :func:`memory_config_for` the memory it needs; :class:`Tokenizer`
-  its ``tokenizer.json`` (see ``docs/checkpoints.md``).
+  its ``tokenizer.json`` (see ``docs/checkpoints.md``); :func:`from_gguf` a llama.cpp GGUF file
+  (:func:`gguf_tokenizer` its vocabulary).
 - :func:`make_step`: one jitted program per (ubatch bucket, window bucket) that places a ubatch,
   runs the model and donates the memory's buffers; :func:`window_for` / :func:`windows_for` pick
   the windows.
@@ -45,6 +46,7 @@ from kvjax.nn._step import Step, make_step, window_for, windows_for
 from kvjax.nn._hf import llama_config_from_hf, rope_from_hf
 from kvjax.nn._pretrained import from_pretrained, memory_config_for
 from kvjax.nn._tokenizer import Tokenizer
+from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer
 
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",
@@ -54,8 +56,5 @@ __all__ = [
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
     "from_pretrained", "memory_config_for", "llama_config_from_hf", "rope_from_hf", "Tokenizer",
+    "from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab",
 ]
-
-from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer  # noqa: E402  (llama.cpp GGUF files)
-
-__all__ += ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab"]

@@ -91,6 +91,21 @@ class Tokenizer:
         self.add_bos = add_bos
 
     @classmethod
+    def from_gguf(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
+        """The vocabulary of a llama.cpp GGUF file (byte-level BPE, as Llama 3 and Qwen2 ship it).
+
+        The backend, the BOS/EOS ids (EOS and EOT both end generation) and ``add_bos`` come from
+        the file's ``tokenizer.ggml.*`` metadata (see :func:`kvjax.nn.gguf_tokenizer`).
+
+        Raises:
+            ValueError: not a GGUF file, no vocabulary, or a vocabulary kvjax does not build.
+        """
+        from kvjax.nn._gguf import gguf_tokenizer
+
+        vocab = gguf_tokenizer(path)
+        return cls(vocab.tokenizer, bos_id=vocab.bos_id, eos_ids=vocab.eos_ids, add_bos=vocab.add_bos)
+
+    @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
         """The tokenizer of a Hugging Face checkpoint folder.
 
