@@ -39,7 +39,9 @@ def _bytes_rows():
 
 
 def _decode_rate(engine, context, steps, repeats):
-    engine.decode(list(np.arange(context) % 50), list(range(context)), [[0]] * context)
+    for start in range(0, context, 512):  # batches of at most n_batch tokens, as llama_decode takes them
+        n = min(512, context - start)
+        engine.decode(list(np.arange(start, start + n) % 50), list(range(start, start + n)), [[0]] * n)
     tok, pos = 1, context
     times = []
     for r in range(repeats + 1):

@@ -266,6 +266,7 @@ def _uncached():
     return lambda tokens: np.asarray(run(state, jnp.asarray(tokens)))
 
 
+@pytest.mark.slow  # iSWA decode == unified == uncached runs by default in test_iswa.py
 def test_iswa_decode_equals_uncached_and_unified():
     cfg = _gemma_model().config
     base = cfg.cache_config(size=64, n_seq_max=2, padding=16)

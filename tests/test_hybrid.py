@@ -77,6 +77,7 @@ def test_rollback_and_refusal(model):
     np.testing.assert_allclose(out[0], full(model, prompt + [3])[-1], atol=ATOL)
 
 
+@pytest.mark.slow  # generate on a hybrid runs by default in the prompt-cache and speculative tests
 def test_generate_equals_uncached_greedy(model):
     prompts = [[1, 2, 3], [1, 2, 9, 9]]
     out = kvjax.generate(engine(model), prompts, max_new_tokens=5, key=jax.random.PRNGKey(0),
@@ -102,6 +103,7 @@ def test_state_round_trip_and_corrupt_blobs(model):
         kvjax.state_read(fresh.cache, whole[:-3])
 
 
+@pytest.mark.slow  # the iSWA part of a hybrid also runs in the contract table
 def test_iswa_attention_part(model):
     attn = CFG.llama.cache_config(size=64, n_seq_max=2, layer_filter=CFG.attention_layers, padding=16)
     hybrid = kvjax.HybridConfig(kvjax.IswaConfig(attn, swa_layers=(3,), n_swa=1024, n_batch=16),

@@ -72,7 +72,7 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kind, sampling, n_requests", [
-    ("unified", GREEDY, 7), ("iswa", SAMPLED, 7), ("recurrent", GREEDY, 5), ("hybrid", SAMPLED, 4),
+    ("unified", GREEDY, 7), ("iswa", SAMPLED, 7), pytest.param("recurrent", GREEDY, 5, marks=SLOW), ("hybrid", SAMPLED, 4),
     # the other combinations, and the whole chat on the costlier models, with -m slow
     pytest.param("unified", SAMPLED, 7, marks=SLOW), pytest.param("iswa", GREEDY, 7, marks=SLOW),
     pytest.param("recurrent", SAMPLED, 7, marks=SLOW), pytest.param("hybrid", GREEDY, 7, marks=SLOW)],

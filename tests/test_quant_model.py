@@ -122,6 +122,7 @@ def _perplexity(k_dtype, v_dtype, chunk=64):
     return float(np.exp(nll.mean()))
 
 
+@pytest.mark.slow  # a measurement for the docs; greedy agreement runs by default
 def test_perplexity_on_held_out_text_moves_little():
     ppl = {t: _perplexity(t, t) for t in ("float32", "q8_0", "q4_0")}
     print("held-out perplexity:", {t: round(p, 4) for t, p in ppl.items()})
@@ -138,6 +139,7 @@ def test_perplexity_on_held_out_text_moves_little():
     assert abs(ppl["float32"] / ref - 1) < 1e-4
 
 
+@pytest.mark.slow  # a second demo process; the quantized engine path runs by default
 def test_demo_takes_a_cache_type(tmp_path):
     import os
     import subprocess

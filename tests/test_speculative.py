@@ -92,7 +92,7 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("kind", ["unified", "recurrent", pytest.param("iswa", marks=SLOW),
+@pytest.mark.parametrize("kind", ["unified", pytest.param("recurrent", marks=SLOW), pytest.param("iswa", marks=SLOW),
                                   pytest.param("hybrid", marks=SLOW)])
 def test_greedy_speculative_is_the_targets_greedy_output(kind):
     target, draft = _engines(kind)
