@@ -44,6 +44,9 @@ from flax import nnx
 
 from kvjax.memory._config import RopeConfig
 from kvjax.nn._llama import Llama, LlamaConfig
+# the parameter dtypes a loader makes, checked as from_pretrained checks them (every tensor type
+# dequantizes to float32 first)
+from kvjax.nn._pretrained import DTYPES, _check_dtype
 
 __all__ = ["from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
 
@@ -257,20 +260,6 @@ def _plan(model: Llama, arch: str) -> List[Tuple[Any, str, bool]]:
             plan += [(a.q_proj.bias, p + "attn_q.bias", False), (a.k_proj.bias, p + "attn_k.bias", False),
                      (a.v_proj.bias, p + "attn_v.bias", False)]
     return plan
-
-
-#: Parameter dtypes :func:`from_gguf` makes (every tensor type dequantizes to float32 first).
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _check_dtype(dtype):
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.name not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is out of range: allowed one of {list(DTYPES)}")
-    return dt
 
 
 def from_gguf(path, *, dtype=jnp.float32) -> Llama:
