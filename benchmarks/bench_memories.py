@@ -39,8 +39,10 @@ def _bytes_rows():
 
 
 def _decode_rate(engine, context, steps, repeats):
-    for start in range(0, context, 512):  # batches of at most n_batch tokens, as llama_decode takes them
-        n = min(512, context - start)
+    # the prompt in batches of 128 tokens: the window cache holds n_swa + n_batch cells, and a
+    # contiguous placement needs a free run of the batch's length beside what the window keeps
+    for start in range(0, context, 128):
+        n = min(128, context - start)
         engine.decode(list(np.arange(start, start + n) % 50), list(range(start, start + n)), [[0]] * n)
     tok, pos = 1, context
     times = []
