@@ -224,7 +224,7 @@ class IswaCache(Memory):
         base, slot_base, ok_base = self.base.find_slot(ubatch, contiguous=contiguous)
         swa, slot_swa, ok_swa = self.swa.find_slot(ubatch, contiguous=contiguous)
         ok = ok_base & ok_swa
-        placement = (jnp.where(ok, slot_base, -1), jnp.where(ok, slot_swa, -1))
+        placement = self.mask_placement((slot_base, slot_swa), ok)  # a refused ubatch writes nowhere
         return self._keep_if(ok, base, swa), placement, ok
 
     def commit(self, ubatches: Sequence) -> "IswaCache":
