@@ -86,7 +86,7 @@ def _clean_pv(p, vc, pv_dims):
 
 
 def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None, k_type="float32",
-            v_type="float32"):
+            v_type="float32", n_live=None):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
     ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
@@ -97,7 +97,8 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     are broadcast per chunk, never expanded to ``[H, R, N]``. When ``chunk`` does not divide
     ``n_kv`` the last start is clamped and the columns an earlier step already covered are masked
     out. ``softcap`` (None or an f32 scalar) caps the scaled scores, ``softcap * tanh(s / softcap)``,
-    before mask and bias are added.
+    before mask and bias are added. ``n_live`` (None or a traced int32): only the chunks holding
+    the first ``n_live`` cells run (a stream's own extent; the cells past it are empty anyway).
     """
     n_heads, n_rows, _ = qr.shape
     n_tok = n_rows // group
@@ -150,7 +151,9 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
 
     init = (jnp.full((n_heads, n_rows), _NEG_INF, jnp.float32), jnp.zeros((n_heads, n_rows), jnp.float32),
             jnp.zeros((n_heads, n_rows, dv), jnp.float32))
-    if n_steps == 1:
+    if n_live is not None:  # a dynamic trip count: the cost follows the cells actually held
+        m, l, o = jax.lax.fori_loop(0, (jnp.minimum(n_live, n_kv) + chunk - 1) // chunk, step, init)
+    elif n_steps == 1:
         m, l, o = step(0, init)
     else:
         m, l, o = jax.lax.fori_loop(0, n_steps, step, init)

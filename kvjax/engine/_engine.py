@@ -442,7 +442,8 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         share_prefix: with several prompts, evaluate their longest common prefix once (in
             sequence 0) and share it with ``seq_cp``.
         stop_tokens: a sequence ends after emitting one of these.
-        n_ctx: per-sequence context limit (default and maximum ``size // n_seq``, so no sequence
+        n_ctx: per-sequence context limit (default and maximum ``cache.context_per_sequence(n_seq)``:
+            ``size // n_seq`` for one shared cache, a stream's cells with per-sequence streams; so no sequence
             can run out of cells); when a sequence's next position reaches it, a context shift
             keeps ``n_keep`` tokens and discards half of the rest (llama.cpp's rule).
         n_keep: tokens kept at the start on a context shift.
@@ -517,10 +518,10 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     if limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
         n_ctx = None
     else:
-        top = (limit if limit is not None else 2**31 - 1) // n_seq
+        top = engine.cache.context_per_sequence(n_seq) if limit is not None else (2**31 - 1) // n_seq
         n_ctx = top if n_ctx is None else check_count("n_ctx", n_ctx, 1)
         if not n_keep + 2 <= n_ctx <= top:
-            raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, size // n_seq = "
+            raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, cells per sequence = "
                              f"{top}] (every sequence must be able to reach its limit)")
         if longest >= n_ctx:
             raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")

@@ -207,10 +207,11 @@ def check_draft(target, draft, n_draft: int, n_seq: int, longest: int, max_new_t
                              f"{engine.cache.n_seq_max}")
         limit = engine.cache.max_context
         need = longest + max_new_tokens + n_draft
-        if limit is not None and need > limit // n_seq:
+        each = None if limit is None else engine.cache.context_per_sequence(n_seq)
+        if each is not None and need > each:
             raise ValueError(f"max_new_tokens={max_new_tokens} is out of range for the {name}: speculative decoding "
                              f"does not shift the context, and {n_seq} sequences of up to {need} positions do not "
-                             f"fit in size // n_seq = {limit // n_seq} cells each")
+                             f"fit in size // n_seq = {each} cells each")
         busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0]
         if busy:
             raise ValueError(f"sequences {busy} already hold cells in the {name}: free them with kvjax.seq_rm")

@@ -213,8 +213,8 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
     valid = np.asarray(ubatch.valid)
     n = int(valid.sum())
     size = cache.size
-    if cache.ubatch_split == "equal":
-        _check_equal_ubatch(cache, ubatch)
+    if cache.ubatch_split == "equal" and (ubatch.n_seq_tokens or not cache.streamed):
+        _check_equal_ubatch(cache, ubatch)  # streams also take any ubatch (attended a row at a time)
     if cache.n_parts and n > size:
         raise ValueError(f"ubatch has {n} tokens: allowed at most size={size} (it can never fit)")
     ids = np.asarray(ubatch.seq_ids)[valid]
@@ -222,6 +222,8 @@ def _check_ubatch(cache: Memory, ubatch: Ubatch):
     if bad.size or (ids.size and (ids[:, 0] < 0).any()):
         value = int(bad[0]) if bad.size else -1
         raise ValueError(f"ubatch seq id {value} is out of range: allowed [0, {cache.n_seq_max})")
+    if cache.streamed:
+        cache.check_token_streams(ids)
     pos = np.asarray(ubatch.pos)[valid]
     if (pos < 0).any():
         raise ValueError(f"ubatch position {int(pos.min())} is out of range: allowed >= 0")

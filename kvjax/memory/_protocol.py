@@ -131,6 +131,15 @@ class Memory(abc.ABC):
     def pos_max(self) -> Int[Array, ""]:
         """Largest position held (of the main part), -1 when empty."""
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the attention part keeps one cache per stream (static; :class:`kvjax.StreamCache`).
+
+        Then ``part(i)`` is a unified cache with a leading stream axis on every leaf, and layers
+        attend through :func:`kvjax.stream_attend` (each ubatch slot over its own stream's cells).
+        """
+        return False
+
     # -- placement ------------------------------------------------------------------------------
 
     @property
@@ -146,6 +155,12 @@ class Memory(abc.ABC):
         """Most positions one sequence can hold at once (static): the main part's size, or None
         when positions are unbounded (a recurrent state folds any number of tokens into one cell)."""
         return self.size
+
+    def context_per_sequence(self, n_seq: int):
+        """Positions each of sequences ``0..n_seq-1`` can hold when all of them run at once (host
+        side; None when unbounded): the main part's cells shared evenly, ``max_context // n_seq``.
+        Per-sequence streams give each stream's cells to the sequences of that stream only."""
+        return None if self.max_context is None else self.max_context // max(1, int(n_seq))
 
     @abc.abstractmethod
     def find_slot(self, ubatch, *, contiguous: bool = True) -> Tuple["Memory", Placement, Bool[Array, ""]]:
