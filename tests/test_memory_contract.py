@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.testing import HybridRef, IswaRef, RecurrentRef, UnifiedRef
+from kvjax.testing import HybridRef, IswaRef, RecurrentRef, StreamsRef, UnifiedRef
 from tests.helpers import CompileCounter, assert_cells_match, no_recompile
 
 
@@ -48,6 +48,8 @@ class MemoryUnderTest:
     compare: Callable[[kvjax.Memory, object], None]
     random_kv: Callable[[kvjax.Memory, int], kvjax.Memory]
     equal_split: bool = False
+    #: turns a random program into one this memory accepts (streams: no token or partial copy across streams)
+    adapt: Callable[[list], list] = lambda ops: ops
 
 
 # -- the unified cache ---------------------------------------------------------------------------
@@ -123,6 +125,30 @@ def _random_hybrid(memory, seed):
                           recurrent=_random_unified(memory.recurrent, seed + 1))
 
 
+# -- per-sequence streams: one stream per sequence -------------------------------------------------
+
+STREAMS = kvjax.StreamsConfig(UNIFIED.replace(size=24, padding=8))
+
+
+def _compare_streams(memory, ref):
+    for s, st in enumerate(ref.streams):
+        _compare_unified(memory.stream(s), st)
+    assert int(kvjax.used_cells(memory)) == ref.used
+
+
+def _streams_program(ops):
+    """Tokens of one stream only, and whole-sequence copies between streams (llama.cpp's rules)."""
+    stream = lambda s: STREAMS.stream_table[s]
+    out = []
+    for op in ops:
+        if op[0] == "place":
+            op = ("place", [(p, [s for s in ids if stream(s) == stream(ids[0])]) for p, ids in op[1]])
+        elif op[0] == "seq_cp" and stream(op[1]) != stream(op[2]):
+            op = ("seq_cp", op[1], op[2], -1, -1)
+        out.append(op)
+    return out
+
+
 MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("unified", lambda: kvjax.init(UNIFIED),
                     lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
@@ -137,6 +163,10 @@ MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
     MemoryUnderTest("hybrid", lambda: kvjax.init(HYBRID),
                     lambda: HybridRef(48, 4, 16, state_cells=4, n_states=2),
                     _compare_hybrid, _random_hybrid, equal_split=True),
+    MemoryUnderTest("streams", lambda: kvjax.init(STREAMS),
+                    lambda: StreamsRef(STREAMS.size, STREAMS.n_seq_max, STREAMS.base.padding),
+                    _compare_streams, lambda m, seed: m.replace(cache=_random_unified(m.cache, seed)),
+                    equal_split=True, adapt=_streams_program),
 ]
 ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 
@@ -239,7 +269,7 @@ def test_is_a_memory(row):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lock_step_with_the_reference_eager_and_jitted(row, seed):
     """Every cell equals the reference model's after every operation, eagerly and under jit."""
-    ops = random_program(seed, row.make().n_seq_max)
+    ops = row.adapt(random_program(seed, row.make().n_seq_max))
     eager, jitted, ref = row.make(), row.make(), row.reference()
     for op in ops:
         want = apply_ref(ref, op)
@@ -256,21 +286,21 @@ def test_lock_step_with_the_reference_eager_and_jitted(row, seed):
 @pytest.mark.parametrize("row", ROWS)
 def test_new_argument_values_do_not_recompile(row):
     memory = row.make()
-    for op in random_program(5, memory.n_seq_max, 12):  # warm up every jitted op once
+    for op in row.adapt(random_program(5, memory.n_seq_max, 12)):  # warm up every jitted op once
         memory, _ = apply_op(memory, op, jitted=True)
     with no_recompile():
-        for op in random_program(6, memory.n_seq_max, 12):
+        for op in row.adapt(random_program(6, memory.n_seq_max, 12)):
             memory, _ = apply_op(memory, op, jitted=True)
 
 
 @pytest.mark.parametrize("row", ROWS)
 def test_snapshots_stay_valid(row):
     memory = row.make()
-    for op in random_program(7, memory.n_seq_max, 10):
+    for op in row.adapt(random_program(7, memory.n_seq_max, 10)):
         memory, _ = apply_op(memory, op, jitted=False)
     snapshot = jax.tree.map(lambda x: np.asarray(x).copy(), memory)
     later = memory
-    for op in random_program(8, memory.n_seq_max, 10):
+    for op in row.adapt(random_program(8, memory.n_seq_max, 10)):
         later, _ = apply_op(later, op, jitted=False)
     assert leaves_equal(memory, snapshot), "an operation changed the value it was given"
     # the metadata of split() is the part a donated step keeps: it must survive the step
@@ -282,7 +312,7 @@ def test_snapshots_stay_valid(row):
 @pytest.mark.parametrize("row", ROWS)
 def test_state_round_trip(row):
     memory = row.make()
-    for op in random_program(9, memory.n_seq_max, 16):
+    for op in row.adapt(random_program(9, memory.n_seq_max, 16)):
         memory, _ = apply_op(memory, op, jitted=False)
     memory = row.random_kv(kvjax.update(memory), 1)
     whole = kvjax.state_read(row.make(), kvjax.state_write(memory))
@@ -308,7 +338,7 @@ def test_state_round_trip(row):
 ])
 def test_bad_input_raises_and_changes_nothing(row, call, match):
     memory = row.make()
-    for op in random_program(3, memory.n_seq_max, 8):
+    for op in row.adapt(random_program(3, memory.n_seq_max, 8)):
         memory, _ = apply_op(memory, op, jitted=False)
     before = jax.tree.map(lambda x: np.asarray(x).copy(), memory)
     with pytest.raises(ValueError, match=match):

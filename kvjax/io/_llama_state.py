@@ -192,7 +192,9 @@ def _walk_data(r: _Reader, n: int, s: int) -> memoryview:
     return r.buf[start:r.off]
 
 
-def _parse_streams(r: _Reader, single: bool) -> List[_Stream]:
+def _parse_streams(r: _Reader, single: bool, keep_empty: bool = False) -> List[_Stream]:
+    """The streams of a memory blob that hold cells (every stream, None for an empty one, with
+    ``keep_empty``)."""
     n_stream = r.u32("n_stream")
     if not 1 <= n_stream <= 4096:
         raise StateError(f"n_stream: expected a stream count in [1, 4096], found {n_stream}")
@@ -200,6 +202,8 @@ def _parse_streams(r: _Reader, single: bool) -> List[_Stream]:
     for s in range(n_stream):
         n = r.u32(f"stream {s} cell_count")
         if n == 0:
+            if keep_empty:
+                streams.append(None)
             continue
         pos = np.empty(n, np.int32)
         ids = []

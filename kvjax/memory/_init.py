@@ -19,11 +19,12 @@ from kvjax.memory._iswa import IswaConfig, init_iswa
 from kvjax.memory._protocol import Memory
 from kvjax.memory._recurrent import RecurrentConfig, init_recurrent
 from kvjax.memory._hybrid import HybridConfig, init_hybrid
+from kvjax.memory._streams import StreamsConfig, init_streams
 from kvjax.memory._unified import init_unified
 
 #: config type -> the function that makes an empty memory of it
 MAKERS = {CacheConfig: init_unified, IswaConfig: init_iswa, RecurrentConfig: init_recurrent,
-          HybridConfig: init_hybrid}
+          HybridConfig: init_hybrid, StreamsConfig: init_streams}
 
 
 def _maker(config):
