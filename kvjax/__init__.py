@@ -18,6 +18,7 @@ from kvjax.memory._unified import (KVCache, size_cells_bytes, size_k_bytes, size
 from kvjax.memory._iswa import IswaCache, IswaConfig
 from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig, RecurrentPlacement
 from kvjax.memory._hybrid import HybridCache, HybridConfig
+from kvjax.memory._streams import StreamCache, StreamPlacement, StreamsConfig
 from kvjax.memory._init import abstract, init
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig, LayerGroup, RopeConfig, RopeMode, SwaType
@@ -34,6 +35,7 @@ from kvjax.memory._ubatch import (Ubatch, bucket_length, make_equal_ubatch, make
 from kvjax.attn._mask import kq_mask, kq_mask_bool, pos_bucket
 from kvjax.attn._rope import k_shift, rope
 from kvjax.attn._attention import attention
+from kvjax.attn._streams import attend as stream_attend, attention as stream_attention, masks as stream_masks
 from kvjax.attn._windows import kv_window, window_bucket, window_buckets
 from kvjax.memory._update import update
 from kvjax.io._state import state_read, state_write
@@ -63,7 +65,7 @@ __all__ = [
     # config and cache
     "CacheConfig", "RopeConfig", "RopeMode", "SwaType", "LayerGroup", "KVCache", "Cells",
     "IswaConfig", "IswaCache", "RecurrentConfig", "RecurrentCache", "RecurrentPlacement",
-    "HybridConfig", "HybridCache",
+    "HybridConfig", "HybridCache", "StreamsConfig", "StreamCache", "StreamPlacement",
     "init", "abstract", "size_k_bytes", "size_v_bytes", "size_cells_bytes", "total_size",
     # sequence operations and queries
     "clear", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos_min", "seq_pos_max",
@@ -77,7 +79,7 @@ __all__ = [
     "write", "view",
     # the attention path: masks, RoPE, K-shift, attention, window buckets, update
     "kq_mask", "kq_mask_bool", "pos_bucket", "rope", "k_shift", "can_shift", "update", "attention",
-    "window_bucket", "window_buckets", "kv_window",
+    "window_bucket", "window_buckets", "kv_window", "stream_masks", "stream_attention", "stream_attend",
     # defragmentation
     "fragmentation", "defrag_sched", "defrag", "defrag_plan", "DefragPlan", "compact", "compact_seq",
     # state: the seed's byte format, session files, orbax checkpoints

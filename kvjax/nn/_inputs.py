@@ -92,6 +92,10 @@ class UbatchInputs:
     def with_masks(self, memory: Memory, kinds: Iterable[MaskKind]) -> "UbatchInputs":
         """These inputs with one mask per distinct kind (the ubatch must be placed in ``memory``)."""
         kinds = tuple(dict.fromkeys(MaskKind(*k) for k in kinds))
+        if memory.streamed:  # one [t, N] mask per slot, over the slot's own stream
+            masks = tuple(kvjax.stream_masks(memory, self.ubatch, self.placement, self.windows[k.part], alibi=k.alibi,
+                                         swa_type=k.swa_type, n_swa=k.n_swa) for k in kinds)
+            return self.replace(masks=masks, mask_kinds=kinds)
         masks = tuple(layer_mask(memory.part(k.part), self.ubatch, self.windows[k.part], alibi=k.alibi,
                                  swa_type=k.swa_type, n_swa=k.n_swa) for k in kinds)
         return self.replace(masks=masks, mask_kinds=kinds)

@@ -149,6 +149,10 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
     cache = memory.part(part)
     slot = memory.part_slots(inputs.placement, part)
     kind = MaskKind(part, alibi is not None, SwaType(swa_type), int(n_swa) if SwaType(swa_type) != SwaType.NONE else 0)
+    if memory.streamed:  # per-sequence streams: each slot attends over its own stream only
+        return kvjax.stream_attend(q, k, v, memory, layer, inputs, rope=rope, alibi=alibi, swa_type=kind.swa_type,
+                               n_swa=kind.n_swa, scale=scale, softcap=softcap,
+                               mask=inputs.mask(kind) if kind in inputs.mask_kinds else None)
     if rope is not None:
         q = kvjax.rope(q, inputs.ubatch.pos, rope)
         k = kvjax.rope(k, inputs.ubatch.pos, rope)

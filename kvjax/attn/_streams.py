@@ -1,0 +1,181 @@
+"""Attention over per-sequence streams: each ubatch slot reads its own stream's cells only.
+
+A :class:`kvjax.StreamCache` stores K/V as ``[S, L, H, C, D]`` (a leading stream axis). A ubatch
+for it is an equal split (:func:`kvjax.make_equal_ubatch`): ``n_slots`` slots of ``t`` rows, each
+slot's tokens of one stream (a ubatch that is not an equal split is taken a row at a time). Per
+slot:
+
+- the mask is the unified cache's mask over that slot's stream (``[t, N]``, the window ``N`` the
+  step compiled for, the largest stream's bucket);
+- attention runs the unified online-softmax loop (:func:`kvjax.attn._attention._attend`) over
+  that stream's chunks, with a **dynamic** trip count: only the chunks holding the stream's cells
+  (``cell_max``) run, so a slot's cost follows its own sequence's length, not the longest one's;
+- slots run one after another (``lax.map``), not as a Python loop: one compiled program for any
+  number of live slots, and a padding slot costs nothing.
+
+Example:
+    >>> import jax.numpy as jnp, kvjax
+    >>> from kvjax.attn import _streams
+    >>> base = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2)
+    >>> memory = kvjax.init(kvjax.StreamsConfig(base))
+    >>> ub = kvjax.make_equal_ubatch([([0], [0]), ([0], [1])])
+    >>> memory, placement, ok = kvjax.find_slot(memory, ub)
+    >>> k = jnp.array([[[1.0, 0.0]], [[0.0, 1.0]]]); v = jnp.array([[[1.0, 2.0]], [[3.0, 4.0]]])
+    >>> cache = _streams.write(memory.cache, 0, placement, k, v)
+    >>> masks = _streams.masks(memory.replace(cache=cache), ub, placement, 32)
+    >>> out = _streams.attention(jnp.zeros((2, 1, 2)), memory.replace(cache=cache), 0, masks, placement, ub)
+    >>> out[:, 0].tolist()                       # each sequence sees only its own token
+    [[1.0, 2.0], [3.0, 4.0]]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax._typing import Array, Float, Int
+from kvjax.attn._attention import _attend, chunk_size
+from kvjax.attn._mask import _mask_additive
+from kvjax.memory import _cells
+from kvjax.memory._config import SwaType
+from kvjax.memory._unified import KVCache
+from kvjax.storage import _quant
+
+__all__ = ["slots_of", "masks", "write", "attention"]
+
+_NEG_INF = -jnp.inf
+
+
+def slots_of(ubatch) -> Tuple[int, int]:
+    """``(n_slots, t)``: an equal split's slots, or one slot per row for any other ubatch."""
+    t = ubatch.n_seq_tokens or 1
+    return ubatch.length // t, t
+
+
+def _slot_streams(placement, ubatch) -> Int[Array, "n_slots"]:
+    """The stream of each slot (its first row's; -1 for a padding or unplaced slot)."""
+    n_slots, t = slots_of(ubatch)
+    return placement.stream.reshape(n_slots, t)[:, 0]
+
+
+def masks(memory, ubatch, placement, n_kv: int, *, alibi: bool = False, swa_type: SwaType = SwaType.NONE,
+          n_swa: int = 0) -> Float[Array, "n_slots t N"]:
+    """Each slot's additive mask over its stream's first ``n_kv`` cells (kvjax.kq_mask's rules).
+
+    Args:
+        memory: the :class:`kvjax.StreamCache` with the ubatch placed.
+        ubatch: the ubatch; ``placement``: where it went (:class:`kvjax.StreamPlacement`).
+        n_kv: the static window N (the step's bucket; at most ``size``).
+        alibi, swa_type, n_swa: as :func:`kvjax.kq_mask`.
+
+    Returns:
+        ``f32[n_slots, t, N]``; a padding slot is fully masked.
+    """
+    n_slots, t = slots_of(ubatch)
+    streams = jnp.clip(_slot_streams(placement, ubatch), 0, memory.n_stream - 1)
+    cells = jax.tree.map(lambda x: x[streams], memory.cache.cells)            # [n_slots, C, ...]
+    rows = jax.tree.map(lambda x: jnp.asarray(x).reshape((n_slots, t) + jnp.shape(x)[1:]),
+                        ubatch.replace(n_seq_tokens=0))
+    rows = rows.replace(valid=rows.valid & (_slot_streams(placement, ubatch) >= 0)[:, None])
+    return jax.vmap(lambda c, u: _mask_additive(c, u, n_kv, True, bool(alibi), SwaType(swa_type), int(n_swa)))(
+        cells, rows)
+
+
+def write(cache: KVCache, layer: int, placement, k: Float[Array, "T H D"], v: Float[Array, "T H Dv"]) -> KVCache:
+    """Write a ubatch's K/V rows into their streams' cells (``cache``: the stacked unified cache).
+
+    Rows whose stream or cell is -1 (padding, or a refused placement) are dropped.
+    """
+    cfg = cache.config
+    g, index = cfg.locate(int(layer))
+    stream, cell = placement.stream, placement.cell
+    live = (stream >= 0) & (cell >= 0)
+    target = jnp.where(live, cell, cfg.size)          # out of bounds: dropped by the scatter
+    stream = jnp.where(live, stream, 0)
+    # [S, L, H, C, D] indexed by ([T], scalar, :, [T]): the T axis comes first, rows go in as [T, H, D]
+    new_k = cache.k[g].at[stream, index, :, target].set(_quant.to_storage(k, cfg.k_dtype), mode="drop")
+    new_v = cache.v[g].at[stream, index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
+    return cache.replace(k=cache.k[:g] + (new_k,) + cache.k[g + 1:], v=cache.v[:g] + (new_v,) + cache.v[g + 1:])
+
+
+def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[Array, "n_slots t N"], placement,
+              ubatch, *, scale: Optional[float] = None, slopes=None, softcap=None) -> Float[Array, "T Hq Dv"]:
+    """Grouped-query attention of each slot over its own stream (K/V of this ubatch written).
+
+    Args:
+        q: ``[T, Hq, D]`` queries (RoPE applied).
+        memory: the :class:`kvjax.StreamCache` holding the written K/V.
+        layer: static model layer id.
+        slot_masks: :func:`masks`' ``[n_slots, t, N]``.
+        placement, ubatch: the placed ubatch.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+        slopes: ``f32[Hq]`` ALiBi slopes (the masks then carry ALiBi distances), or None.
+        softcap: attention-logit soft-capping, or None.
+
+    Returns:
+        ``[T, Hq, Dv]`` in ``q.dtype``; rows of padding slots are 0.
+    """
+    cache = memory.cache
+    cfg = cache.config
+    g, index = cfg.locate(int(layer))
+    k_all, v_all = cache.k[g], cache.v[g]                                  # [S, L, H, C, D]
+    n_stream, n_layer, n_heads = k_all.shape[:3]
+    # streams side by side on the layer axis: slot j reads "layer" stream_j * L + index, sliced
+    # chunk by chunk straight out of the storage (no per-stream copy of the window)
+    k_flat = k_all.reshape((n_stream * n_layer,) + k_all.shape[2:])
+    v_flat = v_all.reshape((n_stream * n_layer,) + v_all.shape[2:])
+    n_slots, t = slots_of(ubatch)
+    n_kv = slot_masks.shape[-1]
+    t_all, hq, d = q.shape
+    grp = hq // n_heads
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    streams = _slot_streams(placement, ubatch)
+    live = jnp.where(streams >= 0, jax.vmap(_cells.cell_max)(cache.cells)[jnp.clip(streams, 0, n_stream - 1)], 0)
+    index_of = jnp.clip(streams, 0, n_stream - 1) * n_layer + index
+    qs = q.astype(jnp.float32).reshape(n_slots, t, n_heads, grp, d).transpose(0, 2, 3, 1, 4)
+    qs = qs.reshape(n_slots, n_heads, grp * t, d) * jnp.float32(scale)
+    chunk = chunk_size(n_kv, n_heads, grp * t, cfg.padding)
+    cap = None if softcap is None else jnp.float32(softcap)
+
+    def one_slot(args):
+        qr, mask, idx, n_live = args
+        if slopes is None:
+            add, bias = mask, None
+        else:  # the mask holds -distance where visible: per-head slopes scale it, as ggml does
+            visible = jnp.isfinite(mask)
+            bias = jnp.asarray(slopes, jnp.float32)[:, None, None] * jnp.where(visible, mask, 0.0)[None]
+            add = jnp.where(visible, 0.0, _NEG_INF)
+        out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk, grp, cap, cfg.k_dtype, cfg.v_dtype,
+                         n_live=n_live)
+        return out                                                          # [H, G * t, Dv]
+
+    out = jax.lax.map(one_slot, (qs, slot_masks, index_of.astype(jnp.int32), live.astype(jnp.int32)))
+    dv = out.shape[-1]
+    out = out.reshape(n_slots, n_heads, grp, t, dv).transpose(0, 3, 1, 2, 4).reshape(t_all, hq, dv)
+    return out.astype(q.dtype)
+
+
+def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np.ndarray] = None,
+           swa_type=SwaType.NONE, n_swa: int = 0, scale=None, softcap=None, mask=None):
+    """One layer's cached attention on a stream memory (what :func:`kvjax.nn.attend_cached` runs).
+
+    RoPE at the ubatch positions, K/V written into each token's stream, then :func:`attention`
+    with ``mask`` (the slots' masks the model computed once for this kind of layer) or masks built
+    here. Returns ``(out [T, Hq, Dv], memory)``.
+    """
+    import kvjax
+
+    ubatch, placement = inputs.ubatch, inputs.placement
+    if rope is not None:
+        q = kvjax.rope(q, ubatch.pos, rope)
+        k = kvjax.rope(k, ubatch.pos, rope)
+    memory = memory.replace(cache=write(memory.cache, layer, placement, k, v))
+    if mask is None:
+        mask = masks(memory, ubatch, placement, inputs.windows[0], alibi=alibi is not None, swa_type=swa_type,
+                     n_swa=n_swa)
+    out = attention(q, memory, layer, mask, placement, ubatch, scale=scale, slopes=alibi, softcap=softcap)
+    return out, memory

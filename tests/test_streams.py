@@ -1,0 +1,264 @@
+"""Per-sequence streams (``kvjax.StreamsConfig``): lock step with ``StreamsRef``, cross-stream copies
+of K/V, refusals, the state layout, and decoding equal to one unified cache."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+import kvjax
+from kvjax.attn import _streams
+from kvjax.engine._engine import Engine, generate
+from kvjax.nn import Llama, LlamaConfig
+from kvjax.testing import StreamsRef
+from tests.helpers import assert_cells_match, no_recompile
+
+BASE = kvjax.CacheConfig(size=16, n_seq_max=4, n_layer=1, n_kv_heads=1, head_dim=4, padding=8,
+                         rope=kvjax.RopeConfig(n_rot=4))
+
+
+def _compare(memory, ref):
+    for s, st_ref in enumerate(ref.streams):
+        assert_cells_match(memory.stream(s), st_ref)
+    assert int(kvjax.used_cells(memory)) == ref.used
+    ref.check_invariants()
+
+
+def _ubatch(tokens):
+    """Tokens grouped by sequence set into one equal-split ubatch when the groups have equal length."""
+    groups = {}
+    for p, ids in tokens:
+        groups.setdefault(tuple(ids), []).append(p)
+    lengths = {len(v) for v in groups.values()}
+    if len(lengths) == 1:
+        return kvjax.make_equal_ubatch([(v, list(k)) for k, v in groups.items()], n_slots=4)
+    return kvjax.make_ubatch([p for p, _ in tokens], [ids for _, ids in tokens], length=16)
+
+
+_JIT = {name: jax.jit(getattr(kvjax, name)) for name in
+        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot", "update")}
+
+
+def _op(n_seq):
+    seq = st.integers(0, n_seq - 1)
+    pos = st.integers(-1, 12)
+    return st.one_of(
+        st.tuples(st.just("place"), st.lists(st.tuples(seq, st.integers(1, 4)), min_size=1, max_size=3)),
+        st.tuples(st.just("seq_rm"), st.integers(-1, n_seq - 1), pos, pos),
+        st.tuples(st.just("seq_cp"), seq, seq, pos, pos),
+        st.tuples(st.just("seq_keep"), st.integers(-1, n_seq - 1)),
+        st.tuples(st.just("seq_add"), seq, pos, pos, st.integers(-3, 3)),
+        st.tuples(st.just("seq_div"), seq, pos, pos, st.integers(1, 3)),
+        st.tuples(st.just("update")),
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(n_stream=st.sampled_from([4, 2]), ops=st.lists(_op(4), min_size=1, max_size=14), jitted=st.booleans())
+def test_lock_step_with_the_reference(n_stream, ops, jitted):
+    """Every cell of every stream equals StreamsRef's after every operation (grouped streams too)."""
+    cfg = kvjax.StreamsConfig(BASE, n_stream=n_stream)
+    memory, ref = kvjax.init(cfg), StreamsRef(BASE.size, 4, BASE.padding, n_stream)
+    call = (lambda name: _JIT[name]) if jitted else (lambda name: getattr(kvjax, name))
+    next_pos = [0] * 4
+    for op in ops:
+        name, *args = op
+        if name == "place":
+            tokens = []
+            for s, n in dict(args[0]).items():
+                tokens += [(next_pos[s] + i, [s]) for i in range(n)]
+            ub = _ubatch(tokens)
+            memory, placement, ok = call("find_slot")(memory, ub)
+            order = np.asarray(ub.seq_ids[:, 0])
+            cells, want = ref.find_slot([(int(p), [int(s)]) for p, s, v in zip(ub.pos, order, ub.valid) if v])
+            assert bool(ok) == want
+            if want:
+                got = np.asarray(placement.cell)[np.asarray(ub.valid)]
+                assert got.tolist() == cells
+                for s, n in dict(args[0]).items():
+                    next_pos[s] += n
+        elif name == "seq_cp" and ref.stream_of(args[0]) != ref.stream_of(args[1]) and (
+                args[2] > 0 or args[3] >= 0 or any(c.seqs - {args[1]} for c in ref.streams[ref.stream_of(args[1])].cells)):
+            before = jax.tree.map(np.asarray, memory)
+            if jitted:  # traced arguments: a no-op flagged on device
+                memory = call("seq_cp")(memory, *args)
+                assert "seq_id out of range (an op was skipped)" in kvjax.errors(memory)
+                memory = kvjax.clear_errors(memory)
+                assert jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), before, memory))
+            else:
+                with pytest.raises(ValueError, match="crosses streams"):  # partial, or into a shared stream
+                    kvjax.seq_cp(memory, *args)
+            continue
+        elif name == "update":
+            memory = call("update")(memory)
+            ref.update()
+        elif name == "seq_rm":
+            memory, _ = call("seq_rm")(memory, *args)
+            ref.seq_rm(*args)
+        else:
+            memory = call(name)(memory, *args)
+            getattr(ref, name)(*args)
+        _compare(memory, ref)
+        assert kvjax.errors(memory) == []
+        for s in range(-1, 4):
+            assert int(kvjax.seq_pos_min(memory, s)) == ref.seq_pos_min(s)
+            assert int(kvjax.seq_pos_max(memory, s)) == ref.seq_pos_max(s)
+        assert bool(memory.pending()) == (bool(ref.copies) or any(c.delta for r in ref.streams for c in r.cells))
+
+
+def _random_kv(memory, seed):
+    rng = np.random.default_rng(seed)
+    k = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in memory.cache.k)
+    v = tuple(jnp.asarray(rng.normal(size=x.shape), x.dtype) for x in memory.cache.v)
+    return memory.replace(cache=memory.cache.replace(k=k, v=v))
+
+
+def test_cross_stream_copies_move_the_whole_buffers_in_llama_cpp_order():
+    """cp 0->1, then 1->2, then 3->0: after update stream 1 and 2 hold 0's old K/V, 0 holds 3's."""
+    memory = kvjax.init(kvjax.StreamsConfig(BASE.replace(rope=None)))
+    memory, _, ok = kvjax.find_slot(memory, kvjax.make_equal_ubatch([([0, 1], [0]), ([0, 1], [3])]))
+    memory = _random_kv(memory, 0)
+    old = [np.asarray(memory.cache.k[0][s]) for s in range(4)]
+    for src, dst in [(0, 1), (1, 2), (3, 0)]:
+        memory = kvjax.seq_cp(memory, src, dst)
+    assert memory.copy_from.tolist() == [3, 0, 0, -1]
+    for donate in (False, True):
+        fresh = jax.tree.map(jnp.copy, memory)
+        done = kvjax.update(fresh, donate=donate)
+        got = [np.asarray(done.cache.k[0][s]) for s in range(4)]
+        np.testing.assert_array_equal(got[0], old[3])
+        np.testing.assert_array_equal(got[1], old[0])
+        np.testing.assert_array_equal(got[2], old[0])
+        np.testing.assert_array_equal(got[3], old[3])
+        assert not bool(done.pending())
+    # cells: stream 0 now holds sequence 0 only as a copy of 3's cells
+    assert int(kvjax.seq_pos_max(done, 0)) == 1 and int(kvjax.seq_pos_max(done, 2)) == 1
+
+
+def test_a_token_of_two_streams_is_refused_and_changes_nothing():
+    memory = kvjax.init(kvjax.StreamsConfig(BASE))
+    before = jax.tree.map(np.asarray, memory)
+    with pytest.raises(ValueError, match=r"ubatch token 0 belongs to sequences \[0, 1\] of streams \[0, 1\]"):
+        kvjax.find_slot(memory, kvjax.make_ubatch([0], [[0, 1]]))
+    for fn in (jax.jit(kvjax.find_slot),):
+        got, placement, ok = fn(memory, kvjax.make_ubatch([0], [[0, 1]]))
+        assert not bool(ok) and (np.asarray(placement.cell) == -1).all()
+        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), before.cache,
+                                         got.cache.replace(cells=got.cache.cells.replace(error=memory.cache.cells.error))))
+        assert kvjax.errors(got)  # the refusal is flagged
+    # within one stream (grouped streams) a shared token is fine
+    grouped = kvjax.init(kvjax.StreamsConfig(BASE, n_stream=2))
+    _, _, ok = kvjax.find_slot(grouped, kvjax.make_ubatch([0], [[0, 1]]))
+    assert bool(ok)
+
+
+def test_config_bad_input():
+    with pytest.raises(ValueError, match=r"n_stream=0 is out of range: allowed an integer in \[1, n_seq_max=4\]"):
+        kvjax.StreamsConfig(BASE, n_stream=0)
+    with pytest.raises(ValueError, match=r"n_stream=5 is out of range"):
+        kvjax.StreamsConfig(BASE, n_stream=5)
+    with pytest.raises(ValueError, match="base must be a kvjax.CacheConfig"):
+        kvjax.StreamsConfig("big")
+
+
+def test_state_layout_is_llama_cpps_and_reads_a_unified_sequence():
+    memory = kvjax.init(kvjax.StreamsConfig(BASE))
+    memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([([0, 1, 2], [1]), ([0, 1, 2], [2])]))
+    memory = _random_kv(memory, 1)
+    blob = kvjax.state_write(memory)
+    n_stream, count0, count1 = np.frombuffer(blob[:12], "<u4")
+    assert (n_stream, count0, count1) == (4, 0, 3)           # stream 0 empty, stream 1 three cells
+    with pytest.raises(kvjax.StateError, match="n_stream: expected 2"):
+        kvjax.state_read(kvjax.init(kvjax.StreamsConfig(BASE, n_stream=2)), blob)
+    # a sequence saved from a unified cache goes into its stream
+    unified = kvjax.init(BASE)
+    unified, _, _ = kvjax.find_slot(unified, kvjax.make_ubatch([0, 1], [[3], [3]]))
+    unified = unified.replace(k=tuple(jnp.ones_like(x) for x in unified.k))
+    from kvjax.io._llama_state import stream_state_write
+
+    restored = kvjax.state_read(memory, stream_state_write(unified, 3), 3)
+    assert int(kvjax.seq_pos_max(restored, 3)) == 1
+    np.testing.assert_array_equal(np.asarray(restored.cache.k[0][3][:, :, :2]), 1.0)
+    assert int(kvjax.seq_pos_max(restored, 1)) == 2          # the other streams are untouched
+
+
+# -- the attention path ------------------------------------------------------------------------
+
+
+def test_stream_attention_equals_unified_attention_per_stream_jitted_and_eager():
+    """Each slot's output equals kvjax.attention over that stream alone (as a plain unified cache)."""
+    base = kvjax.CacheConfig(size=32, n_seq_max=4, n_layer=1, n_kv_heads=2, head_dim=8, padding=8)
+    memory = kvjax.init(kvjax.StreamsConfig(base))
+    rng = np.random.default_rng(0)
+    memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([(list(range(9)), [0]), (list(range(9)), [2])]))
+    memory = _random_kv(memory, 2)
+    ub = kvjax.make_equal_ubatch([([9, 10], [0]), ([9, 10], [2]), ([0, 1], [3])], n_slots=4)
+    memory, placement, ok = kvjax.find_slot(memory, ub)
+    q = jnp.asarray(rng.normal(size=(8, 4, 8)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(8, 2, 8)), jnp.float32)
+
+    def run(memory, q, kv):
+        cache = _streams.write(memory.cache, 0, placement, kv, kv * 2)
+        memory = memory.replace(cache=cache)
+        return _streams.attention(q, memory, 0, _streams.masks(memory, ub, placement, 32), placement, ub), memory
+
+    eager, written = run(memory, q, kv)
+    jitted, _ = jax.jit(run)(memory, q, kv)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), rtol=1e-6, atol=1e-6)
+    for slot, stream in enumerate([0, 2, 3]):
+        rows = slice(2 * slot, 2 * slot + 2)
+        sub = kvjax.make_ubatch(np.asarray(ub.pos[rows]), [[stream]] * 2)
+        one = written.stream(stream)
+        want = kvjax.attention(q[rows], one, 0, kvjax.kq_mask(one, sub, 32))
+        np.testing.assert_allclose(np.asarray(eager[rows]), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(eager[6:]), 0.0)      # the padding slot
+
+
+# -- decoding: streams equal one unified cache ------------------------------------------------------
+
+CFG = LlamaConfig(vocab_size=48, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
+GREEDY = kvjax.SamplingConfig(temperature=0)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 1, 2], [5, 6, 7, 8, 9, 10, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 4]]
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    return Llama(CFG, rngs=nnx.Rngs(3))
+
+
+def _engine(streams, n_stream=None):
+    base = CFG.cache_config(size=64 if streams else 256, n_seq_max=4, padding=32)
+    return Engine(_model(), kvjax.init(kvjax.StreamsConfig(base, n_stream=n_stream) if streams else base))
+
+
+def test_decode_logits_equal_a_unified_cache():
+    """A batch of sequences of different lengths, then a decode step: logits equal (float tolerance)."""
+    got = {}
+    for name, engine in [("unified", _engine(False)), ("streams", _engine(True)), ("grouped", _engine(True, 2))]:
+        # grouped: 0 and 1 share stream 0, 2 and 3 stream 1 (copied into before 3 arrives)
+        first = engine.decode([1, 2, 3, 4, 5], [0, 1, 2, 0, 1], [[0], [0], [0], [1], [1]])
+        engine.cache = kvjax.seq_cp(engine.cache, 0, 2)       # a whole-sequence copy (across streams)
+        second = engine.decode([8, 9, 6, 7, 10, 11], [3, 2, 0, 1, 2, 3], [[0], [1], [3], [3], [3], [2]])
+        got[name] = np.asarray(first), np.asarray(second)
+    for name in ("streams", "grouped"):
+        for a, b in zip(got["unified"], got[name]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_generation_equals_a_unified_cache_and_new_values_do_not_recompile():
+    """Greedy generation with a shared prompt prefix (copied across streams) gives the same tokens."""
+    want = generate(_engine(False), PROMPTS, max_new_tokens=20, key=jax.random.PRNGKey(0), sampling=GREEDY).tokens
+    engine = _engine(True)
+    out = generate(engine, PROMPTS, max_new_tokens=20, key=jax.random.PRNGKey(0), sampling=GREEDY)
+    assert out.tokens == want and out.prompt_tokens == 13
+    # the same shapes with other tokens and positions: nothing new to compile
+    for s in range(3):
+        engine.cache, _ = kvjax.seq_rm(engine.cache, s, -1, -1)
+    engine.decode([3, 4, 5], [0, 0, 0], [[0], [1], [2]], outputs="last")
+    with no_recompile():
+        engine.decode([6, 7, 8], [1, 1, 1], [[0], [1], [2]], outputs="last")
+        engine.decode([9, 1, 2], [2, 2, 2], [[0], [1], [2]], outputs="last")
