@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional, Tuple, Union
 
 import jax
@@ -163,13 +164,15 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     return out, lse
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "n_kv", "chunk", "return_lse"))
-def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, softcap=None):
+@functools.partial(jax.jit, static_argnames=("layer", "n_kv", "chunk", "return_lse", "implementation"))
+def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, softcap=None, implementation="xla"):
     g_id, index = cache.config.locate(layer)
     k_all, v_all = cache.k[g_id], cache.v[g_id]  # [L, H, C, D], [L, H, C, Dv]
     n_heads = k_all.shape[1]
     t, hq, d = q.shape
     g = hq // n_heads
+    if implementation == "pallas":
+        return _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap)
     # query head j = h * G + g' belongs to kv head h; its rows are ordered (g', t) so that one
     # [G * T, D] matrix per kv head meets that head's K and V once
     qr = q.astype(jnp.float32).reshape(t, n_heads, g, d).transpose(1, 2, 0, 3).reshape(n_heads, g * t, d)
@@ -190,10 +193,74 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, soft
     return out
 
 
+#: The attention implementations: ``"xla"`` (the chunked XLA formulation above, the default on
+#: CPU) and ``"pallas"`` (:mod:`kvjax.attn._pallas`, compiled on GPU, interpreted elsewhere).
+IMPLEMENTATIONS = ("xla", "pallas")
+
+#: Environment knob that forces an implementation for every call that does not name one
+#: (``KVJAX_ATTENTION=pallas`` runs the kernel in the interpreter on CPU; ``=xla`` turns the GPU
+#: kernel off).
+ENV_IMPLEMENTATION = "KVJAX_ATTENTION"
+
+_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+
+def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap):
+    """The Pallas path: rows ``(t, g)`` per kv head (a block of rows is a block of tokens)."""
+    from kvjax.attn import _pallas
+
+    n_heads = k_all.shape[1]
+    t, hq, d = q.shape
+    g = hq // n_heads
+    qr = q.astype(jnp.float32).reshape(t, n_heads, g, d).transpose(1, 0, 2, 3).reshape(n_heads, t * g, d)
+    add = jnp.where(mask, 0.0, _NEG_INF) if mask.dtype == jnp.bool_ else mask
+    # a backend without a Pallas compiler for this kernel (CPU) runs it in the interpreter
+    interpret = jax.default_backend() not in _GPU_BACKENDS
+    out, lse = _pallas.attend(qr * scale, k_all, v_all, add.astype(jnp.float32), index=index, n_kv=n_kv,
+                              interpret=interpret, softcap=softcap)
+    dv = out.shape[-1]
+    out = out.reshape(n_heads, t, g, dv).transpose(1, 0, 2, 3).reshape(t, hq, dv).astype(q.dtype)
+    if return_lse:
+        return out, lse.reshape(n_heads, t, g).transpose(1, 0, 2).reshape(t, hq)
+    return out
+
+
+def pick_implementation(implementation: Optional[str], cache: KVCache, layer: int, bias) -> str:
+    """The implementation a call runs: the one named, else :data:`ENV_IMPLEMENTATION`, else by backend.
+
+    By backend: ``"pallas"`` on a GPU when the layer's K/V are float (not quantized) and there is
+    no ``bias``; ``"xla"`` otherwise (on CPU the XLA formulation is the measured fastest, see
+    ``docs/speed.md``).
+
+    Raises:
+        ValueError: an unknown name, or ``"pallas"`` named for a call it does not support.
+
+    Example:
+        >>> import kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
+        >>> pick_implementation(None, cache, 0, None), pick_implementation("pallas", cache, 0, None)
+        ('xla', 'pallas')
+    """
+    named = implementation if implementation is not None else os.environ.get(ENV_IMPLEMENTATION) or None
+    if named is not None and named not in IMPLEMENTATIONS:
+        source = "implementation" if implementation is not None else ENV_IMPLEMENTATION
+        raise ValueError(f"{source}={named!r} is not an attention implementation: allowed "
+                         f"{', '.join(map(repr, IMPLEMENTATIONS))} (or None: by backend)")
+    cfg = cache.config
+    quantized = _quant.is_quantized(cfg.k_dtype) or _quant.is_quantized(cfg.v_dtype)
+    reason = "quantized K/V" if quantized else "a bias" if bias is not None else None
+    if named is None:
+        return "pallas" if reason is None and jax.default_backend() in _GPU_BACKENDS else "xla"
+    if named == "pallas" and reason is not None:
+        raise ValueError(f"implementation='pallas' does not support {reason}: allowed implementation='xla' "
+                         "(or None, which picks it)")
+    return named
+
+
 def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
               mask: Union[Float[Array, "T N"], Bool[Array, "T N"]], *, scale: Optional[float] = None,
               bias: Optional[Float[Array, "..."]] = None, return_lse: bool = False,
-              softcap: Optional[float] = None
+              softcap: Optional[float] = None, implementation: Optional[str] = None
               ) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
     """Grouped-query attention of ``q`` over the first ``N = mask.shape[-1]`` cells of a layer.
 
@@ -211,6 +278,9 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
         softcap: optional attention-logit soft-capping (Gemma 2): the scaled scores ``s`` become
             ``softcap * tanh(s / softcap)`` before the mask and bias are added (a finite number
             > 0; ``None``, the default, leaves them as they are).
+        implementation: ``"xla"``, ``"pallas"`` or None (the default: the environment variable
+            ``KVJAX_ATTENTION`` when set, else by backend, see :func:`pick_implementation`). Both
+            give the same results up to float rounding.
 
     Returns:
         ``out [T, Hq, Dv]`` in ``q.dtype`` (and ``lse f32[T, Hq]`` when ``return_lse``). Fully
@@ -219,7 +289,8 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
     Raises:
         ValueError: bad shapes or dtypes, ``Hq`` not a multiple of ``H``, ``D`` not the layer's
             head size, a bad window, a bias that does not broadcast, a ``softcap`` that is not
-            a finite number > 0.
+            a finite number > 0, an unknown ``implementation`` or one that does not support
+            the call (``"pallas"`` with quantized K/V or a ``bias``).
 
     Example:
         >>> import jax.numpy as jnp, kvjax
@@ -274,5 +345,6 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
         softcap = np.float32(softcap)
     # scale (and softcap) travel as traced f32 scalars: a new value does not recompile
     chunk = chunk_size(n_kv, grp.n_kv_heads, (hq // grp.n_kv_heads) * t, cfg.padding)
+    impl = pick_implementation(implementation, cache, layer, bias)
     return _attention(q, cache, mask, bias, np.float32(scale), layer=layer, n_kv=n_kv, chunk=chunk,
-                      return_lse=bool(return_lse), softcap=softcap)
+                      return_lse=bool(return_lse), softcap=softcap, implementation=impl)

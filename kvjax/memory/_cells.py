@@ -29,7 +29,7 @@ from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax._errors import ErrorFlag
-from kvjax.memory._seqbits import n_words, seq_bits
+from kvjax.memory._seqbits import BITS, n_words, seq_bits
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -161,6 +161,48 @@ def _valid_seq(cells: Cells, seq_id, allow_all: bool):
 
 
 # -- sequence operations ------------------------------------------------------------------------
+#
+# Each op is a thin Python function over a jitted core that returns only the fields the op can
+# change; the others are the caller's own arrays, reused. jax copies every output of a jitted call
+# into a fresh buffer even when it is an unchanged input (no forwarding at dispatch), and at 32768
+# cells those copies cost more than the op itself (see docs/speed.md). Inside an outer jit the
+# wrapper is traced like any function, so the program is the same. The cores fold the validity
+# checks into the per-cell masks (an invalid call changes no cell) instead of a select of every
+# field between the old and the new value, which was one more pass over every array.
+
+
+def _cell_index(cells: Cells) -> Int[Array, "C"]:
+    return jnp.arange(cells.size, dtype=jnp.int32)
+
+
+def _first_index(mask: Bool[Array, "C"]) -> Int[Array, ""]:
+    """Index of the first True of ``mask``, ``C`` when none (a min, cheaper than ``argmax``).
+
+    ``jnp.argmax`` lowers to a two-operand reduce that XLA's CPU backend runs as a scalar loop
+    (~40 us at 32768 cells); a min over indices is one plain reduction (~15 us).
+    """
+    return jnp.min(jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), mask.shape[0]))
+
+
+def _member(cells: Cells, seq_id) -> Bool[Array, "C"]:
+    """:func:`has_seq` reading one word per cell, and the positions for ``seq_id == -1``.
+
+    A cell is non-empty iff its position is >= 0 (placement refuses negative positions and a
+    shift below 0 frees the cell), so "every sequence" needs no pass over the ``W`` words.
+    """
+    w = cells.n_words
+    if w == 1:
+        word = cells.seq[:, 0]
+    else:
+        word = jax.lax.dynamic_index_in_dim(cells.seq, jnp.clip(seq_id // BITS, 0, w - 1), axis=1,
+                                            keepdims=False)
+    valid = (seq_id >= 0) & (seq_id < w * BITS)
+    bit = jnp.where(valid, jnp.left_shift(jnp.uint32(1), (seq_id % BITS).astype(jnp.uint32)), jnp.uint32(0))
+    return jnp.where(seq_id == -1, cells.pos >= 0, (word & bit) != 0)
+
+
+def _flag(error, valid, flag) -> UInt32[Array, ""]:
+    return error | jnp.where(valid, jnp.uint32(0), jnp.uint32(flag))
 
 
 @jax.jit
@@ -171,35 +213,64 @@ def clear(cells: Cells) -> Cells:
 
 
 @jax.jit
+def _seq_rm(cells: Cells, seq_id, p0, p1):
+    p0, p1 = _bounds(p0, p1)
+    ok = _valid_seq(cells, seq_id, True)
+    target = ok & _in_range(cells, p0, p1) & _member(cells, seq_id)
+    dropped = jnp.where(seq_id < 0, jnp.uint32(0xFFFFFFFF), seq_bits(seq_id, cells.n_words))
+    left = cells.seq & ~dropped
+    freed = target & ~jnp.any(left != 0, axis=-1)
+    seq = jnp.where(target[:, None], left, cells.seq)
+    pos = jnp.where(freed, -1, cells.pos)
+    delta = jnp.where(freed, 0, cells.delta)
+    first = _first_index(freed)  # C when none was freed
+    head = jnp.where(first < cells.head, first, cells.head)
+    return pos, seq, delta, head, _flag(cells.error, ok, ErrorFlag.SEQ_ID)
+
+
 def seq_rm(cells: Cells, seq_id, p0, p1) -> Cells:
     """Remove ``seq_id`` (every sequence when < 0) from the cells with ``p0 <= pos < p1``.
 
     ``head`` moves back to the first freed cell when that is before it.
+
+    Args:
+        cells: the cells.
+        seq_id: ``i32[]``, in ``[-1, n_seq_max)``; another id changes nothing and sets
+            ``ErrorFlag.SEQ_ID``.
+        p0: ``i32[]`` first position (< 0 means 0).
+        p1: ``i32[]`` end position, exclusive (< 0 means infinity).
     """
-    p0, p1 = _bounds(p0, p1)
-    target = _in_range(cells, p0, p1) & has_seq(cells, seq_id)
-    dropped = jnp.where(seq_id < 0, cells.seq, seq_bits(seq_id, cells.n_words))
-    seq = jnp.where(target[:, None], cells.seq & ~dropped, cells.seq)
-    freed = target & ~jnp.any(seq != 0, axis=-1)
-    new = _free(cells.replace(seq=seq), freed)
-    any_freed, first = _first(freed)
-    new = new.replace(head=jnp.where(any_freed & (first < cells.head), first, cells.head))
-    return guard(cells, new, (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
+    pos, seq, delta, head, error = _seq_rm(cells, seq_id, p0, p1)
+    return cells.replace(pos=pos, seq=seq, delta=delta, head=head, error=error)
 
 
 @jax.jit
+def _seq_cp(cells: Cells, src, dst, p0, p1):
+    p0, p1 = _bounds(p0, p1)
+    ok = _valid_seq(cells, src, False) & _valid_seq(cells, dst, False)
+    copy = ok & (src != dst)
+    target = copy & _in_range(cells, p0, p1) & _member(cells, src)
+    seq = jnp.where(target[:, None], cells.seq | seq_bits(dst, cells.n_words), cells.seq)
+    head = jnp.where(copy, 0, cells.head).astype(jnp.int32)
+    return seq, head, _flag(cells.error, ok, ErrorFlag.SEQ_ID)
+
+
 def seq_cp(cells: Cells, src, dst, p0, p1) -> Cells:
     """Add ``dst`` to every cell of ``src`` with ``p0 <= pos < p1`` (the K/V rows are shared).
 
     A copy onto itself does nothing; any other copy resets ``head`` to 0, as the seed does.
+    Positions and shifts are unchanged: the result shares those arrays with ``cells``.
+
+    Args:
+        cells: the cells.
+        src: ``i32[]`` source sequence, in ``[0, n_seq_max)``.
+        dst: ``i32[]`` destination sequence, in ``[0, n_seq_max)``; a bad ``src`` or ``dst``
+            changes nothing and sets ``ErrorFlag.SEQ_ID``.
+        p0: ``i32[]`` first position (< 0 means 0).
+        p1: ``i32[]`` end position, exclusive (< 0 means infinity).
     """
-    p0, p1 = _bounds(p0, p1)
-    target = _in_range(cells, p0, p1) & has_seq(cells, src)
-    seq = jnp.where(target[:, None], cells.seq | seq_bits(dst, cells.n_words), cells.seq)
-    new = cells.replace(seq=seq, head=jnp.zeros((), jnp.int32))
-    new = jax.tree.map(lambda a, b: jnp.where(src == dst, a, b), cells, new)
-    valid = _valid_seq(cells, src, False) & _valid_seq(cells, dst, False)
-    return guard(cells, new, (valid, ErrorFlag.SEQ_ID))
+    seq, head, error = _seq_cp(cells, src, dst, p0, p1)
+    return cells.replace(seq=seq, head=head, error=error)
 
 
 @jax.jit
@@ -218,26 +289,48 @@ def seq_keep(cells: Cells, seq_id) -> Cells:
 
 
 @jax.jit
+def _seq_add(cells: Cells, seq_id, p0, p1, delta):
+    p0, p1 = _bounds(p0, p1)
+    ok = _valid_seq(cells, seq_id, True)
+    target = ok & (delta != 0) & (p0 != p1) & _in_range(cells, p0, p1) & _member(cells, seq_id)
+    # Positions are >= 0, so only a positive delta can wrap around int32, and only a negative one
+    # frees cells: one reduction answers both (-1: a cell would wrap; else the first freed cell,
+    # C when none), where two were one more pass and reduction tree each.
+    wraps = target & (cells.pos > _I32_MAX - delta)
+    freed = target & (cells.pos + delta < 0)
+    idx = jnp.arange(cells.size, dtype=jnp.int32)
+    found = jnp.min(jnp.where(delta > 0, jnp.where(wraps, -1, cells.size), jnp.where(freed, idx, cells.size)))
+    overflow = found < 0
+    first = found
+    moved = target & ~overflow
+    gone = freed & ~overflow
+    pos = jnp.where(gone, -1, jnp.where(moved, cells.pos + delta, cells.pos))
+    new_delta = jnp.where(gone, 0, jnp.where(moved, cells.delta + delta, cells.delta))
+    seq = jnp.where(gone[:, None], jnp.uint32(0), cells.seq)
+    # the seed's head: the first freed cell, else 0 (only when the shift happened)
+    shifted = ok & (delta != 0) & (p0 != p1) & ~overflow
+    head = jnp.where(shifted, jnp.where(first < cells.size, first, 0), cells.head).astype(jnp.int32)
+    error = _flag(_flag(cells.error, ~overflow, ErrorFlag.OVERFLOW), ok, ErrorFlag.SEQ_ID)
+    return pos, seq, new_delta, head, error
+
+
 def seq_add(cells: Cells, seq_id, p0, p1, delta) -> Cells:
     """Add ``delta`` to the positions of ``seq_id`` in ``[p0, p1)`` and record it for K-shift.
 
     Cells pushed below position 0 are freed. ``head`` goes to the first freed cell, or to 0 when
     none was freed. ``delta == 0`` or an empty normalized range ``p0 == p1`` does nothing. A
     shift that would push a position past int32 is skipped and flagged (``ErrorFlag.OVERFLOW``).
+
+    Args:
+        cells: the cells.
+        seq_id: ``i32[]``, in ``[-1, n_seq_max)`` (-1: every sequence); another id changes
+            nothing and sets ``ErrorFlag.SEQ_ID``.
+        p0: ``i32[]`` first position (< 0 means 0).
+        p1: ``i32[]`` end position, exclusive (< 0 means infinity).
+        delta: ``i32[]`` the shift.
     """
-    p0, p1 = _bounds(p0, p1)
-    target = _in_range(cells, p0, p1) & has_seq(cells, seq_id)
-    # positions are >= 0, so only a positive delta can wrap around int32
-    overflow = jnp.any(target & (delta > 0) & (cells.pos > _I32_MAX - delta))
-    pos = jnp.where(target, cells.pos + delta, cells.pos)
-    moved = cells.replace(pos=pos, delta=jnp.where(target, cells.delta + delta, cells.delta))
-    freed = target & (pos < 0)
-    new = _free(moved, freed)
-    any_freed, first = _first(freed)
-    new = new.replace(head=jnp.where(any_freed, first, 0))
-    new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, new)
-    return guard(cells, new, (~overflow, ErrorFlag.OVERFLOW),
-                 (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
+    pos, seq, new_delta, head, error = _seq_add(cells, seq_id, p0, p1, delta)
+    return cells.replace(pos=pos, seq=seq, delta=new_delta, head=head, error=error)
 
 
 @jax.jit

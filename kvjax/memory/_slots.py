@@ -40,25 +40,44 @@ from kvjax._errors import ErrorFlag
 from kvjax.memory._ubatch import Ubatch
 
 
+#: Static ubatch lengths up to this test a window of ``n`` free cells by ``length`` shifted ANDs
+#: (one fused pass over the cells); longer ones use a prefix sum of occupied cells (a log-depth
+#: scan, ~10 passes). Decode ubatches (1 to a few tokens per sequence) take the first way.
+WINDOW_UNROLL = 16
+
+
 def _reset_head(cells: Cells, n) -> Int[Array, ""]:
     """The seed's heuristic: restart from cell 0 when enough cells before head are unused."""
-    used = jnp.sum(is_used(cells), dtype=jnp.int32)
+    # a cell is used iff its position is >= 0: one read of pos instead of the W sequence words
+    used = jnp.sum(cells.pos >= 0, dtype=jnp.int32)
     return jnp.where(cells.head > used + 2 * n, 0, cells.head)
 
 
-def _contiguous_start(cells: Cells, head, n):
-    """First start of ``n`` free cells in cyclic start order from ``head``; (found, start)."""
+def _window_free(cells: Cells, n, length: int) -> Bool[Array, "C"]:
+    """``bool[C]``: whether the ``n`` cells from each start are free and inside the cache."""
     size = cells.size
-    occupied = (cells.pos >= 0).astype(jnp.int32)
+    free = cells.pos < 0
+    if length <= WINDOW_UNROLL:
+        padded = jnp.concatenate([free, jnp.zeros(length, jnp.bool_)])  # past the end: not free
+        fits = jnp.ones(size, jnp.bool_)
+        for k in range(length):
+            fits = fits & ((k >= n) | padded[k:k + size])
+        return fits
+    occupied = (~free).astype(jnp.int32)
     prefix = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(occupied)])
     starts = jnp.arange(size, dtype=jnp.int32)
     ends = starts + n
-    fits = ends <= size
     window = prefix[jnp.minimum(ends, size)] - prefix[starts]
-    free = fits & (window == 0)
-    order = jnp.where(free, (starts - head) % size, size)
-    start = jnp.argmin(order).astype(jnp.int32)
-    return free[start], start
+    return (ends <= size) & (window == 0)
+
+
+def _contiguous_start(cells: Cells, head, n, length: int):
+    """First start of ``n`` free cells in cyclic start order from ``head``; (found, start)."""
+    size = cells.size
+    starts = jnp.arange(size, dtype=jnp.int32)
+    # the cyclic distances are distinct, so the smallest one names a single start
+    order = jnp.min(jnp.where(_window_free(cells, n, length), (starts - head) % size, size))
+    return order < size, ((order + head) % size).astype(jnp.int32)
 
 
 def _scattered_cells(cells: Cells, head, length: int):
@@ -66,13 +85,14 @@ def _scattered_cells(cells: Cells, head, length: int):
     size = cells.size
     idx = jnp.arange(size, dtype=jnp.int32)
     free = cells.pos < 0
-    after = free & (idx >= head)
-    before = free & (idx < head)
-    n_after = jnp.sum(after, dtype=jnp.int32)
-    rank = jnp.where(after, prefix_sum(after) - 1, n_after + prefix_sum(before) - 1)
+    # one prefix sum: a free cell's rank counts the free cells from head, wrapping around
+    count = prefix_sum(free)
+    n_free = count[-1]
+    n_before = jnp.where(head > 0, count[jnp.maximum(head - 1, 0)], 0)
+    rank = jnp.where(idx >= head, count - 1 - n_before, n_free - n_before + count - 1)
     rank = jnp.where(free & (rank < length), rank, length)
     picked = jnp.full((length,), size, jnp.int32).at[rank].set(idx, mode="drop")
-    return jnp.sum(free, dtype=jnp.int32), picked
+    return n_free, picked
 
 
 def _token_ok(cells: Cells, ubatch: Ubatch) -> Bool[Array, ""]:
@@ -83,6 +103,36 @@ def _token_ok(cells: Cells, ubatch: Ubatch) -> Bool[Array, ""]:
 
 
 @functools.partial(jax.jit, static_argnames="contiguous")
+def _find_slot(cells: Cells, ubatch: Ubatch, contiguous: bool):
+    """The fields placement changes: ``(pos, seq, head, error, slot, ok)``."""
+    size = cells.size
+    length = ubatch.length
+    n = ubatch.n_tokens()
+    head = _reset_head(cells, n)
+    rank = prefix_sum(ubatch.valid) - 1
+    tokens_ok = _token_ok(cells, ubatch)
+    if contiguous:
+        found, start = _contiguous_start(cells, head, n, length)
+        slot = start + rank
+        new_head = start
+    else:
+        n_free, picked = _scattered_cells(cells, head, length)
+        found = n <= n_free
+        slot = picked[jnp.clip(rank, 0, length - 1)]
+        last = picked[jnp.clip(n - 1, 0, length - 1)]
+        new_head = jnp.where(n > 0, (last + 1) % size, head)
+    ok = found & (n <= size) & tokens_ok
+    slot = jnp.where(ubatch.valid & ok, slot, -1).astype(jnp.int32)
+    # a refused ubatch scatters nothing (every row falls outside and is dropped), so the cells
+    # stay as they were without a select of every array between the old and the new value
+    target = jnp.where(slot >= 0, slot, size)
+    pos = cells.pos.at[target].set(ubatch.pos.astype(jnp.int32), mode="drop")
+    seq = cells.seq.at[target].set(ubatch.seq_mask(cells.n_words), mode="drop")
+    head = jnp.where(ok, new_head, cells.head).astype(jnp.int32)
+    error = jnp.where(tokens_ok, cells.error, cells.error | jnp.uint32(ErrorFlag.UBATCH))
+    return pos, seq, head, error, slot, ok
+
+
 def find_slot_cells(cells: Cells, ubatch: Ubatch, contiguous: bool = True
                     ) -> Tuple[Cells, Int[Array, "T"], Bool[Array, ""]]:
     """Place a ubatch into the cells.
@@ -95,35 +145,11 @@ def find_slot_cells(cells: Cells, ubatch: Ubatch, contiguous: bool = True
     Returns:
         ``(cells, slot i32[T], ok)``: the cells with the tokens placed (unchanged when not ok),
         the cell of every token (-1 for padding rows, and for all rows when not ok), and whether
-        the ubatch was placed.
+        the ubatch was placed. The shifts (``delta``, zero in a free cell) are ``cells``' own
+        array: only the fields placement changes come out of the jitted core (see ``_cells``).
     """
-    size = cells.size
-    length = ubatch.length
-    n = ubatch.n_tokens()
-    head = _reset_head(cells, n)
-    rank = prefix_sum(ubatch.valid) - 1
-    tokens_ok = _token_ok(cells, ubatch)
-    if contiguous:
-        found, start = _contiguous_start(cells, head, n)
-        slot = start + rank
-        new_head = start
-    else:
-        n_free, picked = _scattered_cells(cells, head, length)
-        found = n <= n_free
-        slot = picked[jnp.clip(rank, 0, length - 1)]
-        last = picked[jnp.clip(n - 1, 0, length - 1)]
-        new_head = jnp.where(n > 0, (last + 1) % size, head)
-    ok = found & (n <= size) & tokens_ok
-    slot = jnp.where(ubatch.valid & ok, slot, -1).astype(jnp.int32)
-    target = jnp.where(slot >= 0, slot, size)  # padding rows fall outside and are dropped
-    placed = cells.replace(
-        pos=cells.pos.at[target].set(ubatch.pos, mode="drop"),
-        seq=cells.seq.at[target].set(ubatch.seq_mask(cells.n_words), mode="drop"),
-        head=new_head.astype(jnp.int32),
-    )
-    new = jax.tree.map(lambda a, b: jnp.where(ok, b, a), cells, placed)
-    new = new.replace(error=jnp.where(tokens_ok, new.error, new.error | jnp.uint32(ErrorFlag.UBATCH)))
-    return new, slot, ok
+    pos, seq, head, error, slot, ok = _find_slot(cells, ubatch, contiguous=bool(contiguous))
+    return cells.replace(pos=pos, seq=seq, head=head, error=error), slot, ok
 
 
 @functools.partial(jax.jit, static_argnames="contiguous")
