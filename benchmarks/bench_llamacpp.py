@@ -107,6 +107,11 @@ class _LlamaCpp:
 
         self.lc = lc
         lc.llama_backend_init()
+        try:   # llama.cpp logs every graph build to stderr at this level: that would be timed too
+            self._quiet = lc.llama_log_callback(lambda level, text, data: None)
+            lc.llama_log_set(self._quiet, ctypes.c_void_p())
+        except AttributeError:
+            pass
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(path.encode(), mparams)
         cparams = lc.llama_context_default_params()
