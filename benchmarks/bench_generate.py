@@ -49,7 +49,7 @@ def _pure_loop(graphdef):
     def loop(state, cache, tok, pos, n, *, n_kv):
         def body(i, carry):
             cache, tok = carry
-            ub = Ubatch(pos=pos + i, seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None],
+            ub = Ubatch(pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32), seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None],
                         valid=jnp.ones(tok.shape, bool))
             cache, slot, _ = kvjax.find_slot(cache, ub)
             logits, cache = nnx.merge(graphdef, state)(tok, cache, UbatchInputs(ubatch=ub, placement=slot,
