@@ -1,5 +1,6 @@
 """End-to-end generation: tokens/s for 1, 4 and 16 parallel sequences; time to first token with
-and without prefix sharing for 8 sequences sharing a 256-token prompt.
+and without prefix sharing for 8 sequences sharing a 256-token prompt; the engine's decode speed
+(host loop and device loop, in one run) against the same model's pure jitted loop at batch 1 and 8.
 
 The model is the demo's character model shape (4 layers, width 128, 4 query heads over 2 kv
 heads; random weights: speed does not depend on them). Every configuration runs once to compile
@@ -13,6 +14,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -20,7 +22,9 @@ import kvjax
 from benchmarks.common import fmt_time, table
 from kvjax._compiles import CompileCounter
 from kvjax.engine._engine import Engine, generate
+from kvjax.memory._ubatch import Ubatch
 from kvjax.nn import Llama, LlamaConfig
+from kvjax.nn._inputs import UbatchInputs
 
 GREEDY = kvjax.SamplingConfig(temperature=0)
 
@@ -37,6 +41,75 @@ def _timed(model, size, n_seq, prompts, repeats, **kwargs):
     runs = [generate(_engine(model, size, n_seq), prompts, key=jax.random.PRNGKey(r + 1), sampling=GREEDY, **kwargs)
             for r in range(repeats)]
     return first, compiles.count, runs
+
+
+def _pure_loop(graphdef):
+    """The same model's decode as one jitted ``fori_loop`` of greedy steps at one static window:
+    placement, the model and argmax on the device, nothing else (no budgets, stops, key, checks)."""
+    def loop(state, cache, tok, pos, n, *, n_kv):
+        def body(i, carry):
+            cache, tok = carry
+            ub = Ubatch(pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32), seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None],
+                        valid=jnp.ones(tok.shape, bool))
+            cache, slot, _ = kvjax.find_slot(cache, ub)
+            logits, cache = nnx.merge(graphdef, state)(tok, cache, UbatchInputs(ubatch=ub, placement=slot,
+                                                                                windows=(n_kv,)))
+            return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, body, (cache, tok))
+    return jax.jit(loop, static_argnames="n_kv", donate_argnames="cache")
+
+
+def _against_pure_loop(quick: bool) -> str:
+    """Decode tokens/s of ``generate`` (host loop, device loop) and of the pure jitted loop, medians."""
+    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8)   # the llama.cpp bench's
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    loop = _pure_loop(graphdef)
+    n_new, prompt_len, repeats, size = (32, 16, 3, 512) if quick else (128, 16, 5, 2048)
+    rng = np.random.default_rng(1)
+    rows = []
+    for batch in (1, 8):
+        prompts = [rng.integers(1, 256, size=prompt_len).tolist() for _ in range(batch)]
+        # the pure loop: prompts prefilled by the engine, then n_new - 1 greedy steps at the window
+        # bucket of the last cell (one program; a little more attention work than the engine's buckets)
+        n_kv = kvjax.window_bucket(min(size, batch * (prompt_len + n_new)), size, 32)
+
+        def pure():
+            engine = _engine(model, size, batch)
+            rows_ = engine.decode(sum(prompts, []), [p for _ in prompts for p in range(prompt_len)],
+                                  [[s] for s in range(batch) for _ in range(prompt_len)], outputs="last")
+            tok = jnp.argmax(rows_, -1).astype(jnp.int32)
+            jax.block_until_ready(tok)
+            t0 = time.perf_counter()
+            jax.block_until_ready(loop(state, engine.cache, tok, jnp.int32(prompt_len), n_new - 1, n_kv=n_kv))
+            return time.perf_counter() - t0
+
+        with CompileCounter() as c:
+            pure()
+        pure_tps = statistics.median(batch * (n_new - 1) / pure() for _ in range(repeats))
+        row = [batch, f"{pure_tps:.0f}", f"{c.seconds:.1f} s"]
+        for device_loop in (False, True):
+            def gen(r):
+                return generate(_engine(model, size, batch), prompts, max_new_tokens=n_new,
+                                key=jax.random.PRNGKey(r), sampling=GREEDY, share_prefix=False,
+                                device_loop=device_loop, sync_every=n_new)
+            with CompileCounter() as c:
+                gen(0)
+            runs = [gen(r + 1) for r in range(repeats)]
+            tps = statistics.median(r.steady_tokens_per_second for r in runs)
+            row += [f"{tps:.0f}", f"{tps / pure_tps:.2f}", f"{c.seconds:.1f} s"]
+        rows.append(row)
+    return "\n\n".join([
+        f"### The engine against the pure jitted loop ({cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} "
+        f"heads, vocab {cfg.vocab_size}, float32; greedy, {prompt_len}-token prompts, {n_new} new tokens each)",
+        "Decode tokens/s after the first token, medians of "
+        f"{repeats}; compile time (tracing, lowering, compiling) of the first run reported apart. The pure loop "
+        "is one jitted `fori_loop` of placement + model + argmax at one window; the engine's host loop "
+        "dispatches a step per token, its device loop (`device_loop=True`, the default, `sync_every` = "
+        f"{n_new}) a `while_loop` per window bucket. Target (issue 18): engine / pure >= 0.9.",
+        table(["batch", "pure loop tokens/s", "pure compile", "host loop tokens/s", "host / pure",
+               "host compile", "device loop tokens/s", "device / pure", "device compile"], rows),
+    ])
 
 
 def run(quick: bool = False) -> str:
@@ -80,6 +153,7 @@ def run(quick: bool = False) -> str:
         gen,
         f"### Time to first token: {n_seq} sequences sharing a {prompt_len}-token prompt (+{suffix} own tokens each)",
         ttft,
+        _against_pure_loop(quick),
     ] + ([picture] if picture else []))
 
 

@@ -50,6 +50,8 @@ import kvjax
 from kvjax._compiles import CompileCounter, total_compile_seconds
 from kvjax._errors import CacheFullError
 from kvjax._validate import check_count, check_flag
+from kvjax.engine._device_loop import (check_sync_every, device_sampling_exact, run_segment,
+                                       stop_bucket)
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.engine._speculative import check_draft, speculative_stream
 from kvjax.engine._prompt_cache import PromptCache
@@ -354,6 +356,7 @@ class GenerationResult:
         accepted: speculative decoding: drafted tokens the target kept.
         decode_compile_seconds: the part of ``compile_seconds`` after the first token (new window
             buckets), which :attr:`steady_tokens_per_second` leaves out.
+        dispatches: device-loop dispatches (0 when the host loop ran every step).
     """
 
     tokens: List[List[int]]
@@ -366,6 +369,7 @@ class GenerationResult:
     decode_compile_seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    dispatches: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -423,18 +427,19 @@ def _check_key(key) -> None:
                          f"{type(key).__name__} {getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}")
 
 
-def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens,
                     key: jax.Array, sampling: SamplingConfig = SamplingConfig(), n_parallel: int = 1,
                     share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
                     n_keep: int = 0, draft: Optional["Engine"] = None, n_draft: int = 4,
-                    prompt_cache: Optional[PromptCache] = None, stats: Optional[dict] = None
-                    ) -> Iterator[Tuple[int, int]]:
+                    prompt_cache: Optional[PromptCache] = None, device_loop: bool = True, sync_every: int = 32,
+                    stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
     """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
 
     Args:
         engine: the engine; its cache must hold no cells of sequences ``0..n-1`` (checked).
         prompts: one token list per sequence; or one prompt with ``n_parallel > 1``.
-        max_new_tokens: most tokens generated per sequence.
+        max_new_tokens: most tokens generated per sequence: an int for all, or a list with one
+            int per sequence (not with ``draft``).
         key: PRNG key for sampling.
         sampling: the sampling rule (greedy with ``temperature=0``).
         n_parallel: continuations of a single prompt sampled in parallel (sequence ``i`` for
@@ -460,8 +465,18 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
             generation ends (its id is ``stats["seq_ids"]``); least recently used parked sequences
             are evicted when the request would not fit. Not with ``n_parallel``, a draft or
             context shifts (``n_ctx``, ``n_keep``).
-        stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts`` (and
-            ``drafted``, ``accepted`` with a draft).
+        device_loop: run the decode loop on the device (``kvjax/engine/_device_loop.py``): many
+            tokens per dispatch, the host reading them every ``sync_every`` tokens or when it must
+            act (a sequence stops, a context shift, a new window bucket, pending work), with the
+            same tokens as the host loop for the same key. The host loop runs instead (False, or
+            where the device loop cannot: a ``draft``, a ``prompt_cache``, more live sequences than
+            ``engine.n_ubatch``, a key whose device draws would differ, see
+            ``device_sampling_exact``).
+        sync_every: with the device loop, most tokens per sequence between two host reads, in
+            ``[1, 4096]``: tokens are yielded in chunks of up to this many per sequence (rounded up
+            to a power of two, it sets a buffer's static shape).
+        stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts``,
+            ``dispatches`` (device-loop dispatches) (and ``drafted``, ``accepted`` with a draft).
 
     Yields:
         ``(i, token)`` for sequence ``i``.
@@ -469,7 +484,13 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     # the whole request is checked before anything is placed: a failed call changes nothing
     prompts = _check_prompts(prompts, engine.vocab_size)
     n_parallel = check_count("n_parallel", n_parallel, 1)
-    max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        budgets = [check_count(f"max_new_tokens[{i}]", b, 1) for i, b in enumerate(max_new_tokens)]
+    else:
+        budgets = None
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+    device_loop = check_flag("device_loop", device_loop)
+    sync_every = check_sync_every(sync_every)
     n_keep = check_count("n_keep", n_keep, 0)
     check_flag("share_prefix", share_prefix)
     if not isinstance(sampling, SamplingConfig):
@@ -480,6 +501,16 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         if len(prompts) != 1:
             raise ValueError(f"n_parallel={n_parallel} needs exactly one prompt, got {len(prompts)}")
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
+    if budgets is not None:
+        if len(budgets) != n_seq:
+            raise ValueError(f"max_new_tokens has {len(budgets)} entries: allowed an int, or one int per sequence "
+                             f"({n_seq})")
+        if draft is not None:
+            raise ValueError("max_new_tokens as a list is out of range with draft=: allowed one int for every "
+                             "sequence")
+        max_new_tokens = max(budgets)      # the bound every check below needs
+    else:
+        budgets = [max_new_tokens] * n_seq
     stats = {} if stats is None else stats
     if draft is not None:
         if n_parallel > 1 or n_ctx is not None or n_keep:
@@ -578,36 +609,66 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     stats["seq_ids"] = sid
 
     # -- decode loop ------------------------------------------------------------------------
-    active = list(range(n_seq))
     counts = [0] * n_seq
     fed = [list(p) for p in (prompts * n_seq if n_parallel > 1 else prompts)]   # the tokens each sequence holds
     shifts = 0
+    # the device loop, where it gives the host loop's tokens (see kvjax/engine/_device_loop.py); a
+    # prompt cache parks what each sequence holds when the generator is closed, which the host
+    # loop knows token by token
+    on_device = device_loop and prompt_cache is None and device_sampling_exact(key, sampling)
+    stops = stop_bucket(sorted(stop)) if on_device else None
+    info: dict = {}
+    stats["dispatches"] = 0
     try:
-        while active:
-            key, sub = jax.random.split(key)
-            picked = np.asarray(sample(rows, sub, sampling))
-            if "ttft" not in stats:
-                stats["ttft"] = time.perf_counter() - t0
-                stats["compile_at_ttft"] = total_compile_seconds()
-            still = []
-            for s, tok in zip(active, picked.tolist()):
-                counts[s] += 1
-                yield s, tok
-                if tok not in stop and counts[s] < max_new_tokens:
-                    still.append((s, tok))
-            if not still:
-                break
+        key, sub = jax.random.split(key)
+        picked = np.asarray(sample(rows, sub, sampling))
+        stats["ttft"] = time.perf_counter() - t0
+        stats["compile_at_ttft"] = total_compile_seconds()
+        active, still = list(range(n_seq)), []
+        for s, tok in zip(active, picked.tolist()):
+            counts[s] += 1
+            yield s, tok
+            if tok not in stop and counts[s] < budgets[s]:
+                still.append((s, tok))
+        while still:
             for s, _ in still:
                 if n_ctx is not None and next_pos[s] >= n_ctx:
                     n_discard = (next_pos[s] - n_keep) // 2
                     next_pos[s] = engine.context_shift(sid[s], n_keep, n_discard)
                     shifts += 1
-            active = [s for s, _ in still]
-            logits = engine.decode([t for _, t in still], [next_pos[s] for s in active], [[sid[s]] for s in active])
-            for s, tok in still:
-                next_pos[s] += 1
-                fed[s].append(tok)
-            rows = logits
+            active, feed = [s for s, _ in still], [t for _, t in still]
+            steps = 0
+            if on_device and len(active) <= engine.n_ubatch:
+                # many steps per dispatch; it returns when a sequence stops, a shift is due, the
+                # window bucket changes or pending work must be applied (the next round does it)
+                for _, picked in run_segment(engine, active, sid, feed, next_pos, counts, budgets, stops, n_ctx,
+                                             key, sampling, sync_every, info):
+                    for s, t in zip(active, feed):
+                        fed[s].append(t)
+                    feed = picked.tolist()
+                    still = []
+                    for s, tok in zip(active, feed):
+                        yield s, tok
+                        if tok not in stop and counts[s] < budgets[s]:
+                            still.append((s, tok))
+                    steps += 1
+                key = info["key"]
+                stats["dispatches"] = info["dispatches"]
+            if not steps:
+                # the host loop: one step per dispatch (also what a device segment that could not
+                # run a step falls back to, so its error is decode's)
+                logits = engine.decode(feed, [next_pos[s] for s in active], [[sid[s]] for s in active])
+                for s, tok in still:
+                    next_pos[s] += 1
+                    fed[s].append(tok)
+                key, sub = jax.random.split(key)
+                picked = np.asarray(sample(logits, sub, sampling))
+                still = []
+                for s, tok in zip(active, picked.tolist()):
+                    counts[s] += 1
+                    yield s, tok
+                    if tok not in stop and counts[s] < budgets[s]:
+                        still.append((s, tok))
     finally:
         if prompt_cache is not None:  # the sequences stay in the memory, parked for later requests
             for s in range(n_seq):
@@ -628,7 +689,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
         sampling: the sampling rule.
         on_token: called with ``(sequence index, token)`` as each token comes (streaming).
         **options: ``n_parallel``, ``share_prefix``, ``stop_tokens``, ``n_ctx``, ``n_keep``, ``draft``,
-            ``n_draft``, ``prompt_cache``.
+            ``n_draft``, ``prompt_cache``, ``device_loop``, ``sync_every``.
     """
     stats: dict = {}
     n_seq = options.get("n_parallel", 1) if options.get("n_parallel", 1) > 1 else len(prompts)
@@ -643,4 +704,4 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
     return GenerationResult(out, stats.get("prompt_tokens", 0), stats.get("ttft", 0.0), time.perf_counter() - t0,
                             stats.get("context_shifts", 0), compiles.count, compiles.seconds,
                             total_compile_seconds() - stats.get("compile_at_ttft", total_compile_seconds()),
-                            stats.get("drafted", 0), stats.get("accepted", 0))
+                            stats.get("drafted", 0), stats.get("accepted", 0), stats.get("dispatches", 0))

@@ -1,0 +1,223 @@
+"""kvjax against llama.cpp itself: the same tiny Llama, the same GGUF weights, decode tokens/s.
+
+A random Llama (4 layers, width 256, 8 heads, vocab 256, float32) is written as a GGUF file (the
+layout ``convert_hf_to_gguf.py`` writes, as ``tests/test_gguf.py`` does), loaded into kvjax with
+``kvjax.nn.from_gguf`` and into llama.cpp through ``llama-cpp-python``'s low-level API (2 threads,
+one unified K/V buffer). Both decode greedily: the tokens are compared (the first rows must agree;
+float32 sums in another order can flip a near tie later on), then decode speed is measured at
+batch 1, 8 and 32 (B sequences, one token each per ``llama_decode`` call: a ``llama_batch`` with
+one sequence id per row; greedy picked on the host from ``llama_get_logits_ith``, which is what a
+llama.cpp server loop does). kvjax runs ``kvjax.generate`` (the device loop).
+
+Needs the optional ``llamacpp`` extra (``pip install llama-cpp-python``, built from source); the
+benchmark says so and returns without it. Never part of the test suite.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+import kvjax
+from benchmarks.common import table
+from kvjax.engine._engine import Engine, generate
+from kvjax.nn import Llama, LlamaConfig
+
+GREEDY = kvjax.SamplingConfig(temperature=0)
+N_THREADS = 2
+
+
+def _byte_tokens():
+    """GPT-2's byte-to-unicode table: 256 single-byte tokens (llama.cpp's BPE vocab needs "\\n")."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table_ = dict(zip(bs, cs))
+    return [chr(table_[b]) for b in range(256)]
+
+
+def _write_gguf(path, model: Llama) -> None:
+    """The model's weights as a llama GGUF file (HF layout, q/k rows permuted as the converter does)."""
+    import gguf
+
+    cfg = model.config
+    head_dim = cfg.d_model // cfg.n_heads
+
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(4096)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(model.layers[0].mlp.up.kernel[...].shape[1])
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope.freq_base)
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(_byte_tokens())
+    w.add_token_types([1] * 256)
+    toks = _byte_tokens()
+    w.add_token_merges([f"{toks[1]} {toks[2]}"])   # llama.cpp's BPE vocab needs a merges list (a harmless one)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    f32 = lambda x: np.asarray(x, np.float32)   # noqa: E731
+    w.add_tensor("token_embd.weight", f32(model.embed.embedding[...]))
+    w.add_tensor("output_norm.weight", f32(model.norm.scale[...]))
+    w.add_tensor("output.weight", f32(model.lm_head.kernel[...].T))
+    for il, b in enumerate(model.layers):
+        a, p = b.attn, f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", f32(b.attn_norm.scale[...]))
+        w.add_tensor(p + "ffn_norm.weight", f32(b.mlp_norm.scale[...]))
+        w.add_tensor(p + "attn_q.weight", permute(f32(a.q_proj.kernel[...].T), cfg.n_heads))
+        w.add_tensor(p + "attn_k.weight", permute(f32(a.k_proj.kernel[...].T), cfg.n_kv_heads))
+        w.add_tensor(p + "attn_v.weight", f32(a.v_proj.kernel[...].T))
+        w.add_tensor(p + "attn_output.weight", f32(a.o_proj.kernel[...].T))
+        w.add_tensor(p + "ffn_gate.weight", f32(b.mlp.gate.kernel[...].T))
+        w.add_tensor(p + "ffn_up.weight", f32(b.mlp.up.kernel[...].T))
+        w.add_tensor(p + "ffn_down.weight", f32(b.mlp.down.kernel[...].T))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+class _LlamaCpp:
+    """A llama.cpp context over the GGUF file, driven with ``llama_batch`` (the low-level API)."""
+
+    def __init__(self, path: str, n_seq: int, n_ctx: int):
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        try:   # llama.cpp logs every graph build to stderr at this level: that would be timed too
+            self._quiet = lc.llama_log_callback(lambda level, text, data: None)
+            lc.llama_log_set(self._quiet, ctypes.c_void_p())
+        except AttributeError:
+            pass
+        mparams = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(path.encode(), mparams)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = max(512, n_seq)
+        cparams.n_seq_max = n_seq
+        cparams.n_threads = cparams.n_threads_batch = N_THREADS
+        cparams.kv_unified = True      # one K/V buffer for every sequence, as kvjax's unified cache
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(max(512, n_seq * 64), 0, n_seq)
+
+    def decode(self, tokens, pos, seqs) -> np.ndarray:
+        """One ``llama_decode`` of rows ``(token, pos, seq)``; the greedy token of every row."""
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, (t, p, s) in enumerate(zip(tokens, pos, seqs)):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, True
+            b.seq_id[i][0] = s
+        if self.lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = np.empty(len(tokens), np.int32)
+        for i in range(len(tokens)):
+            row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+            out[i] = int(np.argmax(row))
+        return out
+
+    def generate(self, prompts, n_new):
+        """Greedy: the prompts in one batch, then ``n_new - 1`` steps of one token per sequence.
+
+        Returns ``(tokens [B][n_new], decode seconds)``."""
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        toks, pos, seqs, last = [], [], [], []
+        for s, p in enumerate(prompts):
+            toks += p
+            pos += range(len(p))
+            seqs += [s] * len(p)
+            last.append(len(toks) - 1)
+        nxt = self.decode(toks, pos, seqs)[last]
+        out = [[int(t)] for t in nxt]
+        t0 = time.perf_counter()
+        for i in range(n_new - 1):
+            nxt = self.decode(nxt.tolist(), [len(p) + i for p in prompts], list(range(len(prompts))))
+            for s, t in enumerate(nxt):
+                out[s].append(int(t))
+        return out, time.perf_counter() - t0
+
+    def close(self):
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+
+def run(quick: bool = False) -> str:
+    head = "## kvjax against llama.cpp (same GGUF weights, decode tokens/s)"
+    try:
+        import llama_cpp  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError as e:
+        return f"{head}\n\nSkipped: {e.name} is not installed (`pip install 'kvjax[llamacpp,gguf]'`)."
+    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8, norm_eps=1e-5,
+                      rope=kvjax.RopeConfig(n_rot=32, mode="neox", freq_base=10000.0))
+    source = Llama(cfg, rngs=nnx.Rngs(0))
+    # larger weights than the initialiser's, so that the greedy tokens are not one repeated token
+    nnx.update(source, jax.tree.map(lambda x: x * 2.0, nnx.state(source, nnx.Param)))
+    n_new, prompt_len, repeats = (32, 16, 2) if quick else (128, 16, 3)
+    rng = np.random.default_rng(0)
+    rows, agree = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tiny-llama.gguf")
+        _write_gguf(path, source)
+        model = kvjax.nn.from_gguf(path)
+        for batch in (1, 8, 32):
+            prompts = [rng.integers(1, 256, size=prompt_len).tolist() for _ in range(batch)]
+            size = 1 << (batch * (prompt_len + n_new) - 1).bit_length()
+            cpp = _LlamaCpp(path, batch, size)
+            cpp_out, _ = cpp.generate(prompts, n_new)          # warm-up
+            cpp_tps = statistics.median(batch * (n_new - 1) / cpp.generate(prompts, n_new)[1] for _ in range(repeats))
+            cpp.close()
+
+            def gen(r):
+                engine = Engine(model, kvjax.init(model.config.cache_config(size=size, n_seq_max=batch, padding=32)),
+                                n_ubatch=max(64, batch))
+                return generate(engine, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(r), sampling=GREEDY,
+                                share_prefix=False, sync_every=n_new)
+
+            first = gen(0)
+            kv_tps = statistics.median(gen(r + 1).steady_tokens_per_second for r in range(repeats))
+            same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
+                    for x, y in zip(first.tokens, cpp_out)]
+            agree.append(f"batch {batch}: greedy tokens equal for the first {min(same)} (median {int(np.median(same))}) "
+                         f"of {n_new} per sequence")
+            rows.append([batch, f"{cpp_tps:.0f}", f"{kv_tps:.0f}", f"{kv_tps / cpp_tps:.2f}",
+                         f"{first.compile_seconds:.1f} s"])
+    return "\n\n".join([
+        head,
+        f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, float32, "
+        f"written as GGUF and loaded by both. {prompt_len}-token prompts, {n_new} greedy tokens per sequence; "
+        f"llama.cpp: `llama-cpp-python` {llama_cpp.__version__}, {N_THREADS} threads, one `llama_decode` of a "
+        "B-row `llama_batch` per step, argmax on the host; kvjax: `kvjax.generate` (device loop, "
+        f"`sync_every={n_new}`), steady tokens/s (compile time apart). Medians of {repeats}.",
+        table(["batch", "llama.cpp tokens/s", "kvjax tokens/s", "kvjax / llama.cpp", "kvjax compile (first run)"],
+              rows),
+        "Agreement: " + "; ".join(agree) + ".",
+    ])
+
+
+if __name__ == "__main__":
+    print(run(quick=bool(int(os.environ.get("QUICK", "0")))))

@@ -1,0 +1,308 @@
+"""The decode loop on the device: many tokens per dispatch, the host out of the token loop.
+
+:func:`generate_stream <kvjax.generate_stream>`'s host loop pays, per token, for building the
+ubatch, the dry run (one device read), dispatching the step, sampling and reading the tokens back.
+:func:`run_segment` runs the same steps inside one ``jax.lax.while_loop`` per dispatch; its body
+is, per token and for ``B`` live sequences in ``T = bucket_length(B)`` ubatch rows:
+
+1. placement: ``memory.find_slot`` of one token per live sequence (the ubatch the host loop
+   builds: the same rows, positions, sequence ids, padding and ``n_seq_tokens``);
+2. the window check: the window bucket of every attention part that this placement needs
+   (``Memory.windows_for``'s rule, computed on the device) must be the dispatch's static window;
+3. the model step (the engine's own compiled step function, with the placement given), then
+   ``memory.commit`` and ``defrag_sched`` as ``Engine.decode`` does after a batch;
+4. sampling: ``key, sub = split(key)`` and :func:`kvjax.sample` on the ``[T, V]`` logits, then
+   the stop tokens and each sequence's budget.
+
+The loop leaves the device (``reason``) only when the host must act:
+
+==========  ========================================================================================
+``CHUNK``   ``sync_every`` tokens per sequence were sampled: the host reads them (a stream is due).
+``STOPPED`` a sequence emitted a stop token or reached its budget (the live rows change).
+``SHIFT``   a sequence's next position reached ``n_ctx``: the host does the context shift.
+``WINDOW``  the next placement needs another window bucket (a new static shape): nothing placed.
+``FULL``    the next placement was refused (no room): nothing placed; the host raises.
+``PENDING`` the memory has pending work (a scheduled defrag): the host applies ``update``.
+``REFUSED`` the step refused its ubatch (a sampled id outside the vocabulary): nothing kept.
+==========  ========================================================================================
+
+**Exactly the host loop's tokens.** Every step runs the program shape the host loop would (the
+same ubatch bucket ``T`` and windows: the loop exits rather than run a step under another window
+bucket, and exits when a sequence stops, so the host compacts the rows as it does), the same key
+splits in the same order, and sampling on ``[T, V]`` gives rows ``0..B-1`` what sampling on the
+host's ``[B, V]`` gives: greedy is per row, and with the threefry key (JAX's default, with
+``jax_threefry_partitionable``, the default since JAX 0.5) the random bits of row ``r`` depend on
+the row index only, not on the number of rows. :func:`device_sampling_exact` says when that holds;
+otherwise ``generate`` samples on the host.
+
+**Running ahead.** :func:`run_segment` dispatches the next chunk before it reads the current one
+(the next dispatch starts from the device values, so nothing waits on the host); a dispatch whose
+predecessor stopped for another reason than ``CHUNK`` runs no iteration and returns its input.
+
+Shapes: ``T`` ubatch rows (a power of two, ``B <= T`` of them live), ``K`` = ``sync_every``
+rounded up to a power of two (the token buffer), ``V`` vocabulary, ``S`` stop-token bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+import kvjax
+from kvjax._errors import CacheFullError
+from kvjax.attn._windows import window_buckets
+from kvjax.engine._sampling import SamplingConfig, sample
+from kvjax.memory._ubatch import Ubatch, bucket_length
+
+# why a dispatch returned (see the module docstring); RUN only while the loop runs
+RUN, CHUNK, STOPPED, SHIFT, WINDOW, FULL, PENDING, REFUSED = range(8)
+REASONS = ("run", "chunk", "stopped", "shift", "window", "full", "pending", "refused")
+
+#: most tokens per sequence between two host reads (``sync_every``).
+MAX_SYNC_EVERY = 4096
+#: "no context limit" for the traced ``n_ctx`` (positions are int32).
+NO_LIMIT = 2**31 - 1
+
+
+@struct.dataclass
+class Carry:
+    """What one iteration hands to the next (and a dispatch to the next dispatch).
+
+    Attributes:
+        tokens: ``i32[T]`` the token each row feeds next (the last one sampled).
+        pos: ``i32[T]`` the position it is fed at.
+        counts: ``i32[T]`` tokens sampled so far per row.
+        key: the PRNG key (split once per step, as the host loop does).
+        reason: ``i32[]`` why the last dispatch returned (``RUN`` while running).
+    """
+
+    tokens: jax.Array
+    pos: jax.Array
+    counts: jax.Array
+    key: jax.Array
+    reason: jax.Array
+
+
+@struct.dataclass
+class Rows:
+    """The per-dispatch constants of the live rows (traced: new values never recompile).
+
+    Attributes:
+        seq_ids: ``i32[T, 1]`` each row's sequence id (-1 for padding rows).
+        valid: ``bool[T]`` live rows (the first ``B``).
+        budgets: ``i32[T]`` most tokens each row may sample in all (``max_new_tokens``).
+        stops: ``i32[S]`` stop tokens, -1 padded.
+        n_ctx: ``i32[]`` the context limit (``NO_LIMIT`` for none).
+        limit: ``i32[]`` steps per dispatch, at most ``K`` (``sync_every``).
+    """
+
+    seq_ids: jax.Array
+    valid: jax.Array
+    budgets: jax.Array
+    stops: jax.Array
+    n_ctx: jax.Array
+    limit: jax.Array
+
+
+def device_sampling_exact(key, sampling: SamplingConfig) -> bool:
+    """Whether sampling ``[T, V]`` rows on the device draws what the host's ``[B, V]`` draws.
+
+    Greedy always; otherwise only for threefry keys with ``jax_threefry_partitionable`` (the bits
+    of an element then depend on its index alone, so the first ``B`` rows do not depend on ``T``).
+    """
+    if sampling.greedy:
+        return True
+    if not jax.config.jax_threefry_partitionable:
+        return False
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return "threefry" in str(jax.random.key_impl(key))
+    return "threefry" in str(jax.config.jax_default_prng_impl)
+
+
+def _window_ok(memory, extent, placement, windows) -> jax.Array:
+    """Whether ``placement`` needs exactly the static ``windows`` (``Memory.windows_for``'s rule)."""
+    ok = jnp.bool_(True)
+    for p in range(memory.n_parts):
+        cfg = memory.part(p).config
+        slots = memory.part_slots(placement, p)
+        top = jnp.maximum(extent[p], jnp.max(slots) + 1)
+        top = jnp.clip(top, 1, cfg.size)
+        buckets = window_buckets(cfg.size, cfg.padding)
+        i = buckets.index(windows[p])
+        below = buckets[i - 1] if i else 0
+        ok = ok & (top > below) & (top <= windows[p])
+    return ok
+
+
+def _loop(jitted_step, equal, contiguous, thold, sampling, state, rest, buffers, carry: Carry, rows: Rows, *,
+          windows, k):
+    t = rows.valid.shape[0]
+    memory = rest.join(buffers)
+    start = (carry.reason == RUN) | (carry.reason == CHUNK)
+    out = jnp.zeros((k, t), jnp.int32)
+    init = (memory, carry.replace(reason=jnp.where(start, RUN, carry.reason)), out, jnp.int32(0))
+
+    def cond(c):
+        return c[1].reason == RUN
+
+    def body(c):
+        memory, cur, out, n_done = c
+        ub = Ubatch(pos=cur.pos, seq_ids=rows.seq_ids, valid=rows.valid, n_seq_tokens=1 if equal else 0)
+        placed, placement, ok = memory.find_slot(ub, contiguous=contiguous)
+        fits = ok & _window_ok(memory, memory.extent(), placement, windows)
+
+        def run(_):
+            buf, placed_rest = placed.split()
+            logits, new, stepped = jitted_step(state, placed_rest, buf, ub, cur.tokens, placement, None,
+                                               windows=windows)
+            done = new.commit((ub,))
+            if thold is not None:
+                done = kvjax.defrag_sched(done, thold)
+            # a refused step kept the metadata as it was (its writes landed in free cells, which no
+            # token sees): then nothing is committed either. Only the metadata is selected, never
+            # the K/V or state buffers (a select of those would copy the whole cache per token)
+            buf, kept = new.split()
+            _, committed = done.split()
+            new = jax.tree.map(lambda a, b: jnp.where(stepped, a, b), committed, kept).join(buf)
+            key, sub = jax.random.split(cur.key)
+            picked = jnp.where(rows.valid, sample(logits, sub, sampling), 0)
+            counts = cur.counts + rows.valid
+            pos = cur.pos + rows.valid
+            stopped = rows.valid & (jnp.isin(picked, rows.stops) | (counts >= rows.budgets))
+            reason = jnp.select(
+                [jnp.any(stopped), jnp.any(rows.valid & (pos >= rows.n_ctx)), new.pending(), n_done + 1 >= rows.limit],
+                [STOPPED, SHIFT, PENDING, CHUNK], RUN)
+            nxt = Carry(tokens=picked, pos=pos, counts=counts, key=key, reason=reason.astype(jnp.int32))
+            # a refused step keeps the carry too, so the host sees the state from before it
+            new_c = (nxt, out.at[n_done].set(picked), n_done + 1)
+            old_c = (cur.replace(reason=jnp.int32(REFUSED)), out, n_done)
+            return (new,) + jax.lax.cond(stepped, lambda: new_c, lambda: old_c)
+
+        def refuse(_):
+            return memory, cur.replace(reason=jnp.where(ok, WINDOW, FULL).astype(jnp.int32)), out, n_done
+
+        return jax.lax.cond(fits, run, refuse, None)
+
+    memory, carry, out, n_done = jax.lax.while_loop(cond, body, init)
+    buffers, rest = memory.split()
+    return rest, buffers, carry, out, n_done
+
+
+@functools.lru_cache(maxsize=64)
+def _jit_loop(jitted_step, equal, contiguous, thold, sampling):
+    # one jitted loop per compiled step function (shared by engines of one model structure, as
+    # the step is), placement kind and policy: new prompts, keys, budgets and stops are traced
+    return jax.jit(functools.partial(_loop, jitted_step, equal, contiguous, thold, sampling),
+                   static_argnames=("windows", "k"), donate_argnames=("buffers",))
+
+
+def check_sync_every(sync_every) -> int:
+    """``sync_every`` as an int in ``[1, MAX_SYNC_EVERY]``, or ``ValueError`` naming it."""
+    if isinstance(sync_every, (bool, np.bool_)) or not isinstance(sync_every, (int, np.integer)) \
+            or not 1 <= sync_every <= MAX_SYNC_EVERY:
+        raise ValueError(f"sync_every={sync_every!r} is out of range: allowed an integer in [1, {MAX_SYNC_EVERY}] "
+                         f"(tokens per sequence between two host reads)")
+    return int(sync_every)
+
+
+def stop_bucket(stop_tokens: Sequence[int]) -> np.ndarray:
+    """Stop tokens as ``i32[S]``, ``S`` a power of two (-1 padded), so their number rarely recompiles."""
+    out = np.full(bucket_length(len(stop_tokens)), -1, np.int32)
+    out[: len(stop_tokens)] = list(stop_tokens)
+    return out
+
+
+def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next_pos: List[int],
+                counts: List[int], budgets: List[int], stops: np.ndarray, n_ctx: Optional[int], key,
+                sampling: SamplingConfig, sync_every: int, info: dict
+                ) -> Iterator[Tuple[int, np.ndarray]]:
+    """Feed ``feed`` and keep generating on the device until the host must act.
+
+    Args:
+        engine: the :class:`kvjax.Engine`; ``engine.cache`` is replaced as dispatches return (and is
+            always a live memory, so a caller that stops iterating keeps a valid cache).
+        active: the ``B`` live sequence indices (``generate``'s ``s``), in row order.
+        sid: the memory's sequence id of each index.
+        feed: ``B`` tokens to feed first (each live sequence's last sampled token).
+        next_pos: per index, the position ``feed`` goes to (updated in place, per step).
+        counts: per index, tokens sampled so far (updated in place, per step).
+        budgets: per index, most tokens to sample (``max_new_tokens``).
+        stops: :func:`stop_bucket` of the stop tokens.
+        n_ctx: the context limit or None.
+        key: the PRNG key after the host's last split.
+        sampling: the sampling rule.
+        sync_every: most steps per dispatch.
+        info: filled with ``key`` (the key after the last step), ``reason`` (the last dispatch's)
+            and ``dispatches`` (added to).
+
+    Yields:
+        ``(step, picked)`` per completed step: ``picked`` the ``i32[B]`` sampled tokens in row order.
+        ``next_pos`` and ``counts`` are already advanced when it is yielded.
+
+    Raises:
+        kvjax.CacheFullError: the first placement does not fit (nothing placed), as ``decode``.
+    """
+    b = len(active)
+    t = bucket_length(b)
+    memory = engine.cache
+    pos = [next_pos[s] for s in active]
+    ids = [[sid[s]] for s in active]
+    _, ubatches = engine._ubatches(pos, ids)
+    assert len(ubatches) == 1 and ubatches[0].length == t, "one ubatch per step (checked by the caller)"
+    # the dry run of the first step, as Engine.decode does: pending work, room, the exact windows
+    pending, ok, placements, extent = jax.device_get(engine._plan(ubatches))
+    if bool(pending):
+        engine.cache = memory = memory.update(donate=True)
+        pending, ok, placements, extent = jax.device_get(engine._plan(ubatches))
+    if not bool(ok):
+        size = memory.size
+        free = size - int(memory.used_cells())
+        raise CacheFullError(f"batch of {b} tokens does not fit ({free} free cells of {size}); nothing was "
+                             f"placed: free cells with seq_rm or shift the context")
+    windows = memory.windows_for(placements, extent)[0]
+    k = bucket_length(sync_every)
+
+    def pad(values, fill):
+        out = np.full(t, fill, np.int32)
+        out[:b] = values
+        return out
+
+    rows = Rows(seq_ids=pad([sid[s] for s in active], -1)[:, None], valid=np.arange(t) < b,
+                budgets=pad([budgets[s] for s in active], 0), stops=stops,
+                n_ctx=np.int32(NO_LIMIT if n_ctx is None else n_ctx), limit=np.int32(sync_every))
+    carry = Carry(tokens=pad(feed, 0), pos=pad(pos, 0), counts=pad([counts[s] for s in active], 0), key=key,
+                  reason=np.int32(RUN))
+    loop = _jit_loop(engine.step._jitted, memory.ubatch_split == "equal", engine.contiguous, engine.defrag_thold,
+                     sampling)
+
+    def dispatch(carry):
+        buffers, rest = engine.cache.split()
+        rest, buffers, carry, out, n_done = loop(engine.state, rest, buffers, carry, rows, windows=windows, k=k)
+        engine.cache = rest.join(buffers)   # the previous buffers were donated: this is the live memory
+        info["dispatches"] = info.get("dispatches", 0) + 1
+        return carry, out, n_done
+
+    current = dispatch(carry)
+    step = 0
+    while True:
+        # run ahead: the next chunk is queued before this one is read (a no-op unless this one
+        # returned CHUNK), so the device works while the host hands tokens out
+        ahead = dispatch(current[0])
+        out, n_done, reason = jax.device_get((current[1], current[2], current[0].reason))
+        for i in range(int(n_done)):
+            for j, s in enumerate(active):
+                next_pos[s] += 1
+                counts[s] += 1
+            engine.n_decoded += b
+            yield step, out[i, :b]
+            step += 1
+        if int(reason) != CHUNK:
+            info["reason"] = REASONS[int(reason)]
+            info["key"] = ahead[0].key
+            return
+        current = ahead
