@@ -67,6 +67,14 @@ class Cells:
         """W, words per sequence bitmask."""
         return self.seq.shape[1]
 
+    def logical_axes(self) -> "Cells":
+        """The logical axes of every field (``PartitionSpec`` leaves; see :meth:`kvjax.Memory.logical_axes`)."""
+        from kvjax.shard._axes import CELLS, SEQ_WORDS, scalar_axes
+        from jax.sharding import PartitionSpec as P
+
+        return self.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), delta=P(CELLS), head=scalar_axes(),
+                            error=scalar_axes(), defrag=scalar_axes())
+
 
 def empty_cells(size: int, n_seq_max: int) -> Cells:
     """All cells empty, ``head`` at 0, no error.

@@ -254,6 +254,9 @@ class HybridCache(Memory):
     def extent_after(self, n_tokens):
         return self.attention.extent_after(n_tokens)
 
+    def logical_axes(self) -> "HybridCache":
+        return self.replace(attention=self.attention.logical_axes(), recurrent=self.recurrent.logical_axes())
+
     # -- pending work, donation, errors, sizes, state ----------------------------------------------------------
 
     def pending(self):

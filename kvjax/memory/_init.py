@@ -35,16 +35,32 @@ def _maker(config):
     return maker
 
 
-def init(config) -> Memory:
+def init(config, *, mesh=None, rules=None) -> Memory:
     """A new, empty memory of the kind ``config`` describes (zeroed buffers: no NaN reaches a softmax).
 
     Args:
         config: a :class:`kvjax.CacheConfig` (the unified cache), a :class:`kvjax.IswaConfig`, ...
+        mesh: a ``jax.sharding.Mesh`` to create the memory on, each leaf split by ``rules``
+            (:mod:`kvjax.shard`); the buffers are made in their shards (``jit`` with
+            ``out_shardings``), never whole on one device first. ``None``: the default device.
+        rules: logical axis -> mesh axes overrides of ``kvjax.shard.DEFAULT_RULES`` (needs ``mesh``).
 
     Returns:
         The memory.
+
+    Raises:
+        ValueError: an unknown config, or (with ``mesh``) rules or a mesh that do not fit the
+            memory's leaves (see :func:`kvjax.shard.memory_shardings`).
     """
-    return _maker(config)(config)
+    maker = _maker(config)
+    if mesh is None:
+        if rules is not None:
+            raise ValueError(f"rules={rules!r} is out of range without mesh=: allowed None (rules place a memory "
+                             f"on a mesh)")
+        return maker(config)
+    from kvjax.shard._rules import init_sharded
+
+    return init_sharded(maker, config, mesh, rules)
 
 
 def abstract(config) -> Memory:

@@ -259,6 +259,9 @@ class IswaCache(Memory):
     def extent_after(self, n_tokens):
         return jnp.concatenate([self.base.extent_after(n_tokens), self.swa.extent_after(n_tokens)])
 
+    def logical_axes(self) -> "IswaCache":
+        return self.replace(base=self.base.logical_axes(), swa=self.swa.logical_axes())
+
     # -- pending work, donation, errors, sizes ------------------------------------------------------
 
     def pending(self):

@@ -322,6 +322,24 @@ class Memory(abc.ABC):
     def join(self, buffers) -> "Memory":
         """The inverse of :meth:`split`, called on ``rest``."""
 
+    # -- placement on a device mesh ---------------------------------------------------------------
+
+    def logical_axes(self) -> "Memory":
+        """What every dimension of every leaf means, for placing the memory on a device mesh.
+
+        Returns:
+            This memory's pytree (same type, same static config) with each array leaf replaced
+            by a ``jax.sharding.PartitionSpec`` of logical axis names, one per dimension, from
+            :data:`kvjax.shard.LOGICAL_AXES` (``"layers"``, ``"kv_heads"``, ``"cells"``,
+            ``"head_dim"``, ``"seq_words"``, ``"streams"``, ...). It must depend on the config
+            and the leaves' shapes only (it is called on :func:`kvjax.abstract` memories).
+            :mod:`kvjax.shard`'s rules map the names onto mesh axes; a memory never names a mesh
+            axis. A memory that does not implement it cannot be sharded
+            (:class:`NotDefinedError`).
+        """
+        raise not_defined(self, "logical_axes", "implement Memory.logical_axes() to place it on a mesh "
+                                                "(see docs/sharding.md)")
+
     # -- errors and sizes ---------------------------------------------------------------------------
 
     @abc.abstractmethod

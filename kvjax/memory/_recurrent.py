@@ -668,6 +668,20 @@ class RecurrentCache(Memory):
         vs[group] = store(vs[group], v_new)
         return self.replace(k=tuple(ks), v=tuple(vs))
 
+    # -- placement on a device mesh ---------------------------------------------------------------------
+
+    def logical_axes(self) -> "RecurrentCache":
+        # states are [Lg, R, *shape]; the rows of a cell move with every placement (copy_rows gathers
+        # them), so the default rules keep them whole; cell metadata and tails likewise
+        from jax.sharding import PartitionSpec as P
+        from kvjax.shard._axes import CELLS, SEQ_WORDS, SEQS, scalar_axes, state_axes
+
+        c = self.cells
+        cells = c.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), roll=P(CELLS), hist=P(CELLS), tail=P(SEQS),
+                          head=scalar_axes(), error=scalar_axes())
+        return self.replace(cells=cells, k=tuple(state_axes(x.ndim - 2) for x in self.k),
+                            v=tuple(state_axes(x.ndim - 2) for x in self.v))
+
     # -- donation, errors, sizes, state ------------------------------------------------------------------
 
     def split(self):

@@ -161,6 +161,16 @@ class KVCache(Memory):
         # them (ALiBi, position-free K) it moves the positions only, which is exact for such K
         return True
 
+    # -- placement on a device mesh ---------------------------------------------------------------------
+
+    def logical_axes(self) -> "KVCache":
+        # K and V are [L, H, C, D] (quantized: D = the row's block bytes): only H is split by the
+        # default rules; the cells are read whole by every sequence operation and placement
+        from kvjax.shard._axes import kv_axes
+
+        return self.replace(cells=self.cells.logical_axes(), k=tuple(kv_axes() for _ in self.k),
+                            v=tuple(kv_axes() for _ in self.v))
+
     # -- donation, errors, sizes, state ---------------------------------------------------------------
 
     def split(self):
