@@ -33,8 +33,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 1, 2], [5, 6, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13,
 
 @functools.lru_cache(maxsize=None)
 def _model(kind):
-    if kind in ("unified", "iswa"):
-        return Llama(LLAMA if kind == "unified" else SWA, rngs=nnx.Rngs(3))
+    if kind in ("unified", "iswa", "streams"):
+        return Llama(SWA if kind == "iswa" else LLAMA, rngs=nnx.Rngs(3))
     model = Mamba(MAMBA, rngs=nnx.Rngs(3)) if kind == "recurrent" else HybridLM(HYBRID, rngs=nnx.Rngs(2))
     # larger weights than the initialiser's, so that states matter to the tokens
     nnx.update(model, jax.tree.map(lambda x: x * 1.5, nnx.state(model, nnx.Param)))
@@ -47,6 +47,8 @@ def _engine(kind, size=128, n_seq=4, padding=16, **kwargs):
     elif kind == "iswa":
         config = kvjax.IswaConfig(SWA.cache_config(size=size, n_seq_max=n_seq, padding=16), swa_layers=(1,), n_swa=6,
                                   n_batch=16)
+    elif kind == "streams":  # one stream per sequence: placement and attention per stream
+        config = kvjax.StreamsConfig(LLAMA.cache_config(size=size, n_seq_max=n_seq, padding=padding))
     elif kind == "recurrent":
         config = MAMBA.memory_config(n_seq)
     else:
@@ -64,12 +66,13 @@ def _both(kind, prompts, engine_args=None, **kwargs):
 # each memory kind compiles its own programs (host and device loops, ~30 s here): the two placement
 # kinds (simple and equal splits) run by default, the composites behind slow
 @pytest.mark.parametrize("kind", ["unified", "recurrent", pytest.param("iswa", marks=pytest.mark.slow),
-                                  pytest.param("hybrid", marks=pytest.mark.slow)])
+                                  pytest.param("hybrid", marks=pytest.mark.slow),
+                                  pytest.param("streams", marks=pytest.mark.slow)])
 def test_device_loop_gives_the_host_loops_tokens(kind):
     """Sampled (top-k) with different prompt lengths, budgets and a stop token; windows grow from 16
     cells past 64 (iSWA: its window cache prunes and wraps), sequences stop at different steps."""
     # a recurrent memory compiles a program per power-of-two piece of an equal-split prompt: short ones
-    prompts = PROMPTS if kind in ("unified", "iswa") else [[5, 6, 7, 8], [9, 3], [4]]
+    prompts = PROMPTS if kind in ("unified", "iswa", "streams") else [[5, 6, 7, 8], [9, 3], [4]]
     host, device = _both(kind, prompts, max_new_tokens=[30, 9, 22], key=jax.random.PRNGKey(4), sampling=SAMPLED,
                          stop_tokens=[17], sync_every=8)
     assert device.tokens == host.tokens

@@ -55,7 +55,6 @@ from flax import struct
 
 import kvjax
 from kvjax._errors import CacheFullError
-from kvjax.attn._windows import window_buckets
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.memory._ubatch import Ubatch, bucket_length
 
@@ -132,7 +131,7 @@ def _window_ok(memory, extent, placement, windows) -> jax.Array:
         slots = memory.part_slots(placement, p)
         top = jnp.maximum(extent[p], jnp.max(slots) + 1)
         top = jnp.clip(top, 1, cfg.size)
-        buckets = window_buckets(cfg.size, cfg.padding)
+        buckets = kvjax.window_buckets(cfg.size, cfg.padding)
         i = buckets.index(windows[p])
         below = buckets[i - 1] if i else 0
         ok = ok & (top > below) & (top <= windows[p])
