@@ -103,6 +103,31 @@ def test_few_dispatches_and_streaming_in_chunks():
     assert engine.n_decoded == stats["prompt_tokens"] + 2 * 39
 
 
+def test_the_compiled_loop_copies_no_kv_buffer(monkeypatch):
+    """The K/V buffers go through the loop in place: no ``copy`` of a K/V-shaped array in the
+    compiled loop (a lax.cond around the step once made XLA copy every K/V group per token)."""
+    from kvjax.engine import _device_loop
+
+    texts, jit_loop = [], _device_loop._jit_loop
+
+    def spy(*args):
+        loop = jit_loop(*args)
+
+        def call(*a, **kw):
+            texts.append(loop.lower(*a, **kw).compile().as_text())
+            return loop(*a, **kw)
+        return call
+
+    monkeypatch.setattr(_device_loop, "_jit_loop", spy)
+    engine = _engine("unified", size=128, padding=128)
+    k_shape = engine.cache.k[0].shape
+    generate(engine, PROMPTS[:1], max_new_tokens=6, key=jax.random.PRNGKey(0), sampling=GREEDY, sync_every=4)
+    assert texts
+    shape = "f32[" + ",".join(map(str, k_shape)) + "]"
+    copies = [line for text in texts for line in text.splitlines() if shape in line and " copy(" in line]
+    assert not copies, copies[:2]
+
+
 def test_new_prompts_keys_budgets_and_stops_do_not_recompile():
     def run(prompts, key, budgets, stops):
         return generate(_engine("unified"), prompts, max_new_tokens=budgets, key=jax.random.PRNGKey(key),

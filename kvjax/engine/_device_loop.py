@@ -154,38 +154,40 @@ def _loop(jitted_step, equal, contiguous, thold, sampling, state, rest, buffers,
         ub = Ubatch(pos=cur.pos, seq_ids=rows.seq_ids, valid=rows.valid, n_seq_tokens=1 if equal else 0)
         placed, placement, ok = memory.find_slot(ub, contiguous=contiguous)
         fits = ok & _window_ok(memory, memory.extent(), placement, windows)
-
-        def run(_):
-            buf, placed_rest = placed.split()
-            logits, new, stepped = jitted_step(state, placed_rest, buf, ub, cur.tokens, placement, None,
-                                               windows=windows)
-            done = new.commit((ub,))
-            if thold is not None:
-                done = kvjax.defrag_sched(done, thold)
-            # a refused step kept the metadata as it was (its writes landed in free cells, which no
-            # token sees): then nothing is committed either. Only the metadata is selected, never
-            # the K/V or state buffers (a select of those would copy the whole cache per token)
-            buf, kept = new.split()
-            _, committed = done.split()
-            new = jax.tree.map(lambda a, b: jnp.where(stepped, a, b), committed, kept).join(buf)
-            key, sub = jax.random.split(cur.key)
-            picked = jnp.where(rows.valid, sample(logits, sub, sampling), 0)
-            counts = cur.counts + rows.valid
-            pos = cur.pos + rows.valid
-            stopped = rows.valid & (jnp.isin(picked, rows.stops) | (counts >= rows.budgets))
-            reason = jnp.select(
-                [jnp.any(stopped), jnp.any(rows.valid & (pos >= rows.n_ctx)), new.pending(), n_done + 1 >= rows.limit],
-                [STOPPED, SHIFT, PENDING, CHUNK], RUN)
-            nxt = Carry(tokens=picked, pos=pos, counts=counts, key=key, reason=reason.astype(jnp.int32))
-            # a refused step keeps the carry too, so the host sees the state from before it
-            new_c = (nxt, out.at[n_done].set(picked), n_done + 1)
-            old_c = (cur.replace(reason=jnp.int32(REFUSED)), out, n_done)
-            return (new,) + jax.lax.cond(stepped, lambda: new_c, lambda: old_c)
-
-        def refuse(_):
-            return memory, cur.replace(reason=jnp.where(ok, WINDOW, FULL).astype(jnp.int32)), out, n_done
-
-        return jax.lax.cond(fits, run, refuse, None)
+        # The step always runs: a placement that does not fit is voided (it writes nothing) and
+        # the metadata from before it is kept. Branching around the step with lax.cond instead
+        # made XLA copy the whole K/V buffers inside the branch (4 copies of every K/V group
+        # per token, measured in the compiled HLO); a wasted step once per dispatch is cheaper.
+        placement = placed.mask_placement(placement, fits)
+        buf, placed_rest = placed.split()
+        logits, new, stepped = jitted_step(state, placed_rest, buf, ub, cur.tokens, placement, None,
+                                           windows=windows)
+        good = fits & stepped
+        done = new.commit((ub,))
+        if thold is not None:
+            done = kvjax.defrag_sched(done, thold)
+        # a refused or misfit step keeps the metadata from before this token (its writes were
+        # voided or landed in free cells, which no token sees). Only the metadata is selected,
+        # never the K/V or state buffers (a select of those would copy the whole cache per token)
+        buf, _ = new.split()
+        _, committed = done.split()
+        _, before = memory.split()
+        new = jax.tree.map(lambda a, b: jnp.where(good, a, b), committed, before).join(buf)
+        key, sub = jax.random.split(cur.key)
+        picked = jnp.where(rows.valid, sample(logits, sub, sampling), 0)
+        counts = cur.counts + rows.valid
+        pos = cur.pos + rows.valid
+        stopped = rows.valid & (jnp.isin(picked, rows.stops) | (counts >= rows.budgets))
+        reason = jnp.select(
+            [~fits, ~stepped, jnp.any(stopped), jnp.any(rows.valid & (pos >= rows.n_ctx)), new.pending(),
+             n_done + 1 >= rows.limit],
+            [jnp.where(ok, WINDOW, FULL), REFUSED, STOPPED, SHIFT, PENDING, CHUNK], RUN).astype(jnp.int32)
+        # a step that did not run keeps the carry too, so the host sees the state from before it
+        # (a cond on these small values only: the key may be a typed PRNG key, which where refuses)
+        new_c = (Carry(tokens=picked, pos=pos, counts=counts, key=key, reason=reason), out.at[n_done].set(picked),
+                 n_done + 1)
+        old_c = (cur.replace(reason=reason), out, n_done)
+        return (new,) + jax.lax.cond(good, lambda: new_c, lambda: old_c)
 
     memory, carry, out, n_done = jax.lax.while_loop(cond, body, init)
     buffers, rest = memory.split()
