@@ -4,6 +4,8 @@
   (filled where the sequence holds the cell), with each cell's position written underneath
   when the cache is small enough to read.
 - :func:`plot_mask`: a KQ mask (additive or boolean) as an image, tokens down, cells across.
+- :func:`plot_sharding`: which devices hold which part of one array (two of its dimensions
+  drawn, e.g. a K buffer's kv heads against its cells), for a memory placed on a mesh.
 
 Example:
     >>> import matplotlib
@@ -82,3 +84,93 @@ def plot_mask(mask, ax=None, *, title="KQ mask (white: visible)"):
     ax.set_ylabel("ubatch token")
     ax.set_title(title)
     return ax
+
+
+def plot_sharding(x, dims=(0, 1), ax=None, *, names=None, title=None):
+    """Draw which devices hold each block of two dimensions of ``x`` (a placed ``jax.Array``).
+
+    Every index of the two drawn dimensions gets the set of devices whose shard holds it (from
+    ``x.sharding.devices_indices_map``); the other dimensions are ignored (a shard of them is
+    drawn where any device holds part of it). Blocks held by the same devices share a colour and
+    are labelled with the device ids: a replicated dimension shows one label listing every
+    device, a split one a label per piece.
+
+    Args:
+        x: the array (e.g. ``memory.k[0]``, ``[L, H, C, D]``).
+        dims: the two dimensions drawn, rows first.
+        ax: a matplotlib axes (default: a new figure).
+        names: labels of the two dimensions (default ``"dim i"``).
+        title: the axes title (default: the sharding's ``PartitionSpec``).
+
+    Returns:
+        The axes.
+
+    Example:
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import jax.numpy as jnp
+        >>> from kvjax.plot import plot_sharding
+        >>> ax = plot_sharding(jnp.zeros((2, 8, 16, 4)), dims=(1, 2), names=("kv head", "cell"))
+        >>> ax.get_ylabel(), ax.get_xlabel()
+        ('kv head', 'cell')
+    """
+    plt = _pyplot()
+    a, b = (int(d) for d in dims)
+    shape = tuple(x.shape)
+    holders = {}
+    for device, index in x.sharding.devices_indices_map(shape).items():
+        rows = range(shape[a])[index[a]]
+        cols = range(shape[b])[index[b]]
+        for i in rows:
+            for j in cols:
+                holders.setdefault((i, j), set()).add(device.id)
+    labels = sorted({tuple(sorted(v)) for v in holders.values()})
+    colour = {lab: k for k, lab in enumerate(labels)}
+    image = np.zeros((shape[a], shape[b]))
+    for (i, j), devs in holders.items():
+        image[i, j] = colour[tuple(sorted(devs))]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3))
+    ax.imshow(image, aspect="auto", cmap="tab20" if len(labels) > 10 else "tab10", vmin=0,
+              vmax=max(19 if len(labels) > 10 else 9, 1), interpolation="nearest")
+    for lab in labels:  # one label per block, at its centre
+        where = np.argwhere(image == colour[lab])
+        blocks = _blocks(where)
+        for (r0, r1, c0, c1) in blocks:
+            text = (f"device{'s' if len(lab) > 1 else ''} " + ",".join(map(str, lab)) if len(lab) <= 4
+                    else f"{len(lab)} devices")
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, text, ha="center", va="center", fontsize=7)
+    ax.set_ylabel(names[0] if names else f"dim {a}")
+    ax.set_xlabel(names[1] if names else f"dim {b}")
+    ax.set_title(title if title is not None else str(getattr(x.sharding, "spec", x.sharding)))
+    return ax
+
+
+def _blocks(cells):
+    """Maximal runs of rows sharing the same column span: ``(r0, r1, c0, c1)`` per rectangle."""
+    by_row = {}
+    for r, c in cells:
+        by_row.setdefault(int(r), []).append(int(c))
+    spans = {}
+    for r, cols in sorted(by_row.items()):
+        cols = sorted(cols)
+        start = prev = cols[0]
+        for c in cols[1:] + [None]:
+            if c is not None and c == prev + 1:
+                prev = c
+                continue
+            spans.setdefault((start, prev), []).append(r)
+            if c is not None:
+                start = prev = c
+    out = []
+    for (c0, c1), rows in spans.items():
+        run = [rows[0]]
+        for r in rows[1:] + [None]:
+            if r is not None and r == run[-1] + 1:
+                run.append(r)
+                continue
+            out.append((run[0], run[-1], c0, c1))
+            if r is not None:
+                run = [r]
+    return out
+

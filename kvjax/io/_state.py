@@ -782,4 +782,11 @@ def state_read(memory, data, seq_id: int = -1, **options):
     Options are the memory's (the unified cache: ``contiguous``, ``donate``; see
     :func:`read_unified`). A blob that does not fit raises :class:`kvjax.StateError` naming the field.
     """
-    return require_memory(memory).state_read(data, seq_id, **options)
+    from kvjax.shard._rules import shardings_of, spans_devices
+
+    memory = require_memory(memory)
+    # the blob is decoded on the host: put the result where the memory it replaces lives (read the
+    # placement first, a donated memory's buffers are gone after the read)
+    layout = shardings_of(memory) if spans_devices(memory) else None
+    restored = memory.state_read(data, seq_id, **options)
+    return restored if layout is None else jax.device_put(restored, layout)

@@ -379,6 +379,19 @@ class StreamCache(Memory):
     def can_shift(self) -> bool:
         return True
 
+    # -- placement on a device mesh ---------------------------------------------------------------------
+
+    def logical_axes(self) -> "StreamCache":
+        # every leaf of the stacked unified cache gains the leading stream axis: the default rules put
+        # streams on the data axis, so a device holds its streams' cells, heads and K/V whole (each
+        # sequence operation and placement is vmapped over streams: no stream reads another's cells)
+        from jax.sharding import PartitionSpec as P
+        from kvjax.shard._axes import STREAMS, scalar_axes
+
+        one = self.cache.logical_axes()
+        stacked = jax.tree.map(lambda spec: P(STREAMS, *spec), one, is_leaf=lambda x: isinstance(x, P))
+        return self.replace(cache=stacked, copy_from=P(STREAMS), error=scalar_axes())
+
     # -- donation, errors, sizes, state ---------------------------------------------------------------
 
     def split(self):
@@ -431,7 +444,9 @@ def _apply_update(memory: StreamCache) -> StreamCache:
     k = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.k)
     v = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.v)
     cache = jax.vmap(apply_update)(cache.replace(k=k, v=v))
-    return memory.replace(cache=cache, copy_from=jnp.full_like(memory.copy_from, -1))
+    # every copy applied: all -1, derived from copy_from so it keeps its sharding on a mesh (a fresh
+    # constant would come out replicated)
+    return memory.replace(cache=cache, copy_from=jnp.minimum(memory.copy_from, -1))
 
 
 _update = jax.jit(_apply_update)

@@ -294,3 +294,9 @@ def same_shardings(a, b) -> bool:
 def reshard_like(tree, like):
     """``tree`` placed with the shardings of ``like`` (same structure): a no-op for leaves already there."""
     return jax.device_put(tree, shardings_of(like))
+
+
+def spans_devices(tree) -> bool:
+    """Whether any array leaf of ``tree`` lives on more than one device (it was placed on a mesh)."""
+    return any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1
+               for x in jax.tree.leaves(tree))
