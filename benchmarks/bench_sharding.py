@@ -93,8 +93,7 @@ def run(quick: bool) -> str:
         "The reference model's jitted step (4 layers, width 128, 8 heads, 8 kv heads, float32) decoding one "
         "token for each of 8 sequences after 64 tokens each, on `data x model` meshes of virtual CPU devices "
         "that share this machine's cores: a check that the sharded step runs without a cliff, not a speed "
-        "claim (one device is expected to win here). Streams on a mesh with a data axis still all-gather K/V "
-        "in the step (docs/sharding.md, Known gaps). Median of rounds of steps, compile excluded:",
+        "claim (one device is expected to win here). Median of rounds of steps, compile excluded:",
         "",
         table(["memory", "mesh", "tokens/s", "vs 1 device"], rows),
     ])

@@ -187,18 +187,9 @@ def _decode(streams: bool):
     return kvjax.make_ubatch([4, 4], [[0], [5]])
 
 
-# Streams live on the data axis by the default rules, and the step reads each ubatch slot's stream
-# with a dynamic index: XLA's partitioner gathers the stream axis of K/V for that. Until the step
-# runs per device over its own streams (see docs/sharding.md), the all-gather check is expected to
-# fail on meshes with a data axis; strict, so the day it passes the marker must go.
-_STREAMS_GATHER = pytest.mark.xfail(strict=True, reason="streams on the data axis: the per-slot stream read "
-                                                        "all-gathers K/V (docs/sharding.md, Known gaps)")
-
-
 @pytest.mark.parametrize("streams, mesh_shape", [
     *[pytest.param(False, m.values[0], id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
-    pytest.param(True, (1, 8), id="streams-1x8"),
-    pytest.param(True, (2, 4), id="streams-2x4", marks=_STREAMS_GATHER),
+    *[pytest.param(True, m.values[0], id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
 ])
 def test_sharded_model_step_equals_unsharded(streams, mesh_shape):
     model = make_model(MODEL)

@@ -45,7 +45,7 @@ from kvjax.memory._config import SwaType
 from kvjax.memory._unified import KVCache
 from kvjax.storage import _quant
 
-__all__ = ["slots_of", "masks", "write", "attention"]
+__all__ = ["slots_of", "masks", "write", "attention", "mesh_split"]
 
 _NEG_INF = -jnp.inf
 
@@ -92,13 +92,7 @@ def write(cache: KVCache, layer: int, placement, k: Float[Array, "T H D"], v: Fl
     """
     cfg = cache.config
     g, index = cfg.locate(int(layer))
-    stream, cell = placement.stream, placement.cell
-    live = (stream >= 0) & (cell >= 0)
-    target = jnp.where(live, cell, cfg.size)          # out of bounds: dropped by the scatter
-    stream = jnp.where(live, stream, 0)
-    # [S, L, H, C, D] indexed by ([T], scalar, :, [T]): the T axis comes first, rows go in as [T, H, D]
-    new_k = cache.k[g].at[stream, index, :, target].set(_quant.to_storage(k, cfg.k_dtype), mode="drop")
-    new_v = cache.v[g].at[stream, index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
+    new_k, new_v = _write_rows(cache.k[g], cache.v[g], index, placement.stream, placement.cell, k, v, cfg)
     return cache.replace(k=cache.k[:g] + (new_k,) + cache.k[g + 1:], v=cache.v[:g] + (new_v,) + cache.v[g + 1:])
 
 
@@ -120,21 +114,37 @@ def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[A
         ``[T, Hq, Dv]`` in ``q.dtype``; rows of padding slots are 0.
     """
     cache = memory.cache
-    cfg = cache.config
-    g, index = cfg.locate(int(layer))
-    k_all, v_all = cache.k[g], cache.v[g]                                  # [S, L, H, C, D]
+    g, index = cache.config.locate(int(layer))
+    streams = _slot_streams(placement, ubatch)
+    live = _slot_extents(cache, streams)
+    out = _slots_attention(q, cache.k[g], cache.v[g], index, slot_masks, streams, live, slots_of(ubatch),
+                           cache.config, scale, slopes, softcap)
+    return out.astype(q.dtype)
+
+
+def _slot_extents(cache: KVCache, streams: Int[Array, "n_slots"]) -> Int[Array, "n_slots"]:
+    """Cells each slot's attention must read: its stream's ``cell_max`` (0 for a padding slot)."""
+    n_stream = cache.cells.pos.shape[0]
+    return jnp.where(streams >= 0, jax.vmap(_cells.cell_max)(cache.cells)[jnp.clip(streams, 0, n_stream - 1)], 0)
+
+
+def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slots: Tuple[int, int], cfg, scale,
+                     slopes, softcap) -> Float[Array, "T Hq Dv"]:
+    """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
+
+    A slot with ``live = 0`` (padding, or on a mesh a stream another device holds) runs no chunk
+    and gives zeros. Returns float32 ``[T, Hq, Dv]``.
+    """
     n_stream, n_layer, n_heads = k_all.shape[:3]
     # streams side by side on the layer axis: slot j reads "layer" stream_j * L + index, sliced
     # chunk by chunk straight out of the storage (no per-stream copy of the window)
     k_flat = k_all.reshape((n_stream * n_layer,) + k_all.shape[2:])
     v_flat = v_all.reshape((n_stream * n_layer,) + v_all.shape[2:])
-    n_slots, t = slots_of(ubatch)
+    n_slots, t = slots
     n_kv = slot_masks.shape[-1]
     t_all, hq, d = q.shape
     grp = hq // n_heads
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    streams = _slot_streams(placement, ubatch)
-    live = jnp.where(streams >= 0, jax.vmap(_cells.cell_max)(cache.cells)[jnp.clip(streams, 0, n_stream - 1)], 0)
     index_of = jnp.clip(streams, 0, n_stream - 1) * n_layer + index
     qs = q.astype(jnp.float32).reshape(n_slots, t, n_heads, grp, d).transpose(0, 2, 3, 1, 4)
     qs = qs.reshape(n_slots, n_heads, grp * t, d) * jnp.float32(scale)
@@ -155,8 +165,83 @@ def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[A
 
     out = jax.lax.map(one_slot, (qs, slot_masks, index_of.astype(jnp.int32), live.astype(jnp.int32)))
     dv = out.shape[-1]
-    out = out.reshape(n_slots, n_heads, grp, t, dv).transpose(0, 3, 1, 2, 4).reshape(t_all, hq, dv)
-    return out.astype(q.dtype)
+    return out.reshape(n_slots, n_heads, grp, t, dv).transpose(0, 3, 1, 2, 4).reshape(t_all, hq, dv)
+
+
+def _write_rows(k_all, v_all, index: int, stream, cell, k, v, cfg):
+    """Rows into ``[S, L, H, C, D]`` buffers at ``(stream, index, :, cell)``; -1 rows are dropped."""
+    live = (stream >= 0) & (cell >= 0)
+    target = jnp.where(live, cell, k_all.shape[3])  # out of bounds: dropped by the scatter
+    stream = jnp.where(live, stream, 0)
+    # indexed by ([T], scalar, :, [T]): the T axis comes first, rows go in as [T, H, D]
+    new_k = k_all.at[stream, index, :, target].set(_quant.to_storage(k, cfg.k_dtype), mode="drop")
+    new_v = v_all.at[stream, index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
+    return new_k, new_v
+
+
+# -- on a device mesh --------------------------------------------------------------------------------
+
+def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
+    """``(mesh, head axis)`` when the stream buffers live on a mesh whose ``"data"`` axis splits the streams.
+
+    The mesh comes from the buffer's type (``jax.typeof(k).sharding.mesh``: known while tracing,
+    no context needed). kvjax's default rules put streams on ``"data"`` and kv heads on
+    ``"model"``; the head axis is ``"model"`` when the mesh has it and it divides the heads, else
+    None. ``None`` for a buffer on one device or a mesh without a ``"data"`` axis that divides
+    the streams.
+    """
+    from kvjax.shard._rules import DATA, MODEL
+
+    mesh = getattr(getattr(jax.typeof(k_all), "sharding", None), "mesh", None)
+    shape = dict(getattr(mesh, "shape", {}) or {})
+    if shape.get(DATA, 1) <= 1 or k_all.shape[0] % shape[DATA]:
+        return None
+    heads = MODEL if shape.get(MODEL, 1) > 1 and k_all.shape[2] % shape[MODEL] == 0 else None
+    return mesh, heads
+
+
+def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, split, scale, slopes, softcap):
+    """Write and attend per device, each over the streams it holds (no K/V leaves its device).
+
+    Under ``jax.shard_map`` over the ``"data"`` axis: a device writes the rows of its own streams
+    (the others' fall out of bounds and are dropped) and runs every slot's attention loop with the
+    slot's extent where the slot's stream is its own and 0 elsewhere (such a slot runs no chunk and
+    gives zeros), so one ``psum`` of the ``[T, Hq, Dv]`` outputs over ``"data"`` assembles them.
+    Heads stay split over ``"model"`` as the projections left them.
+    """
+    from jax.sharding import PartitionSpec as P
+    from kvjax.shard._rules import DATA
+
+    mesh, heads = split
+    cache = memory.cache
+    cfg = cache.config
+    g, index = cfg.locate(int(layer))
+    streams = _slot_streams(placement, ubatch)
+    live = _slot_extents(cache, streams)
+    slots = slots_of(ubatch)
+    buf = P(DATA, None, heads, None, None)
+    rows = P(None, heads, None)
+    slope_spec = P() if slopes is None else P(heads)
+    slopes = jnp.zeros((0,), jnp.float32) if slopes is None else jnp.asarray(slopes, jnp.float32)
+    has_slopes = slopes.shape[0] > 0
+
+    def local(k_all, v_all, q, k, v, stream, cell, streams, live, slot_masks, slopes):
+        n_local = k_all.shape[0]
+        first = jax.lax.axis_index(DATA) * n_local
+        mine = (stream >= first) & (stream < first + n_local)
+        k_all, v_all = _write_rows(k_all, v_all, index, jnp.where(mine, stream - first, -1), cell, k, v, cfg)
+        here = (streams >= first) & (streams < first + n_local)
+        out = _slots_attention(q, k_all, v_all, index, slot_masks, jnp.where(here, streams - first, -1),
+                               jnp.where(here, live, 0), slots, cfg, scale, slopes if has_slopes else None,
+                               softcap)
+        return k_all, v_all, jax.lax.psum(out, DATA)
+
+    k_all, v_all, out = jax.shard_map(
+        local, mesh=mesh, in_specs=(buf, buf, rows, rows, rows, P(), P(), P(), P(), P(), slope_spec),
+        out_specs=(buf, buf, rows), check_vma=False,
+    )(cache.k[g], cache.v[g], q, k, v, placement.stream, placement.cell, streams, live, slot_masks, slopes)
+    cache = cache.replace(k=cache.k[:g] + (k_all,) + cache.k[g + 1:], v=cache.v[:g] + (v_all,) + cache.v[g + 1:])
+    return out.astype(q.dtype), memory.replace(cache=cache)
 
 
 def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np.ndarray] = None,
@@ -166,6 +251,10 @@ def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np
     RoPE at the ubatch positions, K/V written into each token's stream, then :func:`attention`
     with ``mask`` (the slots' masks the model computed once for this kind of layer) or masks built
     here. Returns ``(out [T, Hq, Dv], memory)``.
+
+    When the streams are split over a mesh's ``"data"`` axis (:func:`mesh_split`), the write and
+    the attention run per device over the streams it holds (:func:`_attend_on_mesh`): the K/V never
+    leave their devices, only the ``[T, Hq, Dv]`` outputs are summed across ``"data"``.
     """
     import kvjax
 
@@ -173,9 +262,12 @@ def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np
     if rope is not None:
         q = kvjax.rope(q, ubatch.pos, rope)
         k = kvjax.rope(k, ubatch.pos, rope)
-    memory = memory.replace(cache=write(memory.cache, layer, placement, k, v))
-    if mask is None:
+    if mask is None:  # the masks read the cell metadata only, which the K/V write does not change
         mask = masks(memory, ubatch, placement, inputs.windows[0], alibi=alibi is not None, swa_type=swa_type,
                      n_swa=n_swa)
+    split = mesh_split(memory.cache.k[memory.cache.config.locate(int(layer))[0]])
+    if split is not None:
+        return _attend_on_mesh(q, k, v, memory, layer, placement, ubatch, mask, split, scale, alibi, softcap)
+    memory = memory.replace(cache=write(memory.cache, layer, placement, k, v))
     out = attention(q, memory, layer, mask, placement, ubatch, scale=scale, slopes=alibi, softcap=softcap)
     return out, memory

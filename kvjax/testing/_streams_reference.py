@@ -96,8 +96,16 @@ class StreamsRef:
             st.seq_div(seq_id, p0, p1, d)
 
     def update(self) -> None:
-        """Apply the queued copies (the K/V bytes are not modelled; the queue empties)."""
+        """Apply the queued copies, then each stream's K-shift (the K/V bytes are not modelled).
+
+        The copies empty their queue; the K-shift applies every cell's pending shift, so every
+        ``delta`` becomes 0 (the seed's ``update``; defrag is not modelled: no operation of the
+        reference schedules it).
+        """
         self.copies = []
+        for st in self.streams:
+            for cell in st.cells:
+                cell.delta = 0
 
     # -- queries --------------------------------------------------------------------------
 
