@@ -136,9 +136,9 @@ def _compare_streams(memory, ref):
     assert int(kvjax.used_cells(memory)) == ref.used
 
 
-def _streams_program(ops):
+def _streams_program(ops, config: kvjax.StreamsConfig = STREAMS):
     """Tokens of one stream only, and whole-sequence copies between streams (llama.cpp's rules)."""
-    stream = lambda s: STREAMS.stream_table[s]
+    stream = lambda s: config.stream_table[s]
     out = []
     for op in ops:
         if op[0] == "place":

@@ -32,7 +32,7 @@ from flax import nnx
 import kvjax
 from kvjax import shard
 from kvjax.nn import LlamaConfig, make_step
-from tests.test_memory_contract import apply_op, leaves_equal, random_program
+from tests.test_memory_contract import _streams_program, apply_op, leaves_equal, random_program
 from tests.test_nn_nnx import make_model
 
 MESH_SHAPES = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
@@ -91,18 +91,8 @@ def _random_kv(memory, seed):
 
 
 def _stream_safe(config, ops):
-    """A program a stream memory accepts: tokens of one stream, whole-sequence cross-stream copies."""
-    if not isinstance(config, kvjax.StreamsConfig):
-        return ops
-    stream = lambda s: config.stream_table[s]
-    out = []
-    for op in ops:
-        if op[0] == "place":
-            op = ("place", [(p, [s for s in ids if stream(s) == stream(ids[0])]) for p, ids in op[1]])
-        elif op[0] == "seq_cp" and stream(op[1]) != stream(op[2]):
-            op = ("seq_cp", op[1], op[2], -1, -1)
-        out.append(op)
-    return out
+    """A program a stream memory accepts (the contract's rules); others take any program."""
+    return _streams_program(ops, config) if isinstance(config, kvjax.StreamsConfig) else ops
 
 
 def _assert_kept(after, layout, what):
