@@ -117,60 +117,27 @@ def plot_sharding(x, dims=(0, 1), ax=None, *, names=None, title=None):
     plt = _pyplot()
     a, b = (int(d) for d in dims)
     shape = tuple(x.shape)
-    holders = {}
+    # the shards tile the two drawn dimensions in rectangles: each is a (rows, cols) pair of
+    # slices, held by every device whose shard has it (several when replicated or split elsewhere)
+    pieces = {}
     for device, index in x.sharding.devices_indices_map(shape).items():
-        rows = range(shape[a])[index[a]]
-        cols = range(shape[b])[index[b]]
-        for i in rows:
-            for j in cols:
-                holders.setdefault((i, j), set()).add(device.id)
-    labels = sorted({tuple(sorted(v)) for v in holders.values()})
+        rows, cols = range(shape[a])[index[a]], range(shape[b])[index[b]]
+        pieces.setdefault((rows.start, rows.stop, cols.start, cols.stop), set()).add(device.id)
+    labels = sorted({tuple(sorted(devs)) for devs in pieces.values()})
     colour = {lab: k for k, lab in enumerate(labels)}
     image = np.zeros((shape[a], shape[b]))
-    for (i, j), devs in holders.items():
-        image[i, j] = colour[tuple(sorted(devs))]
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3))
-    ax.imshow(image, aspect="auto", cmap="tab20" if len(labels) > 10 else "tab10", vmin=0,
-              vmax=max(19 if len(labels) > 10 else 9, 1), interpolation="nearest")
-    for lab in labels:  # one label per block, at its centre
-        where = np.argwhere(image == colour[lab])
-        blocks = _blocks(where)
-        for (r0, r1, c0, c1) in blocks:
-            text = (f"device{'s' if len(lab) > 1 else ''} " + ",".join(map(str, lab)) if len(lab) <= 4
-                    else f"{len(lab)} devices")
-            ax.text((c0 + c1) / 2, (r0 + r1) / 2, text, ha="center", va="center", fontsize=7)
+    for (r0, r1, c0, c1), devs in pieces.items():
+        lab = tuple(sorted(devs))
+        image[r0:r1, c0:c1] = colour[lab]
+        text = (f"device{'s' if len(lab) > 1 else ''} " + ",".join(map(str, lab)) if len(lab) <= 4
+                else f"{len(lab)} devices")
+        ax.text((c0 + c1 - 1) / 2, (r0 + r1 - 1) / 2, text, ha="center", va="center", fontsize=7)
+    many = len(labels) > 10
+    ax.imshow(image, aspect="auto", cmap="tab20" if many else "tab10", vmin=0, vmax=19 if many else 9,
+              interpolation="nearest")
     ax.set_ylabel(names[0] if names else f"dim {a}")
     ax.set_xlabel(names[1] if names else f"dim {b}")
     ax.set_title(title if title is not None else str(getattr(x.sharding, "spec", x.sharding)))
     return ax
-
-
-def _blocks(cells):
-    """Maximal runs of rows sharing the same column span: ``(r0, r1, c0, c1)`` per rectangle."""
-    by_row = {}
-    for r, c in cells:
-        by_row.setdefault(int(r), []).append(int(c))
-    spans = {}
-    for r, cols in sorted(by_row.items()):
-        cols = sorted(cols)
-        start = prev = cols[0]
-        for c in cols[1:] + [None]:
-            if c is not None and c == prev + 1:
-                prev = c
-                continue
-            spans.setdefault((start, prev), []).append(r)
-            if c is not None:
-                start = prev = c
-    out = []
-    for (c0, c1), rows in spans.items():
-        run = [rows[0]]
-        for r in rows[1:] + [None]:
-            if r is not None and r == run[-1] + 1:
-                run.append(r)
-                continue
-            out.append((run[0], run[-1], c0, c1))
-            if r is not None:
-                run = [r]
-    return out
-

@@ -92,8 +92,13 @@ def write(cache: KVCache, layer: int, placement, k: Float[Array, "T H D"], v: Fl
     """
     cfg = cache.config
     g, index = cfg.locate(int(layer))
-    new_k, new_v = _write_rows(cache.k[g], cache.v[g], index, placement.stream, placement.cell, k, v, cfg)
-    return cache.replace(k=cache.k[:g] + (new_k,) + cache.k[g + 1:], v=cache.v[:g] + (new_v,) + cache.v[g + 1:])
+    return _with_group(cache, g, *_write_rows(cache.k[g], cache.v[g], index, placement.stream, placement.cell, k, v,
+                                              cfg))
+
+
+def _with_group(cache: KVCache, g: int, k_all, v_all) -> KVCache:
+    """``cache`` with layer group ``g``'s K and V buffers replaced."""
+    return cache.replace(k=cache.k[:g] + (k_all,) + cache.k[g + 1:], v=cache.v[:g] + (v_all,) + cache.v[g + 1:])
 
 
 def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[Array, "n_slots t N"], placement,
@@ -221,27 +226,25 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
     slots = slots_of(ubatch)
     buf = P(DATA, None, heads, None, None)
     rows = P(None, heads, None)
-    slope_spec = P() if slopes is None else P(heads)
-    slopes = jnp.zeros((0,), jnp.float32) if slopes is None else jnp.asarray(slopes, jnp.float32)
-    has_slopes = slopes.shape[0] > 0
+    operands = [cache.k[g], cache.v[g], q, k, v, placement.stream, placement.cell, streams, live, slot_masks]
+    specs = [buf, buf, rows, rows, rows, P(), P(), P(), P(), P()]
+    if slopes is not None:  # ALiBi slopes per query head: split like the heads
+        operands.append(jnp.asarray(slopes, jnp.float32))
+        specs.append(P(heads))
 
-    def local(k_all, v_all, q, k, v, stream, cell, streams, live, slot_masks, slopes):
+    def local(k_all, v_all, q, k, v, stream, cell, streams, live, slot_masks, *slopes):
         n_local = k_all.shape[0]
         first = jax.lax.axis_index(DATA) * n_local
         mine = (stream >= first) & (stream < first + n_local)
         k_all, v_all = _write_rows(k_all, v_all, index, jnp.where(mine, stream - first, -1), cell, k, v, cfg)
         here = (streams >= first) & (streams < first + n_local)
         out = _slots_attention(q, k_all, v_all, index, slot_masks, jnp.where(here, streams - first, -1),
-                               jnp.where(here, live, 0), slots, cfg, scale, slopes if has_slopes else None,
-                               softcap)
+                               jnp.where(here, live, 0), slots, cfg, scale, slopes[0] if slopes else None, softcap)
         return k_all, v_all, jax.lax.psum(out, DATA)
 
-    k_all, v_all, out = jax.shard_map(
-        local, mesh=mesh, in_specs=(buf, buf, rows, rows, rows, P(), P(), P(), P(), P(), slope_spec),
-        out_specs=(buf, buf, rows), check_vma=False,
-    )(cache.k[g], cache.v[g], q, k, v, placement.stream, placement.cell, streams, live, slot_masks, slopes)
-    cache = cache.replace(k=cache.k[:g] + (k_all,) + cache.k[g + 1:], v=cache.v[:g] + (v_all,) + cache.v[g + 1:])
-    return out.astype(q.dtype), memory.replace(cache=cache)
+    k_all, v_all, out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=(buf, buf, rows),
+                                      check_vma=False)(*operands)
+    return out.astype(q.dtype), memory.replace(cache=_with_group(cache, g, k_all, v_all))
 
 
 def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np.ndarray] = None,
