@@ -177,22 +177,28 @@ def _decode(streams: bool):
     return kvjax.make_ubatch([4, 4], [[0], [5]])
 
 
-@pytest.mark.parametrize("streams, mesh_shape", [
-    *[pytest.param(False, m.values[0], id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
-    *[pytest.param(True, m.values[0], id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+@pytest.mark.parametrize("streams, mesh_shape, fused", [
+    *[pytest.param(False, m.values[0], False, id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+    *[pytest.param(True, m.values[0], False, id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+    # fused projections (kvjax.nn.fuse_projections) split by whole heads and MLP columns too
+    *[pytest.param(False, m.values[0], True, id=f"unified-fused-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
 ])
-def test_sharded_model_step_equals_unsharded(streams, mesh_shape):
+def test_sharded_model_step_equals_unsharded(streams, mesh_shape, fused):
     model = make_model(MODEL)
-    step = make_step(model)
+    step = plain_step = make_step(model)
     plain_state = nnx.state(model)
     mesh = shard.make_mesh(*mesh_shape)
-    state = shard.shard_params(plain_state, mesh)
+    if fused:  # the unfused model's logits are the reference
+        state = shard.shard_params(nnx.state(kvjax.nn.fuse_projections(make_model(MODEL))), mesh)
+        step = make_step(kvjax.nn.fuse_projections(make_model(MODEL)))
+    else:
+        state = shard.shard_params(plain_state, mesh)
     tokens = np.arange(8, dtype=np.int32) * 7 % MODEL.vocab_size
     plain = kvjax.init(_memory_config(streams))
     sharded = kvjax.init(_memory_config(streams), mesh=mesh)
     layout = shard.shardings_of(sharded)
     for ub, toks in ((_prefill(streams), tokens), (_decode(streams), tokens[:2])):
-        want, plain, ok_plain = step(plain_state, plain, ub, toks, n_kv=16)
+        want, plain, ok_plain = plain_step(plain_state, plain, ub, toks, n_kv=16)
         got, sharded, ok = step(state, sharded, ub, toks, n_kv=16)
         assert bool(ok) and bool(ok_plain)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

@@ -99,6 +99,8 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
 
     t0 = time.perf_counter()
     model, tok = load(model_path, dtype)
+    # one matmul for Q/K/V and one for gate/up per block (the same logits; docs/speed.md)
+    kvjax.nn.fuse_projections(model)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))   # the weights are on the device: load time
     load_seconds = time.perf_counter() - t0
     ids = tok.encode(prompt)

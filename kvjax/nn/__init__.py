@@ -47,6 +47,7 @@ from kvjax.nn._hf import llama_config_from_hf, rope_from_hf
 from kvjax.nn._pretrained import from_pretrained, memory_config_for
 from kvjax.nn._tokenizer import Tokenizer
 from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer
+from kvjax.nn._fuse import fuse_projections, is_fused
 
 __all__ = [
     "CachedAttention", "LinenCachedAttention", "KVCacheVar",
@@ -56,5 +57,5 @@ __all__ = [
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
     "from_pretrained", "memory_config_for", "llama_config_from_hf", "rope_from_hf", "Tokenizer",
-    "from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab",
+    "from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "fuse_projections", "is_fused",
 ]

@@ -46,6 +46,7 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
+from kvjax.nn._fuse import split_gate_up
 from kvjax.nn._inputs import MaskKind, UbatchInputs, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
 from kvjax.nn._norm import OffsetRMSNorm
@@ -415,9 +416,14 @@ class MLP(nnx.Module):
         self.gate = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
         self.down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
+        self.gate_up = nnx.data(None)  # set by kvjax.nn.fuse_projections (then gate and up are None)
 
     def __call__(self, x):
-        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+        if self.gate_up is not None:
+            gate, up = split_gate_up(self.gate_up(x))
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(ACTIVATIONS[self.activation](gate) * up)
 
 
 def _post(norm, h):

@@ -46,6 +46,7 @@ import kvjax
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
+from kvjax.nn._fuse import split_qkv
 from kvjax.nn._norm import OffsetRMSNorm
 from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.memory._ubatch import Ubatch
@@ -301,12 +302,16 @@ def project_qkv(layer, x):
     """Q ``[..., Hq, D]``, K and V ``[..., H, D]`` of ``x [..., E]`` through ``layer``'s projections.
 
     Shared by the NNX and linen layers, which both name them ``q_proj``, ``k_proj``, ``v_proj``
-    (and, with ``qk_norm``, normalise each head of Q and K with ``q_norm`` / ``k_norm``).
+    (and, with ``qk_norm``, normalise each head of Q and K with ``q_norm`` / ``k_norm``). An NNX
+    layer fused by :func:`kvjax.nn.fuse_projections` runs one ``qkv_proj`` instead.
     """
     lead = x.shape[:-1]
-    q = layer.q_proj(x).reshape(lead + (layer.n_heads, layer.head_dim))
-    k = layer.k_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
-    v = layer.v_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
+    if getattr(layer, "qkv_proj", None) is not None:
+        q, k, v = split_qkv(layer.qkv_proj(x), layer.n_heads, layer.n_kv_heads, layer.head_dim)
+    else:
+        q = layer.q_proj(x).reshape(lead + (layer.n_heads, layer.head_dim))
+        k = layer.k_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
+        v = layer.v_proj(x).reshape(lead + (layer.n_kv_heads, layer.head_dim))
     if layer.qk_norm:  # Gemma 3 / Qwen 3: RMSNorm of each head's q and k over D, before RoPE
         q, k = layer.q_norm(q), layer.k_norm(k)
     return q, k, v
@@ -360,6 +365,7 @@ class CachedAttention(nnx.Module):
         self.k_proj = nnx.Linear(d_model, n_kv_heads * head_dim, **lin)
         self.v_proj = nnx.Linear(d_model, n_kv_heads * head_dim, **lin)
         self.o_proj = nnx.Linear(n_heads * head_dim, d_model, **lin)
+        self.qkv_proj = nnx.data(None)  # set by kvjax.nn.fuse_projections (then q/k/v_proj are None)
         self.scale = None if scale is None else float(scale)
         self.softcap = None if softcap is None else float(softcap)
         self.qk_norm = bool(qk_norm)

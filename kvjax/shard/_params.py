@@ -37,6 +37,8 @@ PARAM_RULES: Tuple[Tuple[Tuple[str, ...], P], ...] = (
     (("q_proj", "kernel"), P(EMBED, HEADS)), (("k_proj", "kernel"), P(EMBED, HEADS)),
     (("v_proj", "kernel"), P(EMBED, HEADS)), (("q_proj", "bias"), P(HEADS)), (("k_proj", "bias"), P(HEADS)),
     (("v_proj", "bias"), P(HEADS)), (("o_proj", "kernel"), P(HEADS, EMBED)), (("o_proj", "bias"), P(EMBED)),
+    # fused projections (kvjax.nn.fuse_projections): columns grouped by kv head / by MLP column
+    (("qkv_proj", "kernel"), P(EMBED, HEADS)), (("qkv_proj", "bias"), P(HEADS)), (("gate_up", "kernel"), P(EMBED, FF)),
     (("gate", "kernel"), P(EMBED, FF)), (("up", "kernel"), P(EMBED, FF)), (("down", "kernel"), P(FF, EMBED)),
     (("embed", "embedding"), P(VOCAB, EMBED)), (("lm_head", "kernel"), P(EMBED, VOCAB)),
 )

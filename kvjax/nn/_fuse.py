@@ -1,0 +1,138 @@
+"""Fused projections: one matmul for Q, K and V, one for an MLP's gate and up.
+
+A decode step multiplies a few rows by every weight matrix of the model, so each projection is
+one small matmul whose cost is mostly fixed (a kernel launch, a thunk on XLA:CPU, the weights
+streamed once). :func:`fuse_projections` concatenates, once and in place, each attention
+layer's ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` and each gated MLP's
+``gate``/``up`` into one ``gate_up``: 9 matmuls per Llama block become 6, with the same
+results (the same products, read from other columns). Measured in ``docs/speed.md``.
+
+The fused columns are grouped so that tensor parallelism still splits them by whole heads and
+MLP columns (:mod:`kvjax.shard` splits ``qkv_proj`` like ``q_proj`` and ``gate_up`` like
+``gate``):
+
+- ``qkv_proj.kernel [E, H * (G + 2) * D]``: for each kv head ``h``, its ``G`` query heads
+  (query head ``h * G + g``, the grouping kvjax's attention uses), then its key head, then its
+  value head, ``D`` columns each. Biases (Qwen2) are grouped the same way.
+- ``gate_up.kernel [E, F * 2]``: column ``2 f`` is gate column ``f``, ``2 f + 1`` up column ``f``.
+
+Fusing is a change of parameters, not of the model's maths: checkpoints load into the unfused
+layout (``from_pretrained``, ``from_gguf``, ``llama_from_hf``), and a model is fused after
+loading. The linen twin (``LlamaLinen``) keeps separate projections.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from kvjax.nn import Llama, LlamaConfig, fuse_projections
+    >>> model = Llama(LlamaConfig(n_layer=1, d_model=64, n_heads=4, n_kv_heads=2), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.array([[1, 2, 3]])
+    >>> before = model.forward(tokens)
+    >>> fuse_projections(model) is model, model.layers[0].attn.qkv_proj.kernel.shape
+    (True, (64, 128))
+    >>> bool(jnp.allclose(model.forward(tokens), before, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["fuse_projections", "is_fused"]
+
+
+def _linear(kernel, bias, dtype):
+    """An ``nnx.Linear`` holding ``kernel [in, out]`` (and ``bias [out]``) as they are."""
+    n_in, n_out = kernel.shape
+    zeros = nnx.initializers.zeros_init()  # overwritten below: no random draw of a large matrix
+    lin = nnx.Linear(n_in, n_out, use_bias=bias is not None, param_dtype=dtype, kernel_init=zeros,
+                     bias_init=zeros, rngs=nnx.Rngs(0))
+    lin.kernel.set_value(kernel)
+    if bias is not None:
+        lin.bias.set_value(bias)
+    return lin
+
+
+def _group_qkv(q, k, v, n_kv_heads: int):
+    """``[..., Hq*D]``, ``[..., H*D]``, ``[..., H*D]`` columns regrouped as ``[..., H*(G+2)*D]``."""
+    lead = q.shape[:-1]
+    d = k.shape[-1] // n_kv_heads
+    g = q.shape[-1] // (n_kv_heads * d)
+    q = q.reshape(lead + (n_kv_heads, g, d))
+    k = k.reshape(lead + (n_kv_heads, 1, d))
+    v = v.reshape(lead + (n_kv_heads, 1, d))
+    return jnp.concatenate([q, k, v], axis=-2).reshape(lead + (n_kv_heads * (g + 2) * d,))
+
+
+def split_qkv(y, n_heads: int, n_kv_heads: int, head_dim: int):
+    """Q ``[..., Hq, D]``, K and V ``[..., H, D]`` out of a fused ``qkv_proj`` output ``y``."""
+    lead = y.shape[:-1]
+    g = n_heads // n_kv_heads
+    y = y.reshape(lead + (n_kv_heads, g + 2, head_dim))
+    q = y[..., :g, :].reshape(lead + (n_heads, head_dim))
+    return q, y[..., g, :], y[..., g + 1, :]
+
+
+def split_gate_up(y):
+    """``(gate, up)``, each ``[..., F]``, out of a fused ``gate_up`` output ``y [..., 2F]``."""
+    y = y.reshape(y.shape[:-1] + (y.shape[-1] // 2, 2))
+    return y[..., 0], y[..., 1]
+
+
+def _fuse_attention(attn) -> None:
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    kernel = _group_qkv(q.kernel[...], k.kernel[...], v.kernel[...], attn.n_kv_heads)
+    bias = None
+    if q.bias is not None:
+        bias = _group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
+    attn.qkv_proj = _linear(kernel, bias, q.kernel[...].dtype)
+    attn.q_proj = attn.k_proj = attn.v_proj = None
+
+
+def _fuse_mlp(mlp) -> None:
+    gate, up = mlp.gate.kernel[...], mlp.up.kernel[...]
+    kernel = jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
+    mlp.gate_up = _linear(kernel, None, gate.dtype)
+    mlp.gate = mlp.up = None
+
+
+def is_fused(module) -> bool:
+    """Whether ``module`` (a model or one of its layers) holds fused projections."""
+    return any(getattr(m, "qkv_proj", None) is not None or getattr(m, "gate_up", None) is not None
+               for _, m in nnx.iter_modules(module))
+
+
+def fuse_projections(model):
+    """Fuse, in place, every attention layer's Q/K/V and every gated MLP's gate/up projections.
+
+    Walks ``model`` (an NNX module: ``kvjax.nn.Llama``, ``HybridLM``, or any module built from
+    :class:`kvjax.nn.CachedAttention` and :class:`kvjax.nn.MLP`) and replaces, in each
+    ``CachedAttention``, ``q_proj``/``k_proj``/``v_proj`` by one ``qkv_proj`` and, in each
+    ``MLP``, ``gate``/``up`` by one ``gate_up`` (layouts in the module docstring). The model
+    computes the same function (the products are the same; float sums are not reordered).
+    Layers already fused are left as they are, so fusing twice is harmless.
+
+    Take ``nnx.state(model)`` again afterwards (an Engine or Step built before keeps the old
+    parameters).
+
+    Args:
+        model: an NNX module.
+
+    Returns:
+        ``model`` itself, fused.
+
+    Raises:
+        ValueError: ``model`` is not an NNX module.
+    """
+    from kvjax.nn._llama import MLP
+    from kvjax.nn._nnx_attention import CachedAttention
+
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model must be an NNX module (e.g. kvjax.nn.Llama), got {type(model).__name__}; "
+                         "linen models (LlamaLinen) keep separate projections")
+    for _, module in list(nnx.iter_modules(model)):
+        if isinstance(module, CachedAttention) and module.q_proj is not None:
+            _fuse_attention(module)
+        elif isinstance(module, MLP) and module.gate is not None:
+            _fuse_mlp(module)
+    return model
