@@ -2,8 +2,10 @@
 
 A random Llama (4 layers, width 256, 8 heads, vocab 256, float32) is written as a GGUF file (the
 layout ``convert_hf_to_gguf.py`` writes, as ``tests/test_gguf.py`` does), loaded into kvjax with
-``kvjax.nn.from_gguf`` and into llama.cpp through ``llama-cpp-python``'s low-level API (2 threads,
-one unified K/V buffer). Both decode greedily: the tokens are compared (the first rows must agree;
+``kvjax.nn.from_gguf`` and into llama.cpp through ``llama-cpp-python``'s low-level API (2 threads).
+Both sides store K/V alike: float16 (llama.cpp's default) and float32, in one unified buffer, and
+for several sequences also one stream per sequence (llama.cpp's default, ``kv_unified=false``,
+against ``kvjax.StreamsConfig``). Both decode greedily: the tokens are compared (the first rows must agree;
 float32 sums in another order can flip a near tie later on), then decode speed is measured at
 batch 1, 8 and 32 (B sequences, one token each per ``llama_decode`` call: a ``llama_batch`` with
 one sequence id per row; greedy picked on the host from ``llama_get_logits_ith``, which is what a
@@ -32,6 +34,10 @@ from kvjax.nn import Llama, LlamaConfig
 
 GREEDY = kvjax.SamplingConfig(temperature=0)
 N_THREADS = 2
+#: ggml's type ids of the K/V storage dtypes compared (llama.cpp's default is float16)
+GGML_TYPES = {"float32": 0, "float16": 1}
+#: (K/V dtype, unified) per compared layout, for batches above 1 (batch 1 runs the unified ones)
+LAYOUTS = (("float16", True), ("float32", True), ("float16", False))
 
 
 def _byte_tokens():
@@ -102,7 +108,7 @@ def _write_gguf(path, model: Llama) -> None:
 class _LlamaCpp:
     """A llama.cpp context over the GGUF file, driven with ``llama_batch`` (the low-level API)."""
 
-    def __init__(self, path: str, n_seq: int, n_ctx: int):
+    def __init__(self, path: str, n_seq: int, n_ctx: int, kv_dtype: str = "float16", unified: bool = True):
         import llama_cpp as lc
 
         self.lc = lc
@@ -119,7 +125,10 @@ class _LlamaCpp:
         cparams.n_batch = cparams.n_ubatch = max(512, n_seq)
         cparams.n_seq_max = n_seq
         cparams.n_threads = cparams.n_threads_batch = N_THREADS
-        cparams.kv_unified = True      # one K/V buffer for every sequence, as kvjax's unified cache
+        cparams.type_k = cparams.type_v = GGML_TYPES[kv_dtype]
+        # True: one K/V buffer for every sequence (kvjax's unified cache); False: one stream per
+        # sequence (llama.cpp's default for several sequences; kvjax's StreamCache)
+        cparams.kv_unified = unified
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
         self.batch = lc.llama_batch_init(max(512, n_seq * 64), 0, n_seq)
@@ -177,45 +186,61 @@ def run(quick: bool = False) -> str:
     source = Llama(cfg, rngs=nnx.Rngs(0))
     # larger weights than the initialiser's, so that the greedy tokens are not one repeated token
     nnx.update(source, jax.tree.map(lambda x: x * 2.0, nnx.state(source, nnx.Param)))
-    n_new, prompt_len, repeats = (32, 16, 2) if quick else (128, 16, 3)
+    n_new, prompt_len, repeats = (32, 16, 2) if quick else (128, 16, 5)
     rng = np.random.default_rng(0)
     rows, agree = [], []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tiny-llama.gguf")
         _write_gguf(path, source)
-        model = kvjax.nn.from_gguf(path)
+        model = kvjax.nn.fuse_projections(kvjax.nn.from_gguf(path))  # what `python -m kvjax generate` runs
         for batch in (1, 8, 32):
             prompts = [rng.integers(1, 256, size=prompt_len).tolist() for _ in range(batch)]
             size = 1 << (batch * (prompt_len + n_new) - 1).bit_length()
-            cpp = _LlamaCpp(path, batch, size)
-            cpp_out, _ = cpp.generate(prompts, n_new)          # warm-up
-            cpp_tps = statistics.median(batch * (n_new - 1) / cpp.generate(prompts, n_new)[1] for _ in range(repeats))
-            cpp.close()
+            for kv_dtype, unified in LAYOUTS:
+                if batch == 1 and not unified:
+                    continue  # one sequence: a stream is the unified cache
+                config = model.config.cache_config(size=size if unified else size // batch, n_seq_max=batch,
+                                                   padding=32, k_dtype=kv_dtype, v_dtype=kv_dtype)
+                if not unified:
+                    config = kvjax.StreamsConfig(config, n_stream=batch)
 
-            def gen(r):
-                engine = Engine(model, kvjax.init(model.config.cache_config(size=size, n_seq_max=batch, padding=32)),
-                                n_ubatch=max(64, batch))
-                return generate(engine, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(r), sampling=GREEDY,
-                                share_prefix=False, sync_every=n_new)
+                def gen(r):
+                    engine = Engine(model, kvjax.init(config), n_ubatch=max(64, batch))
+                    return generate(engine, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(r),
+                                    sampling=GREEDY, share_prefix=False, sync_every=n_new)
 
-            first = gen(0)
-            kv_tps = statistics.median(gen(r + 1).steady_tokens_per_second for r in range(repeats))
-            same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
-                    for x, y in zip(first.tokens, cpp_out)]
-            agree.append(f"batch {batch}: greedy tokens equal for the first {min(same)} (median {int(np.median(same))}) "
-                         f"of {n_new} per sequence")
-            rows.append([batch, f"{cpp_tps:.0f}", f"{kv_tps:.0f}", f"{kv_tps / cpp_tps:.2f}",
-                         f"{first.compile_seconds:.1f} s"])
+                cpp = _LlamaCpp(path, batch, size, kv_dtype, unified)
+                cpp_out, _ = cpp.generate(prompts, n_new)          # warm-up
+                first = gen(0)                                     # compiles
+                # interleaved, so that the load of this shared machine falls on both alike
+                cpp_runs, kv_runs = [], []
+                for r in range(repeats):
+                    cpp_runs.append(batch * (n_new - 1) / cpp.generate(prompts, n_new)[1])
+                    kv_runs.append(gen(r + 1).steady_tokens_per_second)
+                cpp.close()
+                cpp_tps, kv_tps = statistics.median(cpp_runs), statistics.median(kv_runs)
+                same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
+                        for x, y in zip(first.tokens, cpp_out)]
+                layout = "unified" if unified else "a stream per sequence"
+                agree.append(f"batch {batch} ({kv_dtype}, {layout}): equal for the first {min(same)} "
+                             f"(median {int(np.median(same))})")
+                rows.append([batch, kv_dtype, layout, f"{cpp_tps:.0f}", f"{kv_tps:.0f}", f"{kv_tps / cpp_tps:.2f}",
+                             f"{first.compile_seconds:.1f} s"])
     return "\n\n".join([
         head,
-        f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, float32, "
-        f"written as GGUF and loaded by both. {prompt_len}-token prompts, {n_new} greedy tokens per sequence; "
-        f"llama.cpp: `llama-cpp-python` {llama_cpp.__version__}, {N_THREADS} threads, one `llama_decode` of a "
-        "B-row `llama_batch` per step, argmax on the host; kvjax: `kvjax.generate` (device loop, "
-        f"`sync_every={n_new}`), steady tokens/s (compile time apart). Medians of {repeats}.",
-        table(["batch", "llama.cpp tokens/s", "kvjax tokens/s", "kvjax / llama.cpp", "kvjax compile (first run)"],
-              rows),
-        "Agreement: " + "; ".join(agree) + ".",
+        f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, float32 "
+        f"weights, written as GGUF and loaded by both. {prompt_len}-token prompts, {n_new} greedy tokens per "
+        f"sequence; llama.cpp: `llama-cpp-python` {llama_cpp.__version__}, {N_THREADS} threads, one `llama_decode` "
+        "of a B-row `llama_batch` per step, argmax on the host; kvjax: `kvjax.generate` (device loop, "
+        f"`sync_every={n_new}`) of the model with fused projections (`kvjax.nn.fuse_projections`), steady "
+        f"tokens/s (compile time apart). Medians of {repeats}, the two sides interleaved. Both sides store "
+        "K/V in the same dtype (llama.cpp's default is float16: `type_k`/`type_v`) and the same layout: "
+        "unified is one K/V buffer for every sequence (`kv_unified=true` / `kvjax.CacheConfig`), a stream per "
+        "sequence is llama.cpp's default for several sequences (`kv_unified=false`) / `kvjax.StreamsConfig`.",
+        table(["batch", "K/V dtype", "K/V layout", "llama.cpp tokens/s", "kvjax tokens/s", "kvjax / llama.cpp",
+               "kvjax compile (first run)"], rows),
+        "Greedy tokens of kvjax and llama.cpp per sequence (of " + str(n_new) + "): " + "; ".join(agree)
+        + ". Float sums in another order flip near ties of this random model, after which the sequences differ.",
     ])
 
 
