@@ -121,3 +121,20 @@ def test_fusing_twice_changes_nothing_and_bad_input_is_refused():
         fuse_projections(kvjax.nn.LlamaLinen(cfg))
     with pytest.raises(ValueError, match="model must be an NNX module"):
         fuse_projections("llama")
+
+
+def test_fused_keeps_the_parameter_dtype():
+    """A bfloat16 model (``from_pretrained(..., dtype="bfloat16")``) stays bfloat16 when fused."""
+    cfg = CONFIGS["gqa"]
+
+    def bf16_model():
+        model = make_model(cfg)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param)))
+        return model
+
+    plain, fused = bf16_model(), fuse_projections(bf16_model())
+    assert fused.layers[0].attn.qkv_proj.kernel[...].dtype == jnp.bfloat16
+    assert fused.layers[0].mlp.gate_up.kernel[...].dtype == jnp.bfloat16
+    tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    a, b = np.asarray(fused.forward(tokens), np.float32), np.asarray(plain.forward(tokens), np.float32)
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)

@@ -41,12 +41,12 @@ from flax import nnx
 __all__ = ["fuse_projections", "is_fused"]
 
 
-def _linear(kernel, bias, dtype):
-    """An ``nnx.Linear`` holding ``kernel [in, out]`` (and ``bias [out]``) as they are."""
+def _linear(kernel, bias, like):
+    """An ``nnx.Linear`` holding ``kernel [in, out]`` (and ``bias [out]``), computing as ``like`` does."""
     n_in, n_out = kernel.shape
     zeros = nnx.initializers.zeros_init()  # overwritten below: no random draw of a large matrix
-    lin = nnx.Linear(n_in, n_out, use_bias=bias is not None, param_dtype=dtype, kernel_init=zeros,
-                     bias_init=zeros, rngs=nnx.Rngs(0))
+    lin = nnx.Linear(n_in, n_out, use_bias=bias is not None, dtype=like.dtype, param_dtype=kernel.dtype,
+                     precision=like.precision, kernel_init=zeros, bias_init=zeros, rngs=nnx.Rngs(0))
     lin.kernel.set_value(kernel)
     if bias is not None:
         lin.bias.set_value(bias)
@@ -85,14 +85,14 @@ def _fuse_attention(attn) -> None:
     bias = None
     if q.bias is not None:
         bias = _group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
-    attn.qkv_proj = _linear(kernel, bias, q.kernel[...].dtype)
+    attn.qkv_proj = _linear(kernel, bias, q)
     attn.q_proj = attn.k_proj = attn.v_proj = None
 
 
 def _fuse_mlp(mlp) -> None:
     gate, up = mlp.gate.kernel[...], mlp.up.kernel[...]
     kernel = jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
-    mlp.gate_up = _linear(kernel, None, gate.dtype)
+    mlp.gate_up = _linear(kernel, None, mlp.gate)
     mlp.gate = mlp.up = None
 
 
