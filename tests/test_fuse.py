@@ -138,3 +138,18 @@ def test_fused_keeps_the_parameter_dtype():
     tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     a, b = np.asarray(fused.forward(tokens), np.float32), np.asarray(plain.forward(tokens), np.float32)
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_saving_a_fused_model_is_refused_with_what_to_do(tmp_path):
+    """Checkpoints name q/k/v and gate/up apart: a fused model cannot be saved or loaded into."""
+    from kvjax.nn._pretrained import save_llama
+
+    cfg = LlamaConfig(vocab_size=64, d_model=64, n_layer=1, n_heads=4, n_kv_heads=2,
+                      rope=kvjax.RopeConfig(n_rot=16, mode="neox", freq_base=10000.0))  # a savable config
+    save_llama(make_model(cfg), tmp_path / "plain")  # the same model unfused saves
+    tmp_path = tmp_path / "fused"
+    tmp_path.mkdir()
+    fused = fuse_projections(make_model(cfg))
+    with pytest.raises(ValueError, match="fused projections .* unfused model, then fuse"):
+        save_llama(fused, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -258,6 +258,11 @@ def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
     Gemma's sandwich norms with ``config.sandwich_norms``. With ``attention_bias`` the q/k/v
     biases are listed, and the o bias when ``o_bias`` (Qwen2 has none: the caller zeroes it).
     """
+    from kvjax.nn._fuse import is_fused
+
+    if is_fused(model):  # the checkpoint layout names q/k/v and gate/up apart
+        raise ValueError("model has fused projections (kvjax.nn.fuse_projections): load or save the checkpoint "
+                         "with an unfused model, then fuse")
     cfg = model.config
     plan: Plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
     if model.lm_head is not None:

@@ -366,6 +366,7 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
 
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
+    llama_plan(model)  # refuses what the layout cannot name (fused projections) before anything is written
     cfg = model.config
     rope = cfg.rope_config
     plain = rope is not None and _is_default_rope(rope, cfg.head_size)
