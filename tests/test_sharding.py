@@ -156,11 +156,12 @@ def test_write_and_attention_equal_unsharded(config, mesh_shape):
 # -- the reference model's step --------------------------------------------------------------------
 
 MODEL = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8)
+ALIBI_MODEL = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8, position="alibi")
 _COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(")
 
 
-def _memory_config(streams: bool):
-    config = MODEL.cache_config(size=64, n_seq_max=8, padding=16)
+def _memory_config(streams: bool, model=MODEL):
+    config = model.cache_config(size=64, n_seq_max=8, padding=16)
     return kvjax.StreamsConfig(config) if streams else config
 
 
@@ -177,25 +178,30 @@ def _decode(streams: bool):
     return kvjax.make_ubatch([4, 4], [[0], [5]])
 
 
-@pytest.mark.parametrize("streams, mesh_shape, fused", [
-    *[pytest.param(False, m.values[0], False, id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
-    *[pytest.param(True, m.values[0], False, id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+@pytest.mark.parametrize("streams, mesh_shape, variant", [
+    *[pytest.param(False, m.values[0], "plain", id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+    *[pytest.param(True, m.values[0], "plain", id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
     # fused projections (kvjax.nn.fuse_projections) split by whole heads and MLP columns too
-    *[pytest.param(False, m.values[0], True, id=f"unified-fused-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+    *[pytest.param(False, m.values[0], "fused", id=f"unified-fused-{m.id}", marks=m.marks)
+      for m in meshes("2x4", "1x8")],
+    # ALiBi: the streams mesh path splits the per-head slopes like the query heads
+    *[pytest.param(True, m.values[0], "alibi", id=f"streams-alibi-{m.id}", marks=m.marks)
+      for m in meshes("2x4", "1x8")],
 ])
-def test_sharded_model_step_equals_unsharded(streams, mesh_shape, fused):
-    model = make_model(MODEL)
+def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
+    config = ALIBI_MODEL if variant == "alibi" else MODEL
+    model = make_model(config)
     step = plain_step = make_step(model)
     plain_state = nnx.state(model)
     mesh = shard.make_mesh(*mesh_shape)
-    if fused:  # the unfused model's logits are the reference
-        state = shard.shard_params(nnx.state(kvjax.nn.fuse_projections(make_model(MODEL))), mesh)
-        step = make_step(kvjax.nn.fuse_projections(make_model(MODEL)))
+    if variant == "fused":  # the unfused model's logits are the reference
+        state = shard.shard_params(nnx.state(kvjax.nn.fuse_projections(make_model(config))), mesh)
+        step = make_step(kvjax.nn.fuse_projections(make_model(config)))
     else:
         state = shard.shard_params(plain_state, mesh)
     tokens = np.arange(8, dtype=np.int32) * 7 % MODEL.vocab_size
-    plain = kvjax.init(_memory_config(streams))
-    sharded = kvjax.init(_memory_config(streams), mesh=mesh)
+    plain = kvjax.init(_memory_config(streams, config))
+    sharded = kvjax.init(_memory_config(streams, config), mesh=mesh)
     layout = shard.shardings_of(sharded)
     for ub, toks in ((_prefill(streams), tokens), (_decode(streams), tokens[:2])):
         want, plain, ok_plain = plain_step(plain_state, plain, ub, toks, n_kv=16)
