@@ -16,28 +16,20 @@ import statistics
 
 import jax
 import numpy as np
-from flax import nnx
 
 import kvjax
+from benchmarks.bench_llamacpp import tiny_llama
 from benchmarks.common import table
 from kvjax.engine._engine import Engine, generate
-from kvjax.nn import Llama, LlamaConfig, fuse_projections
+from kvjax.nn import fuse_projections
 
 GREEDY = kvjax.SamplingConfig(temperature=0)
 OPTIONS = (("unfused", "float32"), ("fused", "float32"), ("unfused", "float16"), ("fused", "float16"))
 
 
-def _model(fused: bool) -> Llama:
-    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8, norm_eps=1e-5,
-                      rope=kvjax.RopeConfig(n_rot=32, mode="neox", freq_base=10000.0))
-    model = Llama(cfg, rngs=nnx.Rngs(0))
-    nnx.update(model, jax.tree.map(lambda x: x * 2.0, nnx.state(model, nnx.Param)))  # as bench_llamacpp
-    return fuse_projections(model) if fused else model
-
-
 def run(quick: bool = False) -> str:
     n_new, prompt_len, repeats = (32, 16, 2) if quick else (128, 16, 5)
-    models = {"unfused": _model(False), "fused": _model(True)}
+    models = {"unfused": tiny_llama(), "fused": fuse_projections(tiny_llama())}
     cfg = models["unfused"].config
     rng = np.random.default_rng(0)
     rows = []

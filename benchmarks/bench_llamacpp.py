@@ -40,6 +40,16 @@ GGML_TYPES = {"float32": 0, "float16": 1}
 LAYOUTS = (("float16", True), ("float32", True), ("float16", False))
 
 
+def tiny_llama() -> Llama:
+    """The compared model: 4 layers, width 256, 8 heads, vocab 256, float32, random weights."""
+    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8, norm_eps=1e-5,
+                      rope=kvjax.RopeConfig(n_rot=32, mode="neox", freq_base=10000.0))
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    # larger weights than the initialiser's, so that the greedy tokens are not one repeated token
+    nnx.update(model, jax.tree.map(lambda x: x * 2.0, nnx.state(model, nnx.Param)))
+    return model
+
+
 def _byte_tokens():
     """GPT-2's byte-to-unicode table: 256 single-byte tokens (llama.cpp's BPE vocab needs "\\n")."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -181,11 +191,8 @@ def run(quick: bool = False) -> str:
         import gguf  # noqa: F401
     except ImportError as e:
         return f"{head}\n\nSkipped: {e.name} is not installed (`pip install 'kvjax[llamacpp,gguf]'`)."
-    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8, norm_eps=1e-5,
-                      rope=kvjax.RopeConfig(n_rot=32, mode="neox", freq_base=10000.0))
-    source = Llama(cfg, rngs=nnx.Rngs(0))
-    # larger weights than the initialiser's, so that the greedy tokens are not one repeated token
-    nnx.update(source, jax.tree.map(lambda x: x * 2.0, nnx.state(source, nnx.Param)))
+    source = tiny_llama()
+    cfg = source.config
     n_new, prompt_len, repeats = (32, 16, 2) if quick else (128, 16, 5)
     rng = np.random.default_rng(0)
     rows, agree = [], []

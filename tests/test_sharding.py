@@ -195,8 +195,8 @@ def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
     plain_state = nnx.state(model)
     mesh = shard.make_mesh(*mesh_shape)
     if variant == "fused":  # the unfused model's logits are the reference
-        state = shard.shard_params(nnx.state(kvjax.nn.fuse_projections(make_model(config))), mesh)
-        step = make_step(kvjax.nn.fuse_projections(make_model(config)))
+        fused = kvjax.nn.fuse_projections(make_model(config))
+        state, step = shard.shard_params(nnx.state(fused), mesh), make_step(fused)
     else:
         state = shard.shard_params(plain_state, mesh)
     tokens = np.arange(8, dtype=np.int32) * 7 % MODEL.vocab_size

@@ -366,7 +366,7 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
 
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
-    llama_plan(model)  # refuses what the layout cannot name (fused projections) before anything is written
+    plan = llama_plan(model)  # first: it refuses what the layout cannot name (fused projections)
     cfg = model.config
     rope = cfg.rope_config
     plain = rope is not None and _is_default_rope(rope, cfg.head_size)
@@ -396,7 +396,7 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
                   dtype=(dt or jnp.dtype(model.embed.embedding.dtype)).name)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
-    for var, key, fn in llama_plan(model):
+    for var, key, fn in plan:
         value = var.get_value() if dt is None else var.get_value().astype(dt)
         arr = np.asarray(value)
         arr = fn(arr) if fn is not None else arr
