@@ -11,14 +11,29 @@ The suite runs with 8 virtual CPU devices (``--xla_force_host_platform_device_co
 before JAX starts its backend), so ``tests/test_sharding.py`` can place memories on 8x1, 1x8, 2x4
 and 4x2 meshes in the test process itself. Every other test runs on the default device, device 0,
 as before.
+
+The suite asks XLA:CPU for its cheapest code generation (LLVM at -O0, the classic loop emitters):
+about 85% of the suite's time is XLA compiling thousands of small programs, and with these flags a
+compile takes about a third of the time (an engine test: 12 s of compiling down to 4 s; the whole
+suite 17m37s down to 6m50s on the 2-core CI machine). The programs compute the same thing; XLA's
+fusion choices and the machine code differ, so float results can differ in the last bits (1e-6 on a
+model step's logits), inside every test's tolerance. Tests that read a compiled program's HLO compile
+it with XLA's default emitters (``tests.helpers.USER_HLO``), so they check what users run. Users and
+``python -m kvjax bench`` get XLA's defaults; ``KVJAX_TEST_XLA_DEFAULTS=1 python -m pytest`` runs the
+suite with them too.
 """
 
 import gc
 import os
 
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
+#: flag name -> value; a flag the caller already set in XLA_FLAGS is left as they set it
+_SUITE_FLAGS = {_DEVICES_FLAG: "8"}
+if os.environ.get("KVJAX_TEST_XLA_DEFAULTS", "") in ("", "0"):
+    _SUITE_FLAGS.update({"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"})
+for _flag, _value in _SUITE_FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):  # subprocesses (demo, notebooks) inherit them
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
 
 import jax
 import pytest

@@ -10,6 +10,12 @@ import kvjax
 from kvjax._compiles import CompileCounter  # noqa: F401  (re-exported for the tests)
 
 
+#: Compile options for tests that read a compiled program's HLO: XLA's default fusion emitters, which
+#: the suite turns off to compile faster (tests/conftest.py), so these tests check the program users
+#: get. The other suite flag (LLVM at -O0) changes machine code only: the HLO text is the same.
+USER_HLO = {"xla_cpu_use_fusion_emitters": True}
+
+
 @contextlib.contextmanager
 def no_recompile():
     """Assert that the block compiles nothing (run the code once before, to warm up)."""

@@ -19,7 +19,7 @@ import kvjax
 from kvjax.engine._engine import Engine, generate, generate_stream
 from kvjax.nn import HybridLM, HybridLMConfig, Llama, LlamaConfig
 from kvjax.nn._mamba import Mamba, MambaConfig
-from tests.helpers import no_recompile
+from tests.helpers import USER_HLO, no_recompile
 
 GREEDY = kvjax.SamplingConfig(temperature=0)
 SAMPLED = kvjax.SamplingConfig(temperature=1.5, top_k=24)
@@ -114,7 +114,7 @@ def test_the_compiled_loop_copies_no_kv_buffer(monkeypatch):
         loop = jit_loop(*args)
 
         def call(*a, **kw):
-            texts.append(loop.lower(*a, **kw).compile().as_text())
+            texts.append(loop.lower(*a, **kw).compile(compiler_options=USER_HLO).as_text())
             return loop(*a, **kw)
         return call
 

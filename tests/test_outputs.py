@@ -20,7 +20,7 @@ import kvjax
 from kvjax.nn import HybridLM, HybridLMConfig, Llama, LlamaConfig, LlamaLinen, make_step, params_from_nnx
 from kvjax.nn._mamba import Mamba, MambaConfig
 from kvjax.nn._step import output_bucket
-from tests.helpers import no_recompile
+from tests.helpers import USER_HLO, no_recompile
 
 LLAMA = LlamaConfig(vocab_size=48, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1)
 MAMBA = MambaConfig(vocab_size=48, d_model=16, n_layer=2, d_state=4, d_conv=4, scan_chunk=4)
@@ -190,7 +190,8 @@ def test_prefill_of_512_tokens_with_32k_vocabulary_builds_no_512_by_vocab_array(
     tokens = jax.ShapeDtypeStruct((512,), jnp.int32)
 
     def compiled(outputs):
-        return step._jitted.lower(state, rest, buffers, ub, tokens, None, outputs, windows=(512,)).compile()
+        return step._jitted.lower(state, rest, buffers, ub, tokens, None, outputs, windows=(512,)).compile(
+            compiler_options=USER_HLO)
 
     one = compiled(jax.ShapeDtypeStruct((1,), jnp.int32))
     every = compiled(None)
