@@ -52,7 +52,7 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
     ubatch = kvjax.make_ubatch([0, 1, 2, 3] * 2, [[0]] * 4 + [[5]] * 4)
     for name, shape in (("1x8", (1, 8)), ("2x4", (2, 4))):  # heads across the two processes, then within
         mesh = shard.make_mesh(*shape)
-        state = shard.shard_params(plain_state, mesh)
+        state = shard.shard_params(plain_state, mesh, n_kv_heads=cfg.n_kv_heads)
         config = cfg.cache_config(size=64, n_seq_max=8, padding=16)
         memory = kvjax.init(config, mesh=mesh)
         with jax.default_device(local):

@@ -33,6 +33,7 @@ import kvjax
 from kvjax import shard
 from kvjax.nn import LlamaConfig, make_step
 from tests.test_memory_contract import _streams_program, apply_op, leaves_equal, random_program
+from tests.helpers import USER_HLO
 from tests.test_nn_nnx import make_model
 
 MESH_SHAPES = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
@@ -196,9 +197,9 @@ def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
     mesh = shard.make_mesh(*mesh_shape)
     if variant == "fused":  # the unfused model's logits are the reference
         fused = kvjax.nn.fuse_projections(make_model(config))
-        state, step = shard.shard_params(nnx.state(fused), mesh), make_step(fused)
+        state, step = shard.shard_params(nnx.state(fused), mesh, n_kv_heads=config.n_kv_heads), make_step(fused)
     else:
-        state = shard.shard_params(plain_state, mesh)
+        state = shard.shard_params(plain_state, mesh, n_kv_heads=config.n_kv_heads)
     tokens = np.arange(8, dtype=np.int32) * 7 % MODEL.vocab_size
     plain = kvjax.init(_memory_config(streams, config))
     sharded = kvjax.init(_memory_config(streams, config), mesh=mesh)
@@ -214,6 +215,31 @@ def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
     # the compiled decode step: K/V stay where they are (tensor parallelism's all-reduces only)
     buffers, rest = sharded.split()
     ub = _decode(streams)
-    hlo = step._jitted.lower(state, rest, buffers, ub, tokens[:2], None, None, windows=(16,)).compile().as_text()
+    hlo = step._jitted.lower(state, rest, buffers, ub, tokens[:2], None, None, windows=(16,)).compile(
+        compiler_options=USER_HLO).as_text()
     gathers = [shape for shape, kind in _COLLECTIVE.findall(hlo) if kind != "all-reduce"]
     assert gathers == [], f"the compiled step moves data between devices: {gathers}"
+
+
+def test_shard_params_refuses_a_mesh_that_splits_a_head_group():
+    """4 devices on "model" divide the K/V columns of 2 kv heads of size 8 (16) but not the heads:
+    refused for a module (its config) and for a bare state given ``n_kv_heads``; nothing placed."""
+    config = LlamaConfig(vocab_size=64, d_model=32, n_layer=1, n_heads=4, n_kv_heads=2)
+    model = make_model(config)
+    mesh = shard.make_mesh(2, 4)
+    before = nnx.state(model)
+    with pytest.raises(ValueError, match=r"n_kv_heads=2 is out of range for mesh=.*allowed a mesh whose model "
+                                         r"size is one of \[1, 2\]"):
+        shard.shard_params(model, mesh)
+    assert jax.tree.all(jax.tree.map(lambda a, b: a is b, nnx.state(model), before))
+    with pytest.raises(ValueError, match=r"n_kv_heads=2 is out of range"):
+        shard.shard_params(nnx.state(model), mesh, n_kv_heads=2)
+    with pytest.raises(ValueError, match=r"n_kv_heads=3 does not match the model's config.n_kv_heads=2"):
+        shard.shard_params(model, mesh, n_kv_heads=3)
+    for bad in (0, -2, 2.0, True, "2"):
+        with pytest.raises(ValueError, match=r"n_kv_heads=.* is out of range: allowed a positive int"):
+            shard.shard_params(nnx.state(model), mesh, n_kv_heads=bad)
+    # a mesh that divides the heads places the bare state
+    placed = shard.shard_params(nnx.state(model), shard.make_mesh(4, 2), n_kv_heads=2)
+    assert placed["layers"][0]["attn"]["k_proj"]["kernel"].get_value().sharding.spec == jax.sharding.PartitionSpec(
+        None, "model")

@@ -90,6 +90,9 @@ def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optio
     check_mesh(mesh)
     table = check_rules(rules, mesh)
     if n_kv_heads is not None:
+        if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, (int, np.integer)) or n_kv_heads < 1:
+            raise ValueError(f"n_kv_heads={n_kv_heads!r} is out of range: allowed a positive int (the model's "
+                             f"kv heads) or None")
         parts = int(np.prod([mesh.shape[a] for a in table[HEADS]])) if table[HEADS] else 1
         if n_kv_heads % parts:
             allowed = [d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0]
@@ -105,25 +108,34 @@ def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optio
     return jax.tree_util.tree_map_with_path(one, state, axes)
 
 
-def shard_params(model_or_state, mesh: Mesh, rules: Rules = None):
+def shard_params(model_or_state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optional[int] = None):
     """Place a model's weights on ``mesh`` (heads and MLP width on ``"model"``, the rest replicated).
 
     Args:
-        model_or_state: an NNX module (its state is placed and written back into it, and
-            ``model.config.n_kv_heads`` is checked against the mesh), or a state / linen
-            variables pytree.
+        model_or_state: an NNX module (its state is placed and written back into it), or a state /
+            linen variables pytree.
         mesh: the device mesh.
         rules: overrides of :data:`kvjax.shard.DEFAULT_RULES`.
+        n_kv_heads: the model's kv heads, checked against the mesh (the devices heads are split
+            over must divide it). A module's own ``config.n_kv_heads`` is used when not given;
+            pass it with a bare state, which carries no config: a mesh that divides a
+            projection's columns but not its heads would otherwise split a head group.
 
     Returns:
         The placed state (pass it to the step: ``step(state, memory, ...)``).
+
+    Raises:
+        ValueError: as :func:`param_shardings`; nothing is placed then.
     """
     from flax import nnx
 
     if isinstance(model_or_state, nnx.Module):
         state = nnx.state(model_or_state)
-        n_kv = getattr(getattr(model_or_state, "config", None), "n_kv_heads", None)
-        placed = jax.device_put(state, param_shardings(state, mesh, rules, n_kv_heads=n_kv))
+        own = getattr(getattr(model_or_state, "config", None), "n_kv_heads", None)
+        if n_kv_heads is not None and own is not None and n_kv_heads != own:
+            raise ValueError(f"n_kv_heads={n_kv_heads} does not match the model's config.n_kv_heads={own}: "
+                             f"leave n_kv_heads out for a module (its config is read)")
+        placed = jax.device_put(state, param_shardings(state, mesh, rules, n_kv_heads=own or n_kv_heads))
         nnx.update(model_or_state, placed)
         return placed
-    return jax.device_put(model_or_state, param_shardings(model_or_state, mesh, rules))
+    return jax.device_put(model_or_state, param_shardings(model_or_state, mesh, rules, n_kv_heads=n_kv_heads))
