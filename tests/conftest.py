@@ -15,7 +15,7 @@ as before.
 The suite asks XLA:CPU for its cheapest code generation (LLVM at -O0, the classic loop emitters):
 about 85% of the suite's time is XLA compiling thousands of small programs, and with these flags a
 compile takes about a third of the time (an engine test: 12 s of compiling down to 4 s; the whole
-suite 17m37s down to 6m50s on the 2-core CI machine). The programs compute the same thing; XLA's
+suite from 17-20 minutes down to 6m50s on the 2-core CI machine). The programs compute the same thing; XLA's
 fusion choices and the machine code differ, so float results can differ in the last bits (1e-6 on a
 model step's logits), inside every test's tolerance. Tests that read a compiled program's HLO compile
 it with XLA's default emitters (``tests.helpers.USER_HLO``), so they check what users run. Users and
