@@ -18,6 +18,8 @@ def test_make_ubatch_layout():
     mask = np.asarray(ub.seq_mask(2))
     assert mask[1].tolist() == [0b101, 0] and not mask[3:].any()
     assert np.asarray(kvjax.make_ubatch([0], [[33]]).seq_mask(2))[0].tolist() == [0, 2]
+    bare = kvjax.make_ubatch([0, 1], [3, np.int64(4)])  # one bare id per token
+    assert bare.seq_ids.tolist() == kvjax.make_ubatch([0, 1], [[3], [4]]).seq_ids.tolist() == [[3], [4]]
 
 
 @pytest.mark.parametrize("args, match", [
@@ -37,6 +39,30 @@ def test_make_ubatch_length_and_n_seq_max():
         kvjax.make_ubatch([0, 1, 2], [[0]] * 3, length=2)
     with pytest.raises(ValueError, match=r"seq_ids\[0\] contains 4: allowed \[0, 4\)"):
         kvjax.make_ubatch([0], [[4]], n_seq_max=4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=20),
+       st.booleans(), st.sampled_from(["lists", "numpy", "numpy uint8"]))
+def test_make_ubatch_equals_a_per_token_construction(seq_ids, rectangular, form):
+    """Whatever path builds it (one vectorized pass for rectangular ids, token by token otherwise),
+    the ubatch is the per-token definition: each token's ids in order with repeats dropped, -1 padded."""
+    if rectangular:
+        width = max(len(s) for s in seq_ids)
+        seq_ids = [(s * width)[:width] for s in seq_ids]  # every token the same count (with repeats)
+        if form != "lists":
+            seq_ids = np.asarray(seq_ids, np.uint8 if form == "numpy uint8" else np.int64)
+    pos = list(range(10, 10 + len(seq_ids)))
+    uniq = [list(dict.fromkeys(int(x) for x in s)) for s in seq_ids]
+    width = max(len(u) for u in uniq)
+    want = np.full((len(uniq), width), -1)
+    for i, u in enumerate(uniq):
+        want[i, : len(u)] = u
+    ub = kvjax.make_ubatch(pos, seq_ids, length=32)
+    assert ub.seq_ids.dtype == np.int32 and ub.seq_ids.shape == (32, width)
+    np.testing.assert_array_equal(ub.seq_ids[: len(uniq)], want)
+    assert (ub.seq_ids[len(uniq):] == -1).all() and ub.valid.tolist() == [i < len(uniq) for i in range(32)]
+    assert ub.pos[: len(pos)].tolist() == pos
 
 
 def _check_partition(parts, n):

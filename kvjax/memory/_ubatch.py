@@ -117,10 +117,15 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     if pos.ndim != 1:
         raise ValueError(f"pos has shape {pos.shape}: allowed one position per token, a [n] sequence")
     n = pos.shape[0]
+    pos_ok = not n or (pos.min() >= 0 and pos.max() < INT32_MAX)
+    ids = _rectangular_ids(seq_ids, n, n_seq_max) if pos_ok else None
+    if ids is not None:  # the common case, checked in one pass (the loop below costs ~30 us a token)
+        return _pack(pos, ids, length)
+    # anything else token by token, so the error names the token
     seq_lists = [list(_int_array(f"seq_ids[{i}]", s).reshape(-1)) for i, s in enumerate(seq_ids)]
     if len(seq_lists) != n:
         raise ValueError(f"seq_ids has {len(seq_lists)} entries: allowed exactly one per token (len(pos)={n})")
-    if n and (pos.min() < 0 or pos.max() >= INT32_MAX):
+    if not pos_ok:
         # 2**31 - 1 itself is the seed's "to infinity" (p1 < 0): a token there could never be removed
         raise ValueError(f"pos={pos.min() if pos.min() < 0 else pos.max()} is out of range: "
                          f"allowed [0, {INT32_MAX})")
@@ -131,19 +136,56 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         bad = [x for x in s if not 0 <= x < hi]
         if bad:
             raise ValueError(f"seq_ids[{i}] contains {bad[0]}: allowed [0, {hi})")
-    length = bucket_length(n) if length is None else check_count("length", length, 1)
-    if length < max(n, 1):
-        raise ValueError(f"length={length} is out of range: allowed >= the token count {max(n, 1)}")
     width = max([len(set(s)) for s in seq_lists] + [1])
-    ids = np.full((length, width), -1, np.int32)
+    ids = np.full((n, width), -1, np.int32)
     for i, s in enumerate(seq_lists):
         uniq = list(dict.fromkeys(int(x) for x in s))  # keep the first id first, drop repeats
         ids[i, : len(uniq)] = uniq
+    return _pack(pos, ids, length)
+
+
+def _rectangular_ids(seq_ids, n: int, n_seq_max: Optional[int]) -> Optional[np.ndarray]:
+    """``seq_ids`` as ``i32[n, W]`` (repeats dropped, -1 padded) when every token has the same
+    number of ids, all integers in range; None otherwise, and the per-token checks then name what
+    is wrong."""
+    try:
+        arr = np.asarray(seq_ids)
+    except (ValueError, TypeError):  # ragged lists, junk
+        return None
+    if arr.ndim == 1:
+        arr = arr.reshape(-1, 1)  # one bare id per token
+    if (arr.ndim != 2 or n == 0 or arr.shape[0] != n or arr.shape[1] == 0
+            or not np.issubdtype(arr.dtype, np.integer)):
+        return None
+    hi = n_seq_max if n_seq_max is not None else INT32_MAX + 1
+    if arr.min() < 0 or arr.max() >= hi:
+        return None
+    ids = arr.astype(np.int32)
+    if ids.shape[1] > 1:  # drop repeated ids, keeping the first of each
+        later = np.zeros(ids.shape, bool)
+        for j in range(1, ids.shape[1]):
+            later[:, j] = np.any(ids[:, :j] == ids[:, j:j + 1], axis=1)
+        if later.any():
+            rows = [row[~skip] for row, skip in zip(ids, later)]
+            ids = np.full((n, max(len(r) for r in rows)), -1, np.int32)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)] = r
+    return ids
+
+
+def _pack(pos: np.ndarray, ids: np.ndarray, length: Optional[int]) -> Ubatch:
+    """Pad checked positions ``[n]`` and ids ``[n, W]`` to the static length."""
+    n = pos.shape[0]
+    length = bucket_length(n) if length is None else check_count("length", length, 1)
+    if length < max(n, 1):
+        raise ValueError(f"length={length} is out of range: allowed >= the token count {max(n, 1)}")
+    seq = np.full((length, ids.shape[1]), -1, np.int32)
+    seq[:n] = ids
     pos_arr = np.zeros(length, np.int32)
     pos_arr[:n] = pos
     valid = np.arange(length) < n
     # numpy leaves: jit transfers them with the call, cheaper than three separate device puts
-    return Ubatch(pos=pos_arr, seq_ids=ids, valid=valid)
+    return Ubatch(pos=pos_arr, seq_ids=seq, valid=valid)
 
 
 def make_equal_ubatch(slots: Sequence[Tuple[Sequence[int], Sequence[int]]], *, n_slots: Optional[int] = None,
