@@ -64,10 +64,8 @@ def _both(kind, prompts, engine_args=None, **kwargs):
 
 
 # each memory kind compiles its own programs (host and device loops, ~30 s here): the two placement
-# kinds (simple and equal splits) run by default, the composites behind slow
-@pytest.mark.parametrize("kind", ["unified", "recurrent", pytest.param("iswa", marks=pytest.mark.slow),
-                                  pytest.param("hybrid", marks=pytest.mark.slow),
-                                  pytest.param("streams", marks=pytest.mark.slow)])
+# every memory kind the protocol offers, by default
+@pytest.mark.parametrize("kind", ["unified", "recurrent", "iswa", "hybrid", "streams"])
 def test_device_loop_gives_the_host_loops_tokens(kind):
     """Sampled (top-k) with different prompt lengths, budgets and a stop token; windows grow from 16
     cells past 64 (iSWA: its window cache prunes and wraps), sequences stop at different steps."""
