@@ -37,7 +37,7 @@ N_THREADS = 2
 #: ggml's type ids of the K/V storage dtypes compared (llama.cpp's default is float16)
 GGML_TYPES = {"float32": 0, "float16": 1}
 #: (K/V dtype, unified) per compared layout, for batches above 1 (batch 1 runs the unified ones)
-LAYOUTS = (("float16", True), ("float32", True), ("float16", False))
+LAYOUTS = (("float16", True), ("float32", True), ("float16", False), ("float32", False))
 
 
 def tiny_llama() -> Llama:
