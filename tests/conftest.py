@@ -26,14 +26,14 @@ suite with them too.
 import gc
 import os
 
-_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 #: flag name -> value; a flag the caller already set in XLA_FLAGS is left as they set it
-_SUITE_FLAGS = {_DEVICES_FLAG: "8"}
-if os.environ.get("KVJAX_TEST_XLA_DEFAULTS", "") in ("", "0"):
+_SUITE_FLAGS = {"--xla_force_host_platform_device_count": "8"}
+if os.environ.get("KVJAX_TEST_XLA_DEFAULTS", "").strip().lower() in ("", "0", "false", "no", "off"):
     _SUITE_FLAGS.update({"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"})
-for _flag, _value in _SUITE_FLAGS.items():
-    if _flag not in os.environ.get("XLA_FLAGS", ""):  # subprocesses (demo, notebooks) inherit them
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}={_value}".strip()
+_already = {word.split("=")[0] for word in os.environ.get("XLA_FLAGS", "").split()}
+_added = [f"{flag}={value}" for flag, value in _SUITE_FLAGS.items() if flag not in _already]
+# subprocesses (the demo, the notebooks) inherit them
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", "").strip()] + _added).strip()
 
 import jax
 import pytest

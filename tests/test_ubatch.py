@@ -19,6 +19,8 @@ def test_make_ubatch_layout():
     assert mask[1].tolist() == [0b101, 0] and not mask[3:].any()
     assert np.asarray(kvjax.make_ubatch([0], [[33]]).seq_mask(2))[0].tolist() == [0, 2]
     bare = kvjax.make_ubatch([0, 1], [3, np.int64(4)])  # one bare id per token
+    gen = kvjax.make_ubatch([0, 1], ([s] for s in (3, 4)))  # a generator is read once
+    assert gen.seq_ids.tolist() == [[3], [4]]
     assert bare.seq_ids.tolist() == kvjax.make_ubatch([0, 1], [[3], [4]]).seq_ids.tolist() == [[3], [4]]
 
 
@@ -147,6 +149,18 @@ def test_prepare_reports_and_keeps_nothing(jit):
 @pytest.mark.parametrize("call, match", [
     (lambda: kvjax.make_ubatch([0.7, 1.9], [[0], [0]]), r"pos has dtype float64: allowed integers"),
     (lambda: kvjax.make_ubatch([0], [[0.5]]), r"seq_ids\[0\] has dtype float64: allowed integers"),
+    # a bool is no sequence id, even where numpy would take it as 0 or 1 among ints
+    (lambda: kvjax.make_ubatch([0, 1], [[0], [True]]), r"seq_ids\[1\] contains True: allowed integer sequence ids"),
+    (lambda: kvjax.make_ubatch([0, 1], [0, True]), r"seq_ids\[1\] contains True: allowed integer sequence ids"),
+    (lambda: kvjax.make_ubatch([0], [[2, False]]), r"seq_ids\[0\] contains False: allowed integer sequence ids"),
+    (lambda: kvjax.make_ubatch([0], [[np.True_]]), r"seq_ids\[0\] contains np.True_"),
+    (lambda: kvjax.make_ubatch([0], [[True]]), r"seq_ids\[0\] contains True"),
+    (lambda: kvjax.make_ubatch([0, 1], np.array([[True], [False]])), r"seq_ids\[0\] has dtype bool: allowed integers"),
+    # ids past int32 are refused, never wrapped, whatever n_seq_max says
+    (lambda: kvjax.make_ubatch([0], [[2**35]], n_seq_max=2**40), r"seq_ids\[0\] contains 34359738368: allowed \[0, "
+                                                                  r"2147483648\)"),
+    (lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=float("nan")), r"n_seq_max=nan is out of range: allowed an integer"),
+    (lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=0), r"n_seq_max=0 is out of range: allowed an integer >= 1"),
     (lambda: kvjax.split_simple([[0]], 2.5), r"n_ubatch=2.5 is out of range"),
     (lambda: kvjax.find_slot(kvjax.init(small_config()), kvjax.make_ubatch([0], [[0]]), contiguous="no"),
      r"contiguous='no' must be a bool"),

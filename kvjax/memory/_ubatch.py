@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence, Tuple
 
 import jax.numpy as jnp
@@ -103,20 +104,27 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         seq_ids: for each token a non-empty list of sequence ids (``>= 0``); the first is the
             token's primary sequence.
         length: static bucket T >= n (default: :func:`bucket_length` of n).
-        n_seq_max: when given, every id must be below it.
+        n_seq_max: when given (an int >= 1), every id must be below it; ids are int32 whatever it is.
 
     Returns:
         The ubatch (numpy leaves, moved to the device by the jitted call that takes it), with
         rows n..T-1 marked invalid.
 
     Raises:
-        ValueError: on mismatched lengths, empty or negative sequence lists, positions out of
-            range, or ``length < n``.
+        ValueError: on mismatched lengths, empty or negative sequence lists, ids that are bools or
+            past int32, positions out of range, or ``length < n``.
     """
     pos = _int_array("pos", pos)
     if pos.ndim != 1:
         raise ValueError(f"pos has shape {pos.shape}: allowed one position per token, a [n] sequence")
     n = pos.shape[0]
+    if not hasattr(seq_ids, "__len__"):
+        seq_ids = list(seq_ids)  # a generator: read once, checked twice
+    if n_seq_max is not None:
+        n_seq_max = min(check_count("n_seq_max", n_seq_max, 1), INT32_MAX + 1)
+    flagged = _first_bool(seq_ids)
+    if flagged is not None:  # numpy would take a bool among ints as 0 or 1
+        raise ValueError(f"seq_ids[{flagged[0]}] contains {flagged[1]!r}: allowed integer sequence ids, not bools")
     pos_ok = not n or (pos.min() >= 0 and pos.max() < INT32_MAX)
     ids = _rectangular_ids(seq_ids, n, n_seq_max) if pos_ok else None
     if ids is not None:  # the common case, checked in one pass (the loop below costs ~30 us a token)
@@ -142,6 +150,29 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         uniq = list(dict.fromkeys(int(x) for x in s))  # keep the first id first, drop repeats
         ids[i, : len(uniq)] = uniq
     return _pack(pos, ids, length)
+
+
+_BOOLS = (bool, np.bool_)
+
+
+def _first_bool(seq_ids) -> Optional[Tuple[int, object]]:
+    """``(token, value)`` of the first bool among the ids of host lists (an array has one dtype,
+    checked where it is converted)."""
+    if hasattr(seq_ids, "dtype"):
+        return None
+    try:  # the common case, a list of id lists: one pass over their types in C
+        if not set(map(type, itertools.chain.from_iterable(seq_ids))).intersection(_BOOLS):
+            return None
+    except TypeError:  # some token is a bare id: look token by token
+        pass
+    for i, row in enumerate(seq_ids):
+        if row.__class__ in _BOOLS or getattr(row, "dtype", None) == np.bool_:
+            return i, row
+        if row.__class__ in (list, tuple):
+            for x in row:
+                if x.__class__ in _BOOLS:
+                    return i, x
+    return None
 
 
 def _rectangular_ids(seq_ids, n: int, n_seq_max: Optional[int]) -> Optional[np.ndarray]:
@@ -201,7 +232,7 @@ def make_equal_ubatch(slots: Sequence[Tuple[Sequence[int], Sequence[int]]], *, n
         slots: the sequence slots.
         n_slots: static slot count (default: :func:`bucket_length` of ``len(slots)``); slots past
             ``len(slots)`` are padding.
-        n_seq_max: when given, every id must be below it.
+        n_seq_max: when given (an int >= 1), every id must be below it; ids are int32 whatever it is.
 
     Returns:
         The ubatch, ``length = n_slots * t`` and ``n_seq_tokens = t``.

@@ -73,6 +73,12 @@ def param_axes(state):
     return jax.tree_util.tree_map_with_path(one, state)
 
 
+def _check_n_kv_heads(n_kv_heads) -> None:
+    if isinstance(n_kv_heads, (bool, np.bool_)) or not isinstance(n_kv_heads, (int, np.integer)) or n_kv_heads < 1:
+        raise ValueError(f"n_kv_heads={n_kv_heads!r} is out of range: allowed a positive int (the model's kv heads) "
+                         f"or None")
+
+
 def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optional[int] = None):
     """A ``NamedSharding`` per parameter (see :func:`param_axes`), checked against the mesh.
 
@@ -90,9 +96,7 @@ def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optio
     check_mesh(mesh)
     table = check_rules(rules, mesh)
     if n_kv_heads is not None:
-        if isinstance(n_kv_heads, bool) or not isinstance(n_kv_heads, (int, np.integer)) or n_kv_heads < 1:
-            raise ValueError(f"n_kv_heads={n_kv_heads!r} is out of range: allowed a positive int (the model's "
-                             f"kv heads) or None")
+        _check_n_kv_heads(n_kv_heads)
         parts = int(np.prod([mesh.shape[a] for a in table[HEADS]])) if table[HEADS] else 1
         if n_kv_heads % parts:
             allowed = [d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0]
@@ -129,11 +133,13 @@ def shard_params(model_or_state, mesh: Mesh, rules: Rules = None, *, n_kv_heads:
     """
     from flax import nnx
 
+    if n_kv_heads is not None:
+        _check_n_kv_heads(n_kv_heads)
     if isinstance(model_or_state, nnx.Module):
         state = nnx.state(model_or_state)
         own = getattr(getattr(model_or_state, "config", None), "n_kv_heads", None)
         if n_kv_heads is not None and own is not None and n_kv_heads != own:
-            raise ValueError(f"n_kv_heads={n_kv_heads} does not match the model's config.n_kv_heads={own}: "
+            raise ValueError(f"n_kv_heads={n_kv_heads!r} does not match the model's config.n_kv_heads={own}: "
                              f"leave n_kv_heads out for a module (its config is read)")
         placed = jax.device_put(state, param_shardings(state, mesh, rules, n_kv_heads=own or n_kv_heads))
         nnx.update(model_or_state, placed)
