@@ -238,7 +238,7 @@ def test_shard_params_refuses_a_mesh_that_splits_a_head_group():
         shard.shard_params(model, mesh, n_kv_heads=3)
     for bad in (0, -2, 2.0, True, "2"):
         for target in (nnx.state(model), model):  # a module's keyword is checked before its config
-            with pytest.raises(ValueError, match=r"n_kv_heads=.* is out of range: allowed a positive int"):
+            with pytest.raises(ValueError, match=r"n_kv_heads=.* is out of range: allowed an integer >= 1"):
                 shard.shard_params(target, mesh, n_kv_heads=bad)
     # a mesh that divides the heads places the bare state
     placed = shard.shard_params(nnx.state(model), shard.make_mesh(4, 2), n_kv_heads=2)

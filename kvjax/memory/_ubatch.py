@@ -120,13 +120,13 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     n = pos.shape[0]
     if not hasattr(seq_ids, "__len__"):
         seq_ids = list(seq_ids)  # a generator: read once, checked twice
-    if n_seq_max is not None:
-        n_seq_max = min(check_count("n_seq_max", n_seq_max, 1), INT32_MAX + 1)
+    # ids are int32: whatever n_seq_max says, none reaches 2**31
+    hi = INT32_MAX + 1 if n_seq_max is None else min(check_count("n_seq_max", n_seq_max, 1), INT32_MAX + 1)
     flagged = _first_bool(seq_ids)
     if flagged is not None:  # numpy would take a bool among ints as 0 or 1
         raise ValueError(f"seq_ids[{flagged[0]}] contains {flagged[1]!r}: allowed integer sequence ids, not bools")
     pos_ok = not n or (pos.min() >= 0 and pos.max() < INT32_MAX)
-    ids = _rectangular_ids(seq_ids, n, n_seq_max) if pos_ok else None
+    ids = _rectangular_ids(seq_ids, n, hi) if pos_ok else None
     if ids is not None:  # the common case, checked in one pass (the loop below costs ~30 us a token)
         return _pack(pos, ids, length)
     # anything else token by token, so the error names the token
@@ -140,7 +140,6 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
     for i, s in enumerate(seq_lists):
         if not s:
             raise ValueError(f"seq_ids[{i}] is empty: every token needs at least one sequence id")
-        hi = n_seq_max if n_seq_max is not None else INT32_MAX + 1
         bad = [x for x in s if not 0 <= x < hi]
         if bad:
             raise ValueError(f"seq_ids[{i}] contains {bad[0]}: allowed [0, {hi})")
@@ -175,10 +174,10 @@ def _first_bool(seq_ids) -> Optional[Tuple[int, object]]:
     return None
 
 
-def _rectangular_ids(seq_ids, n: int, n_seq_max: Optional[int]) -> Optional[np.ndarray]:
-    """``seq_ids`` as ``i32[n, W]`` (repeats dropped, -1 padded) when every token has the same
-    number of ids, all integers in range; None otherwise, and the per-token checks then name what
-    is wrong."""
+def _rectangular_ids(seq_ids, n: int, hi: int) -> Optional[np.ndarray]:
+    """``seq_ids`` as ``i32[n, W]`` when every token has the same number of distinct ids, all
+    integers in ``[0, hi)``; None otherwise (the per-token path then drops repeats, or names what
+    is wrong)."""
     try:
         arr = np.asarray(seq_ids)
     except (ValueError, TypeError):  # ragged lists, junk
@@ -188,20 +187,12 @@ def _rectangular_ids(seq_ids, n: int, n_seq_max: Optional[int]) -> Optional[np.n
     if (arr.ndim != 2 or n == 0 or arr.shape[0] != n or arr.shape[1] == 0
             or not np.issubdtype(arr.dtype, np.integer)):
         return None
-    hi = n_seq_max if n_seq_max is not None else INT32_MAX + 1
     if arr.min() < 0 or arr.max() >= hi:
         return None
-    ids = arr.astype(np.int32)
-    if ids.shape[1] > 1:  # drop repeated ids, keeping the first of each
-        later = np.zeros(ids.shape, bool)
-        for j in range(1, ids.shape[1]):
-            later[:, j] = np.any(ids[:, :j] == ids[:, j:j + 1], axis=1)
-        if later.any():
-            rows = [row[~skip] for row, skip in zip(ids, later)]
-            ids = np.full((n, max(len(r) for r in rows)), -1, np.int32)
-            for i, r in enumerate(rows):
-                ids[i, : len(r)] = r
-    return ids
+    ordered = np.sort(arr, axis=1)
+    if (ordered[:, 1:] == ordered[:, :-1]).any():  # a token names a sequence twice: rare
+        return None
+    return arr.astype(np.int32)
 
 
 def _pack(pos: np.ndarray, ids: np.ndarray, length: Optional[int]) -> Ubatch:

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kvjax._validate import check_count
 from kvjax.shard._axes import EMBED, FF, HEADS, VOCAB
 from kvjax.shard._rules import Rules, check_mesh, check_rules, to_mesh_spec
 
@@ -73,12 +74,6 @@ def param_axes(state):
     return jax.tree_util.tree_map_with_path(one, state)
 
 
-def _check_n_kv_heads(n_kv_heads) -> None:
-    if isinstance(n_kv_heads, (bool, np.bool_)) or not isinstance(n_kv_heads, (int, np.integer)) or n_kv_heads < 1:
-        raise ValueError(f"n_kv_heads={n_kv_heads!r} is out of range: allowed a positive int (the model's kv heads) "
-                         f"or None")
-
-
 def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optional[int] = None):
     """A ``NamedSharding`` per parameter (see :func:`param_axes`), checked against the mesh.
 
@@ -96,7 +91,7 @@ def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optio
     check_mesh(mesh)
     table = check_rules(rules, mesh)
     if n_kv_heads is not None:
-        _check_n_kv_heads(n_kv_heads)
+        n_kv_heads = check_count("n_kv_heads", n_kv_heads, 1)
         parts = int(np.prod([mesh.shape[a] for a in table[HEADS]])) if table[HEADS] else 1
         if n_kv_heads % parts:
             allowed = [d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0]
@@ -134,7 +129,7 @@ def shard_params(model_or_state, mesh: Mesh, rules: Rules = None, *, n_kv_heads:
     from flax import nnx
 
     if n_kv_heads is not None:
-        _check_n_kv_heads(n_kv_heads)
+        n_kv_heads = check_count("n_kv_heads", n_kv_heads, 1)
     if isinstance(model_or_state, nnx.Module):
         state = nnx.state(model_or_state)
         own = getattr(getattr(model_or_state, "config", None), "n_kv_heads", None)
