@@ -124,6 +124,43 @@ def test_chunked_loop_matches(monkeypatch, max_chunk, n_kv):
     assert np.isfinite(np.asarray(out)).all() and not np.asarray(out)[1:].any()
 
 
+@pytest.mark.parametrize("n_kv", [64, 48])
+def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, n_kv):
+    """Only the chunks between the first and last visible column run; the result is bit-identical.
+
+    The cells outside that span hold NaN (so reading one would show), the span starts and ends
+    inside chunks, and with 48 cells the last chunk is clamped onto the one before.
+    """
+    module = importlib.import_module("kvjax.attn._attention")
+    monkeypatch.setattr(module, "MAX_CHUNK", 16)
+    monkeypatch.setattr(module, "SCORE_BLOCK_BYTES", 4 * 2 * 32 * 16)
+    cache, ub = _scene()
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    cases = [(20, 37), (0, 5), (n_kv - 3, n_kv), (33, 34), (0, n_kv), (10, 10)]   # [lo, hi) some row sees
+    for lo, hi in cases:
+        outside = np.r_[0:lo, hi:cache.config.size]
+        poisoned = kvjax.write(cache, 0, jnp.asarray(outside), jnp.full((len(outside), 2, 16), jnp.nan),
+                               jnp.full((len(outside), 2, 8), jnp.nan))
+        visible = rng.random((8, n_kv)) < 0.5
+        visible[:, :lo] = visible[:, hi:] = False
+        if hi > lo:
+            visible[rng.integers(8), lo] = visible[rng.integers(8), hi - 1] = True
+        mask = jnp.where(jnp.asarray(visible), 0.0, -jnp.inf)
+        assert [int(x) for x in module.visible_span(mask)] == ([lo, hi] if hi > lo else [n_kv, 0])
+        out, lse = kvjax.attention(q, poisoned, 0, mask, return_lse=True)
+        ref_out, ref_lse = naive_attention(q, poisoned, 0, mask, 0.25)
+        np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+        # the same loop over every chunk gives the same bits (masked cells are neutral either way)
+        qr = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3).reshape(2, 16, 16) * 0.25
+        full, skipped = (jax.jit(lambda qr, k, v, add, s=s: module._attend(qr, k, v, jnp.int32(0), n_kv, add, None, 16,
+                                                                            2, skip_masked=s))(
+            qr, poisoned.k[0], poisoned.v[0], mask) for s in (False, True))
+        for a, b in zip(full, skipped):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_boolean_mask_scale_and_bias():
     cache, ub = _scene()
     q = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4, 16)), jnp.float32)

@@ -14,7 +14,10 @@ one batched contraction per kv head over the stored ``[H, N, D]`` layout (no tra
 no copy of K/V per query head); float32 accumulation; and the window is processed in chunks of
 :data:`MAX_CHUNK` cells with an online softmax, each chunk sliced straight out of the stacked
 ``[L, H, C, D]`` storage, so neither the layer's window nor a ``[Hq, T, N]`` score matrix is ever
-copied out. The values read are exactly those of ``kvjax.view(cache, layer, N)``.
+copied out. The values read are exactly those of ``kvjax.view(cache, layer, N)``. Only the chunks
+between the first and the last column the mask shows to some row are walked (a dynamic trip
+count), so a window bucket larger than the cells in use, or a sliding window's masked start, costs
+no dot.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -86,8 +89,25 @@ def _clean_pv(p, vc, pv_dims):
     return jnp.where(sees[..., None], jnp.nan, pv)
 
 
+def visible_span(add: Float[Array, "T N"]) -> Tuple[Array, Array]:
+    """``(lo, hi)``: the first column some row sees and one past the last (``(N, 0)`` when none).
+
+    A column is seen when its additive mask entry is above ``-inf`` for some row; every column
+    outside ``[lo, hi)`` is masked for every row, so attention need not read it.
+
+    Example:
+        >>> add = jnp.array([[-jnp.inf, 0.0, -jnp.inf, -jnp.inf], [-jnp.inf, -jnp.inf, 0.0, -jnp.inf]])
+        >>> [int(x) for x in visible_span(add)], [int(x) for x in visible_span(jnp.full((2, 4), -jnp.inf))]
+        ([1, 3], [4, 0])
+    """
+    n = add.shape[-1]
+    seen = jnp.any(add > _NEG_INF, axis=0)
+    cols = jnp.arange(n, dtype=jnp.int32)
+    return jnp.min(jnp.where(seen, cols, n)), jnp.max(jnp.where(seen, cols + 1, 0))
+
+
 def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None, k_type="float32",
-            v_type="float32", n_live=None):
+            v_type="float32", n_live=None, skip_masked=False):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
     ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
@@ -100,6 +120,10 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     out. ``softcap`` (None or an f32 scalar) caps the scaled scores, ``softcap * tanh(s / softcap)``,
     before mask and bias are added. ``n_live`` (None or a traced int32): only the chunks holding
     the first ``n_live`` cells run (a stream's own extent; the cells past it are empty anyway).
+    ``skip_masked``: when the window spans several chunks, only the chunks between the first and
+    the last column the mask shows to some row run (:func:`visible_span`), so the cost follows the
+    cells in use, not the window bucket (up to twice the cells the seed reads). Exact: a chunk
+    every row masks changes nothing in the online softmax.
     """
     n_heads, n_rows, _ = qr.shape
     n_tok = n_rows // group
@@ -154,6 +178,9 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
             jnp.zeros((n_heads, n_rows, dv), jnp.float32))
     if n_live is not None:  # a dynamic trip count: the cost follows the cells actually held
         m, l, o = jax.lax.fori_loop(0, (jnp.minimum(n_live, n_kv) + chunk - 1) // chunk, step, init)
+    elif skip_masked and n_steps > 1:  # only the chunks between the first and last visible column
+        lo, hi = visible_span(add)
+        m, l, o = jax.lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, step, init)
     elif n_steps == 1:
         m, l, o = step(0, init)
     else:
@@ -185,7 +212,7 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, soft
     if bias is not None:  # as [1 | Hq, 1 | T, 1 | N], broadcast chunk by chunk
         b = bias.astype(jnp.float32).reshape((1,) * (3 - bias.ndim) + tuple(bias.shape))
     out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g, softcap,
-                       cache.config.k_dtype, cache.config.v_dtype)
+                       cache.config.k_dtype, cache.config.v_dtype, skip_masked=True)
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:
