@@ -124,19 +124,28 @@ def test_chunked_loop_matches(monkeypatch, max_chunk, n_kv):
     assert np.isfinite(np.asarray(out)).all() and not np.asarray(out)[1:].any()
 
 
-@pytest.mark.parametrize("n_kv", [64, 48])
-def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, n_kv):
+@pytest.mark.parametrize("max_chunk,n_kv", [(16, 64), (32, 48)])
+def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, max_chunk, n_kv):
     """Only the chunks between the first and last visible column run; the result is bit-identical.
 
-    The cells outside that span hold NaN (so reading one would show), the span starts and ends
-    inside chunks, and with 48 cells the last chunk is clamped onto the one before.
+    The cells outside that span hold NaN; spans start and end inside chunks, and with 48 cells in
+    chunks of 32 the last chunk is clamped onto the one before. That the NaN chunks are not read
+    shows in the gradient: a masked NaN K that is read gives a NaN gradient (0 * NaN), a skipped
+    one does not. Jitted, vmapped and differentiated like the full loop.
     """
     module = importlib.import_module("kvjax.attn._attention")
-    monkeypatch.setattr(module, "MAX_CHUNK", 16)
-    monkeypatch.setattr(module, "SCORE_BLOCK_BYTES", 4 * 2 * 32 * 16)
+    monkeypatch.setattr(module, "MAX_CHUNK", max_chunk)
+    monkeypatch.setattr(module, "SCORE_BLOCK_BYTES", 4 * 2 * 32 * max_chunk)
+    assert module.chunk_size(n_kv, 2, 32, 16) == max_chunk
     cache, ub = _scene()
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    qr = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3).reshape(2, 16, 16) * 0.25   # rows (g, t) per kv head
+
+    def attend(qr, cache, mask, skip):
+        return module._attend(qr, cache.k[0], cache.v[0], jnp.int32(0), n_kv, mask, None, max_chunk, 2,
+                              skip_masked=skip)
+
     cases = [(20, 37), (0, 5), (n_kv - 3, n_kv), (33, 34), (0, n_kv), (10, 10)]   # [lo, hi) some row sees
     for lo, hi in cases:
         outside = np.r_[0:lo, hi:cache.config.size]
@@ -147,18 +156,38 @@ def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, n_kv):
         if hi > lo:
             visible[rng.integers(8), lo] = visible[rng.integers(8), hi - 1] = True
         mask = jnp.where(jnp.asarray(visible), 0.0, -jnp.inf)
-        assert [int(x) for x in module.visible_span(mask)] == ([lo, hi] if hi > lo else [n_kv, 0])
+        first, stop = (lo // max_chunk, -(-hi // max_chunk)) if hi > lo else (n_kv // max_chunk, 0)
+        assert [int(x) for x in module.chunk_range(mask, max_chunk)] == [first, stop]
         out, lse = kvjax.attention(q, poisoned, 0, mask, return_lse=True)
         ref_out, ref_lse = naive_attention(q, poisoned, 0, mask, 0.25)
         np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
-        # the same loop over every chunk gives the same bits (masked cells are neutral either way)
-        qr = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3).reshape(2, 16, 16) * 0.25
-        full, skipped = (jax.jit(lambda qr, k, v, add, s=s: module._attend(qr, k, v, jnp.int32(0), n_kv, add, None, 16,
-                                                                            2, skip_masked=s))(
-            qr, poisoned.k[0], poisoned.v[0], mask) for s in (False, True))
-        for a, b in zip(full, skipped):
+        # the loop over every chunk gives the same bits (masked cells are neutral either way), and so
+        # does each of a vmapped batch
+        full, skipped = (jax.jit(attend, static_argnums=3)(qr, poisoned, mask, s) for s in (False, True))
+        batched = jax.vmap(attend, in_axes=(0, None, 0, None))(jnp.stack([qr, qr[::-1]]), poisoned,
+                                                               jnp.stack([mask, mask[::-1]]), True)
+        for a, b, c in zip(full, skipped, batched):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(c[0]), np.asarray(b))
+        # gradients: with NaN bytes only in the chunks outside [first, stop), the full loop reads them
+        # (a NaN gradient), the skipping loop does not
+        read = np.zeros(cache.config.size, bool)
+        for i in range(first, stop):
+            start = min(i * max_chunk, n_kv - max_chunk)
+            read[start:start + max_chunk] = True
+        if not read[:n_kv].all():
+            unread = np.flatnonzero(~read)
+            unread_nan = kvjax.write(cache, 0, jnp.asarray(unread), jnp.full((len(unread), 2, 16), jnp.nan),
+                                     jnp.full((len(unread), 2, 8), jnp.nan))
+            grads = [jax.grad(lambda qr, s=s: jnp.sum(attend(qr, unread_nan, mask, s)[0]))(qr) for s in (False, True)]
+            assert np.isnan(np.asarray(grads[0])).any() and np.isfinite(np.asarray(grads[1])).all()
+        clean = [jax.grad(lambda qr, s=s: jnp.sum(attend(qr, cache, mask, s)[0] ** 2))(qr) for s in (False, True)]
+        np.testing.assert_allclose(np.asarray(clean[1]), np.asarray(clean[0]), rtol=1e-6, atol=1e-6)
+    # the public function differentiates through the skipping loop (dynamic loop bounds could not)
+    middle = jnp.full((8, n_kv), -jnp.inf).at[:, 20:37].set(0.0)
+    grad = jax.grad(lambda q: jnp.sum(kvjax.attention(q, cache, 0, middle) ** 2))(q)
+    assert grad.shape == q.shape and np.isfinite(np.asarray(grad)).all() and np.asarray(grad).any()
 
 
 def test_boolean_mask_scale_and_bias():

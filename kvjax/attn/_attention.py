@@ -15,9 +15,8 @@ no copy of K/V per query head); float32 accumulation; and the window is processe
 :data:`MAX_CHUNK` cells with an online softmax, each chunk sliced straight out of the stacked
 ``[L, H, C, D]`` storage, so neither the layer's window nor a ``[Hq, T, N]`` score matrix is ever
 copied out. The values read are exactly those of ``kvjax.view(cache, layer, N)``. Only the chunks
-between the first and the last column the mask shows to some row are walked (a dynamic trip
-count), so a window bucket larger than the cells in use, or a sliding window's masked start, costs
-no dot.
+between the first and the last column the mask shows to some row do any work (:func:`chunk_range`),
+so a window bucket larger than the cells in use, or a sliding window's masked start, costs no dot.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -106,6 +105,21 @@ def visible_span(add: Float[Array, "T N"]) -> Tuple[Array, Array]:
     return jnp.min(jnp.where(seen, cols, n)), jnp.max(jnp.where(seen, cols + 1, 0))
 
 
+def chunk_range(add: Float[Array, "T N"], chunk: int) -> Tuple[Array, Array]:
+    """``(first, stop)``: the online-softmax steps ``first <= i < stop`` that hold a visible column.
+
+    Step ``i`` is responsible for columns ``[i * chunk, (i + 1) * chunk)`` (the last one clamped
+    onto the window, see ``_attend``); the others see only columns every row masks.
+
+    Example:
+        >>> add = jnp.full((1, 48), -jnp.inf).at[0, 40].set(0.0)      # 48 cells in steps of 32
+        >>> [int(x) for x in chunk_range(add, 32)], [int(x) for x in chunk_range(add.at[0, 3].set(0.0), 16)]
+        ([1, 2], [0, 3])
+    """
+    lo, hi = visible_span(add)
+    return lo // chunk, (hi + chunk - 1) // chunk
+
+
 def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None, k_type="float32",
             v_type="float32", n_live=None, skip_masked=False):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
@@ -121,9 +135,10 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     before mask and bias are added. ``n_live`` (None or a traced int32): only the chunks holding
     the first ``n_live`` cells run (a stream's own extent; the cells past it are empty anyway).
     ``skip_masked``: when the window spans several chunks, only the chunks between the first and
-    the last column the mask shows to some row run (:func:`visible_span`), so the cost follows the
-    cells in use, not the window bucket (up to twice the cells the seed reads). Exact: a chunk
-    every row masks changes nothing in the online softmax.
+    the last column the mask shows to some row do any work (:func:`chunk_range`), so the cost
+    follows the cells in use, not the window bucket (up to twice the cells the seed reads). Exact:
+    a chunk every row masks changes nothing in the online softmax. Skipped chunks cost a ``cond``
+    each; the trip count stays static, so the loop can be differentiated and vmapped.
     """
     n_heads, n_rows, _ = qr.shape
     n_tok = n_rows // group
@@ -176,15 +191,22 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
 
     init = (jnp.full((n_heads, n_rows), _NEG_INF, jnp.float32), jnp.zeros((n_heads, n_rows), jnp.float32),
             jnp.zeros((n_heads, n_rows, dv), jnp.float32))
-    if n_live is not None:  # a dynamic trip count: the cost follows the cells actually held
+    if n_live is not None:
+        # a dynamic trip count: a stream's cost follows its own cells even when the shared window is
+        # many chunks longer (a cond per chunk would run them all); reverse-mode autodiff does not
+        # go through it, and nothing differentiates a stream cache's attention
         m, l, o = jax.lax.fori_loop(0, (jnp.minimum(n_live, n_kv) + chunk - 1) // chunk, step, init)
-    elif skip_masked and n_steps > 1:  # only the chunks between the first and last visible column
-        lo, hi = visible_span(add)
-        m, l, o = jax.lax.fori_loop(lo // chunk, (hi + chunk - 1) // chunk, step, init)
-    elif n_steps == 1:
-        m, l, o = step(0, init)
     else:
-        m, l, o = jax.lax.fori_loop(0, n_steps, step, init)
+        body = step
+        if skip_masked and n_steps > 1:  # only the chunks between the first and last visible column
+            first, stop = chunk_range(add, chunk)
+
+            # a fixed trip count with a cond per chunk, not dynamic loop bounds: reverse-mode
+            # autodiff needs static bounds, and under vmap the cond becomes a select (the same bits
+            # as unbatched); a skipped chunk costs the cond, several times less than its dots
+            def body(i, carry):
+                return jax.lax.cond((i >= first) & (i < stop), step, lambda i, carry: carry, i, carry)
+        m, l, o = body(0, init) if n_steps == 1 else jax.lax.fori_loop(0, n_steps, body, init)
     seen = l != 0  # a fully masked row has l == 0; a NaN score (visible NaN K) keeps its NaN
     out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG_INF)
