@@ -88,35 +88,25 @@ def _clean_pv(p, vc, pv_dims):
     return jnp.where(sees[..., None], jnp.nan, pv)
 
 
-def visible_span(add: Float[Array, "T N"]) -> Tuple[Array, Array]:
-    """``(lo, hi)``: the first column some row sees and one past the last (``(N, 0)`` when none).
-
-    A column is seen when its additive mask entry is above ``-inf`` for some row; every column
-    outside ``[lo, hi)`` is masked for every row, so attention need not read it.
-
-    Example:
-        >>> add = jnp.array([[-jnp.inf, 0.0, -jnp.inf, -jnp.inf], [-jnp.inf, -jnp.inf, 0.0, -jnp.inf]])
-        >>> [int(x) for x in visible_span(add)], [int(x) for x in visible_span(jnp.full((2, 4), -jnp.inf))]
-        ([1, 3], [4, 0])
-    """
-    n = add.shape[-1]
-    seen = jnp.any(add > _NEG_INF, axis=0)
-    cols = jnp.arange(n, dtype=jnp.int32)
-    return jnp.min(jnp.where(seen, cols, n)), jnp.max(jnp.where(seen, cols + 1, 0))
-
-
 def chunk_range(add: Float[Array, "T N"], chunk: int) -> Tuple[Array, Array]:
-    """``(first, stop)``: the online-softmax steps ``first <= i < stop`` that hold a visible column.
+    """``(first, stop)``: the online-softmax steps ``first <= i < stop`` that hold a column some row sees.
 
-    Step ``i`` is responsible for columns ``[i * chunk, (i + 1) * chunk)`` (the last one clamped
-    onto the window, see ``_attend``); the others see only columns every row masks.
+    A column is seen when its additive mask entry is above ``-inf`` for some row. Step ``i`` is
+    responsible for columns ``[i * chunk, (i + 1) * chunk)`` (the last one clamped onto the window,
+    see ``_attend``); the others hold only columns every row masks. ``(N // chunk, 0)`` when no
+    column is seen.
 
     Example:
         >>> add = jnp.full((1, 48), -jnp.inf).at[0, 40].set(0.0)      # 48 cells in steps of 32
         >>> [int(x) for x in chunk_range(add, 32)], [int(x) for x in chunk_range(add.at[0, 3].set(0.0), 16)]
         ([1, 2], [0, 3])
+        >>> [int(x) for x in chunk_range(jnp.full((2, 48), -jnp.inf), 16)]
+        [3, 0]
     """
-    lo, hi = visible_span(add)
+    n = add.shape[-1]
+    seen = jnp.any(add > _NEG_INF, axis=0)
+    cols = jnp.arange(n, dtype=jnp.int32)
+    lo, hi = jnp.min(jnp.where(seen, cols, n)), jnp.max(jnp.where(seen, cols + 1, 0))
     return lo // chunk, (hi + chunk - 1) // chunk
 
 
