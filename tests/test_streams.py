@@ -11,9 +11,10 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import kvjax
-from kvjax.attn import _streams
+from kvjax.attn import _attention, _streams
 from kvjax.engine._engine import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
+from kvjax.storage import _quant
 from kvjax.testing import StreamsRef
 from tests.helpers import assert_cells_match, no_recompile
 
@@ -216,6 +217,67 @@ def test_stream_attention_equals_unified_attention_per_stream_jitted_and_eager()
         want = kvjax.attention(q[rows], one, 0, kvjax.kq_mask(one, sub, 32))
         np.testing.assert_allclose(np.asarray(eager[rows]), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(eager[6:]), 0.0)      # the padding slot
+
+
+@pytest.mark.parametrize("kv_dtype,alibi,softcap", [("float32", False, None), ("float16", True, None),
+                                                     ("float32", False, 5.0), ("q8_0", False, None)])
+def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, softcap):
+    """All slots in one loop up to the longest stream give each slot what its own loop gives.
+
+    The streams are 37, 3 and 0 cells long in chunks of 8 (the per-slot loops run 5, 1 and 0 steps,
+    the batched one 5 for all), a padding slot follows, the layer is the second of two, two query
+    heads share a kv head, and two rows a slot. Bytes the short streams never wrote sit in the
+    chunks only the batched loop reads: NaN in K and V past stream 2's last cell (the per-slot loop
+    never reads them) must change nothing, and a NaN V row stream 0 does see makes its rows NaN
+    both ways.
+    """
+    monkeypatch.setattr(_attention, "MAX_CHUNK", 8)
+    base = kvjax.CacheConfig(size=64, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=32, padding=8,
+                             k_dtype=kv_dtype, v_dtype=kv_dtype)
+    memory = kvjax.init(kvjax.StreamsConfig(base))
+    memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([(list(range(37)), [0])]))
+    memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([(list(range(3)), [2])]))
+    rng = np.random.default_rng(1)
+    k_old, v_old = (_quant.to_storage(jnp.asarray(rng.normal(size=(4, 2, 2, 64, 32)), jnp.float32), kv_dtype)
+                    for _ in range(2))
+    memory = memory.replace(cache=memory.cache.replace(k=(k_old,), v=(v_old,)))
+    ub = kvjax.make_equal_ubatch([([37, 38], [0]), ([3, 4], [2]), ([0, 1], [3])], n_slots=4)
+    memory, placement, ok = kvjax.find_slot(memory, ub)
+    assert bool(ok)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(8, 2, 32)), jnp.float32) for _ in range(2))
+    cache = _streams.write(memory.cache, 1, placement, k_new, v_new)
+    if kv_dtype != "q8_0":
+        k, v = cache.k[0], cache.v[0]                       # [S, L, H, C, D]
+        k, v = k.at[2, 1, :, 5:].set(jnp.nan), v.at[2, 1, :, 5:].set(jnp.nan)  # unwritten by stream 2
+        cache = cache.replace(k=(k,), v=(v,))
+    memory = memory.replace(cache=cache)
+    q = jnp.asarray(rng.normal(size=(8, 4, 32)), jnp.float32)
+    masks = _streams.masks(memory, ub, placement, 64, alibi=alibi)
+    streams = _streams._slot_streams(placement, ub)
+    live = _streams._slot_extents(memory.cache, streams)
+    assert np.asarray(live).tolist() == [39, 5, 2, 0]
+    slopes = np.asarray([0.5, 0.25, 0.125, 0.0625], np.float32) if alibi else None
+
+    def run(memory, q, batched, live=live):
+        c = memory.cache
+        return _streams._slots_attention(q, c.k[0], c.v[0], 1, masks, streams, live, (4, 2), c.config, None, slopes,
+                                         softcap, batched=batched)
+
+    one_loop, by_slot = run(memory, q, True), run(memory, q, False)
+    assert np.isfinite(np.asarray(by_slot)).all()
+    np.testing.assert_allclose(np.asarray(one_loop), np.asarray(by_slot), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(run, static_argnums=2)(memory, q, True)), np.asarray(by_slot),
+                               rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(one_loop[6:]), 0.0)      # the padding slot
+    # a slot with nothing to read (on a mesh: its stream is another device's) gives zeros, whatever its mask
+    for batched in (True, False):
+        np.testing.assert_array_equal(np.asarray(run(memory, q, batched, live.at[1].set(0))[2:4]), 0.0)
+    if kv_dtype != "q8_0":  # a NaN V row stream 0 sees: its rows are NaN both ways, the others are not
+        memory = memory.replace(cache=memory.cache.replace(v=(memory.cache.v[0].at[0, 1, 0, 9].set(jnp.nan),)))
+        one_loop, by_slot = np.asarray(run(memory, q, True)), np.asarray(run(memory, q, False))
+        np.testing.assert_array_equal(np.isnan(one_loop), np.isnan(by_slot))
+        assert np.isnan(one_loop[:2, :2]).all() and np.isfinite(one_loop[2:]).all()
+        np.testing.assert_allclose(one_loop, by_slot, rtol=2e-6, atol=2e-6)
 
 
 # -- decoding: streams equal one unified cache ------------------------------------------------------

@@ -61,18 +61,29 @@ SCORE_BLOCK_BYTES = 2 << 20
 MAX_CHUNK = 1024
 
 
-def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int) -> int:
+#: Budget for one step's gathered K (or V) block ``[B, H, chunk, D]`` as float32 when the loop runs
+#: over several slots at once (streams): ``B`` slots multiply it, so it bounds the chunk too.
+GATHER_BLOCK_BYTES = 8 << 20
+
+
+def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int, cell_bytes: int = 0) -> int:
     """Cells per online-softmax step for a window of ``n_kv`` cells and ``n_rows = G * T`` rows.
 
     A power of two times ``padding``, at most :data:`MAX_CHUNK`, with the score block under
-    :data:`SCORE_BLOCK_BYTES` (``padding`` itself when even that is larger); the whole window
-    when it is smaller than that.
+    :data:`SCORE_BLOCK_BYTES` and, when ``cell_bytes`` (float32 bytes one cell adds to a gathered
+    K or V block, all slots together) is given, that block under :data:`GATHER_BLOCK_BYTES`
+    (``padding`` itself when even that is larger); the whole window when it is smaller than that.
+    ``n_rows`` counts the rows of every slot a step contracts at once.
 
     Example:
         >>> chunk_size(32768, 8, 4, 256), chunk_size(32768, 8, 2048, 256), chunk_size(512, 8, 4, 256)
         (1024, 256, 512)
+        >>> chunk_size(32768, 8, 64, 32, cell_bytes=64 * 8 * 128 * 4)     # 64 slots, head size 128
+        32
     """
     budget = max(1, SCORE_BLOCK_BYTES // (4 * n_heads * n_rows))
+    if cell_bytes:
+        budget = min(budget, max(1, GATHER_BLOCK_BYTES // cell_bytes))
     chunk = padding
     while chunk * 2 <= min(MAX_CHUNK, budget):
         chunk *= 2
@@ -81,14 +92,14 @@ def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int) -> int:
 
 def _clean_pv(p, vc, pv_dims):
     """``p @ vc`` with V rows that are not finite zeroed, and NaN for the rows ``p`` that weigh one."""
-    finite = jnp.all(jnp.isfinite(vc), axis=-1)                      # [H, chunk]
+    finite = jnp.all(jnp.isfinite(vc), axis=-1)                      # [..., H, chunk]
     clean = jnp.where(finite[..., None], vc.astype(jnp.float32), 0.0)
     pv = jax.lax.dot_general(p, clean, pv_dims, preferred_element_type=jnp.float32)
-    sees = jnp.any((p > 0) & ~finite[:, None, :], axis=-1)            # [H, R]
+    sees = jnp.any((p > 0) & ~finite[..., None, :], axis=-1)          # [..., H, R]
     return jnp.where(sees[..., None], jnp.nan, pv)
 
 
-def chunk_range(add: Float[Array, "T N"], chunk: int) -> Tuple[Array, Array]:
+def chunk_range(add: Float[Array, "... T N"], chunk: int) -> Tuple[Array, Array]:
     """``(first, stop)``: the online-softmax steps ``first <= i < stop`` that hold a column some row sees.
 
     A column is seen when its additive mask entry is above ``-inf`` for some row. Step ``i`` is
@@ -104,7 +115,7 @@ def chunk_range(add: Float[Array, "T N"], chunk: int) -> Tuple[Array, Array]:
         [3, 0]
     """
     n = add.shape[-1]
-    seen = jnp.any(add > _NEG_INF, axis=0)
+    seen = jnp.any(add > _NEG_INF, axis=tuple(range(add.ndim - 1)))
     cols = jnp.arange(n, dtype=jnp.int32)
     lo, hi = jnp.min(jnp.where(seen, cols, n)), jnp.max(jnp.where(seen, cols + 1, 0))
     return lo // chunk, (hi + chunk - 1) // chunk
@@ -129,58 +140,72 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     follows the cells in use, not the window bucket (up to twice the cells the seed reads). Exact:
     a chunk every row masks changes nothing in the online softmax. Skipped chunks cost a ``cond``
     each; the trip count stays static, so the loop can be differentiated and vmapped.
+
+    Batched over slots: with ``qr [B, H, R, D]``, ``index i32[B]`` (slot ``b`` reads layer
+    ``index[b]``), ``add [B, T, N]`` and ``bias`` None or ``[B, 1 | H * G, 1 | T, 1 | N]``, every
+    step gathers the ``[B, H, chunk, *]`` blocks of all slots and runs one contraction for them
+    (the per-slot results are those of ``B`` separate calls); the results gain the leading ``B``.
     """
-    n_heads, n_rows, _ = qr.shape
+    lead = qr.shape[:-3]  # () or (B,): slots side by side
+    nb = len(lead)
+    n_heads, n_rows, _ = qr.shape[-3:]
     n_tok = n_rows // group
     dv = v_all.shape[-1] if not _quant.is_quantized(v_type) else \
         v_all.shape[-1] // _quant.QUANT_TYPES[v_type].type_size * _quant.QUANT_TYPES[v_type].block
     n_steps = -(-n_kv // chunk)
-    qk_dims = (((2,), (2,)), ((0,), (0,)))  # [H, R, D] x [H, C, D] -> [H, R, C]
-    pv_dims = (((2,), (1,)), ((0,), (0,)))  # [H, R, C] x [H, C, Dv] -> [H, R, Dv]
+    batch = tuple(range(nb + 1))
+    qk_dims = (((nb + 2,), (nb + 2,)), (batch, batch))  # [.., H, R, D] x [.., H, C, D] -> [.., H, R, C]
+    pv_dims = (((nb + 2,), (nb + 1,)), (batch, batch))  # [.., H, R, C] x [.., H, C, Dv] -> [.., H, R, Dv]
 
     def cells_of(x, start):
         """The step's columns of a [..., N] (or [..., 1]) operand."""
         return x if x.shape[-1] == 1 else jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=x.ndim - 1)
 
+    def block(x, start, name):
+        """The step's ``[.., H, chunk, *]`` block of the storage ``x [L, H, C, *]``, as values."""
+        size = (1,) + x.shape[1:2] + (chunk,) + x.shape[3:]
+
+        def one(i):
+            return jax.lax.dynamic_slice(x, (i, 0, start, 0), size)[0]
+        xc = jax.vmap(one)(index) if nb else one(index)
+        return _quant.from_storage(xc, name) if _quant.is_quantized(name) else xc  # this chunk only
+
+    def by_row(x):
+        """``[.., T, chunk]`` (or a bias ``[.., 1 | H * G, 1 | T, chunk]``) against ``[.., H, G, T, chunk]``."""
+        heads = (1, 1) if x.ndim == nb + 2 or x.shape[nb] == 1 else (n_heads, group)
+        return x.reshape(lead + heads + x.shape[-2:])
+
     def step(i, carry):
         m0, l0, o0 = carry
         start = jnp.minimum(i * chunk, n_kv - chunk)
-        kc = jax.lax.dynamic_slice(k_all, (index, 0, start, 0), (1,) + k_all.shape[1:2] + (chunk,) + k_all.shape[3:])[0]
-        vc = jax.lax.dynamic_slice(v_all, (index, 0, start, 0), (1,) + v_all.shape[1:2] + (chunk,) + v_all.shape[3:])[0]
-        kc = _quant.from_storage(kc, k_type) if _quant.is_quantized(k_type) else kc  # this chunk only
-        vc = _quant.from_storage(vc, v_type) if _quant.is_quantized(v_type) else vc
-        ac = cells_of(add, start)                                   # [T, chunk]
+        kc, vc = block(k_all, start, k_type), block(v_all, start, v_type)
+        ac = cells_of(add, start)                                   # [.., T, chunk]
         if n_kv % chunk:
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
         s = jax.lax.dot_general(qr, kc.astype(jnp.float32), qk_dims, preferred_element_type=jnp.float32)
         if softcap is not None:  # Gemma 2's logit soft-capping, on the scaled scores before the mask
             s = softcap * jnp.tanh(s / softcap)
-        visible = ac > _NEG_INF                                     # [T, chunk]
-        s = s.reshape(n_heads, group, n_tok, chunk) + ac
+        visible = by_row(ac > _NEG_INF)                             # [.., 1, 1, T, chunk]
+        s = s.reshape(lead + (n_heads, group, n_tok, chunk)) + by_row(ac)
         if bias is not None:
-            bc = cells_of(bias, start)                              # [1 | Hq, 1 | T, 1 | chunk]
-            lead = (n_heads, group) if bc.shape[0] > 1 else (1, 1)
-            s = s + bc.reshape(lead + bc.shape[1:])
+            s = s + by_row(cells_of(bias, start))
         # a masked cell has no effect whatever its bytes: its score is -inf even when its K is NaN
         # or inf (adding -inf to a NaN score would leave NaN)
-        s = jnp.where(visible, s, _NEG_INF).reshape(n_heads, n_rows, chunk)
+        s = jnp.where(visible, s, _NEG_INF).reshape(lead + (n_heads, n_rows, chunk))
         m1 = jnp.maximum(m0, jnp.max(s, axis=-1))
         m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)                # all masked so far: no NaN
         p = jnp.exp(s - m1_safe[..., None])
         alpha = jnp.exp(m0 - m1_safe)
-        # ... and a zero weight times a NaN or inf V is still NaN: V rows that are not finite are
-        # zeroed for the contraction, and a row that does see one becomes NaN at the end, as it
-        # would without the cleaning
         pv = jax.lax.dot_general(p, vc.astype(jnp.float32), pv_dims, preferred_element_type=jnp.float32)
-        # only when the product is not finite (rare: some V row of the chunk is NaN or inf) is it
-        # redone with those rows zeroed; a row that does see one of them becomes NaN, as it would
-        # have without the cleaning
+        # ... and a zero weight times a NaN or inf V is still NaN: only when the product is not
+        # finite (rare: some V row of the chunk is NaN or inf) is it redone with those rows zeroed;
+        # a row that does see one of them becomes NaN, as it would have without the cleaning
         pv = jax.lax.cond(jnp.all(jnp.isfinite(pv)), lambda: pv, lambda: _clean_pv(p, vc, pv_dims))
         return m1, l0 * alpha + jnp.sum(p, axis=-1), o0 * alpha[..., None] + pv
 
-    init = (jnp.full((n_heads, n_rows), _NEG_INF, jnp.float32), jnp.zeros((n_heads, n_rows), jnp.float32),
-            jnp.zeros((n_heads, n_rows, dv), jnp.float32))
+    init = (jnp.full(lead + (n_heads, n_rows), _NEG_INF, jnp.float32), jnp.zeros(lead + (n_heads, n_rows), jnp.float32),
+            jnp.zeros(lead + (n_heads, n_rows, dv), jnp.float32))
     if n_live is not None:
         # a dynamic trip count: a stream's cost follows its own cells even when the shared window is
         # many chunks longer (a cond per chunk would run them all); reverse-mode autodiff does not

@@ -8,10 +8,15 @@ slot:
 - the mask is the unified cache's mask over that slot's stream (``[t, N]``, the window ``N`` the
   step compiled for, the largest stream's bucket);
 - attention runs the unified online-softmax loop (:func:`kvjax.attn._attention._attend`) over
-  that stream's chunks, with a **dynamic** trip count: only the chunks holding the stream's cells
-  (``cell_max``) run, so a slot's cost follows its own sequence's length, not the longest one's;
-- slots run one after another (``lax.map``), not as a Python loop: one compiled program for any
-  number of live slots, and a padding slot costs nothing.
+  that stream's chunks, with a **dynamic** trip count: only the chunks holding cells (up to the
+  longest slot's stream's ``cell_max``) run, so the cost follows the sequences' lengths, not the
+  window bucket;
+- all slots run in that one loop: each step gathers every slot's chunk of its own stream and
+  contracts them together (one set of ops per layer, not one per slot and layer: on XLA:CPU the
+  per-op cost of a loop per slot was most of a batch-32 decode step). A slot's rows past its own
+  stream's cells are masked, so they read bytes that change nothing. On a device mesh, where most
+  slots' streams live on other devices, slots run one after another instead (``lax.map``), each
+  over its own chunks only, so another device's slot costs nothing.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -134,11 +139,16 @@ def _slot_extents(cache: KVCache, streams: Int[Array, "n_slots"]) -> Int[Array, 
 
 
 def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slots: Tuple[int, int], cfg, scale,
-                     slopes, softcap) -> Float[Array, "T Hq Dv"]:
+                     slopes, softcap, *, batched: bool = True) -> Float[Array, "T Hq Dv"]:
     """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
 
-    A slot with ``live = 0`` (padding, or on a mesh a stream another device holds) runs no chunk
-    and gives zeros. Returns float32 ``[T, Hq, Dv]``.
+    A slot with ``live = 0`` (padding, or on a mesh a stream another device holds) gives zeros.
+    ``batched``: all slots in one online-softmax loop (:func:`kvjax.attn._attention._attend` over a
+    slot axis), chunk by chunk up to the largest ``live``: one gather and one contraction per chunk
+    for every slot, where one loop per slot costs its own few ops per slot and layer (at batch 32 on
+    XLA:CPU those per-op costs were most of a decode step, see docs/speed.md). Otherwise slot by slot
+    (``lax.map``), each running only its own chunks, so a ``live = 0`` slot costs nothing: the mesh
+    path's choice, where most slots belong to other devices. Returns float32 ``[T, Hq, Dv]``.
     """
     n_stream, n_layer, n_heads = k_all.shape[:3]
     # streams side by side on the layer axis: slot j reads "layer" stream_j * L + index, sliced
@@ -150,25 +160,34 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
     t_all, hq, d = q.shape
     grp = hq // n_heads
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    index_of = jnp.clip(streams, 0, n_stream - 1) * n_layer + index
+    index_of = (jnp.clip(streams, 0, n_stream - 1) * n_layer + index).astype(jnp.int32)
+    live = live.astype(jnp.int32)
     qs = q.astype(jnp.float32).reshape(n_slots, t, n_heads, grp, d).transpose(0, 2, 3, 1, 4)
     qs = qs.reshape(n_slots, n_heads, grp * t, d) * jnp.float32(scale)
-    chunk = chunk_size(n_kv, n_heads, grp * t, cfg.padding)
     cap = None if softcap is None else jnp.float32(softcap)
 
-    def one_slot(args):
-        qr, mask, idx, n_live = args
+    def mask_and_bias(mask):
+        """A slot's (or every slot's) ``[.., t, N]`` mask as an additive mask and an ALiBi bias."""
         if slopes is None:
-            add, bias = mask, None
-        else:  # the mask holds -distance where visible: per-head slopes scale it, as ggml does
-            visible = jnp.isfinite(mask)
-            bias = jnp.asarray(slopes, jnp.float32)[:, None, None] * jnp.where(visible, mask, 0.0)[None]
-            add = jnp.where(visible, 0.0, _NEG_INF)
+            return mask, None
+        # the mask holds -distance where visible: per-head slopes scale it, as ggml does
+        visible = jnp.isfinite(mask)
+        bias = jnp.asarray(slopes, jnp.float32)[:, None, None] * jnp.expand_dims(jnp.where(visible, mask, 0.0), -3)
+        return jnp.where(visible, 0.0, _NEG_INF), bias
+
+    def attend(qr, mask, idx, n_live, at_once):
+        add, bias = mask_and_bias(mask)
+        cell_bytes = at_once * n_heads * max(d, v_all.shape[-1]) * 4 if at_once > 1 else 0
+        chunk = chunk_size(n_kv, n_heads, at_once * grp * t, cfg.padding, cell_bytes)
         out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk, grp, cap, cfg.k_dtype, cfg.v_dtype,
                          n_live=n_live)
-        return out                                                          # [H, G * t, Dv]
+        return out                                                          # [.., H, G * t, Dv]
 
-    out = jax.lax.map(one_slot, (qs, slot_masks, index_of.astype(jnp.int32), live.astype(jnp.int32)))
+    if batched:  # a slot with nothing to read sees nothing, whatever its mask says
+        seen = jnp.where((live > 0)[:, None, None], slot_masks, _NEG_INF)
+        out = attend(qs, seen, index_of, jnp.max(live), n_slots)
+    else:
+        out = jax.lax.map(lambda a: attend(*a, 1), (qs, slot_masks, index_of, live))
     dv = out.shape[-1]
     return out.reshape(n_slots, n_heads, grp, t, dv).transpose(0, 3, 1, 2, 4).reshape(t_all, hq, dv)
 
@@ -239,7 +258,8 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
         k_all, v_all = _write_rows(k_all, v_all, index, jnp.where(mine, stream - first, -1), cell, k, v, cfg)
         here = (streams >= first) & (streams < first + n_local)
         out = _slots_attention(q, k_all, v_all, index, slot_masks, jnp.where(here, streams - first, -1),
-                               jnp.where(here, live, 0), slots, cfg, scale, slopes[0] if slopes else None, softcap)
+                               jnp.where(here, live, 0), slots, cfg, scale, slopes[0] if slopes else None, softcap,
+                               batched=False)
         return k_all, v_all, jax.lax.psum(out, DATA)
 
     k_all, v_all, out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=(buf, buf, rows),
