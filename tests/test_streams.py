@@ -258,10 +258,12 @@ def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, soft
     assert np.asarray(live).tolist() == [39, 5, 2, 0]
     slopes = np.asarray([0.5, 0.25, 0.125, 0.0625], np.float32) if alibi else None
 
-    def run(memory, q, batched, live=live):
+    def run(memory, q, batched, live=live):  # batched: one loop whatever the extents
         c = memory.cache
-        return _streams._slots_attention(q, c.k[0], c.v[0], 1, masks, streams, live, (4, 2), c.config, None, slopes,
-                                         softcap, batched=batched)
+        with monkeypatch.context() as patch:
+            patch.setattr(_streams, "ONE_LOOP_READ_FACTOR", 1e9 if batched else 0.0)
+            return _streams._slots_attention(q, c.k[0], c.v[0], 1, masks, streams, live, (4, 2), c.config, None,
+                                             slopes, softcap, batched=batched)
 
     one_loop, by_slot = run(memory, q, True), run(memory, q, False)
     assert np.isfinite(np.asarray(by_slot)).all()

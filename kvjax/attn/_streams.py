@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax._typing import Array, Float, Int
+from kvjax._typing import Array, Bool, Float, Int
 from kvjax.attn._attention import _attend, chunk_size
 from kvjax.attn._mask import _mask_additive
 from kvjax.memory import _cells
@@ -138,6 +138,29 @@ def _slot_extents(cache: KVCache, streams: Int[Array, "n_slots"]) -> Int[Array, 
     return jnp.where(streams >= 0, jax.vmap(_cells.cell_max)(cache.cells)[jnp.clip(streams, 0, n_stream - 1)], 0)
 
 
+#: One loop over all slots runs while it reads at most this many times the cells that a loop per
+#: slot would (:func:`one_loop_pays`).
+ONE_LOOP_READ_FACTOR = 1.5
+
+
+def one_loop_pays(live: Int[Array, "n_slots"], c_one: int, c_own: int) -> Bool[Array, ""]:
+    """Whether one loop over all slots reads at most :data:`ONE_LOOP_READ_FACTOR` times the cells of a loop per slot.
+
+    One loop runs chunks of ``c_one`` cells up to the longest extent ``max(live)`` for every slot;
+    a loop per slot runs chunks of ``c_own`` up to its own ``live``. Fewer ops pay for some extra
+    reading; a long stream beside short ones does not.
+
+    Example:
+        >>> bool(one_loop_pays(jnp.array([100, 90, 120, 0]), 64, 256))       # 512 cells against 768
+        True
+        >>> bool(one_loop_pays(jnp.array([8000, 16, 16, 16]), 256, 1024))    # 32768 against 11264
+        False
+    """
+    read_one = live.shape[0] * ((jnp.max(live) + c_one - 1) // c_one * c_one)
+    read_own = jnp.sum((live + c_own - 1) // c_own * c_own)
+    return read_one.astype(jnp.float32) <= ONE_LOOP_READ_FACTOR * read_own.astype(jnp.float32)
+
+
 def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slots: Tuple[int, int], cfg, scale,
                      slopes, softcap, *, batched: bool = True) -> Float[Array, "T Hq Dv"]:
     """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
@@ -146,9 +169,13 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
     ``batched``: all slots in one online-softmax loop (:func:`kvjax.attn._attention._attend` over a
     slot axis), chunk by chunk up to the largest ``live``: one gather and one contraction per chunk
     for every slot, where one loop per slot costs its own few ops per slot and layer (at batch 32 on
-    XLA:CPU those per-op costs were most of a decode step, see docs/speed.md). Otherwise slot by slot
-    (``lax.map``), each running only its own chunks, so a ``live = 0`` slot costs nothing: the mesh
-    path's choice, where most slots belong to other devices. Returns float32 ``[T, Hq, Dv]``.
+    XLA:CPU those per-op costs were most of a decode step, see docs/speed.md). That loop reads the
+    longest stream's extent for every slot, so when the window spans several chunks it runs only
+    while it reads at most 1.5x the cells the slots' own loops would (:func:`one_loop_pays`, a ``cond``;
+    one long stream beside short ones read 4x the cells and ran 3-4x slower). Otherwise, and always
+    when not ``batched``, slot by slot (``lax.map``), each over its own chunks, so a ``live = 0``
+    slot costs nothing: the mesh path's choice, where most slots belong to other devices. Returns
+    float32 ``[T, Hq, Dv]``.
     """
     n_stream, n_layer, n_heads = k_all.shape[:3]
     # streams side by side on the layer axis: slot j reads "layer" stream_j * L + index, sliced
@@ -175,19 +202,29 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
         bias = jnp.asarray(slopes, jnp.float32)[:, None, None] * jnp.expand_dims(jnp.where(visible, mask, 0.0), -3)
         return jnp.where(visible, 0.0, _NEG_INF), bias
 
+    def chunk_of(at_once):
+        cell_bytes = at_once * n_heads * max(d, v_all.shape[-1]) * 4 if at_once > 1 else 0
+        return chunk_size(n_kv, n_heads, at_once * grp * t, cfg.padding, cell_bytes)
+
     def attend(qr, mask, idx, n_live, at_once):
         add, bias = mask_and_bias(mask)
-        cell_bytes = at_once * n_heads * max(d, v_all.shape[-1]) * 4 if at_once > 1 else 0
-        chunk = chunk_size(n_kv, n_heads, at_once * grp * t, cfg.padding, cell_bytes)
-        out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk, grp, cap, cfg.k_dtype, cfg.v_dtype,
-                         n_live=n_live)
+        out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk_of(at_once), grp, cap, cfg.k_dtype,
+                         cfg.v_dtype, n_live=n_live)
         return out                                                          # [.., H, G * t, Dv]
 
-    if batched:  # a slot with nothing to read sees nothing, whatever its mask says
+    def slot_by_slot():
+        return jax.lax.map(lambda a: attend(*a, 1), (qs, slot_masks, index_of, live))
+
+    def one_loop():  # a slot with nothing to read sees nothing, whatever its mask says
         seen = jnp.where((live > 0)[:, None, None], slot_masks, _NEG_INF)
-        out = attend(qs, seen, index_of, jnp.max(live), n_slots)
-    else:
-        out = jax.lax.map(lambda a: attend(*a, 1), (qs, slot_masks, index_of, live))
+        return attend(qs, seen, index_of, jnp.max(live), n_slots)
+
+    if not batched or n_slots == 1:
+        out = slot_by_slot()
+    elif n_kv <= chunk_of(1):  # a slot's own loop reads the whole window anyway: one loop never reads more
+        out = one_loop()
+    else:  # one loop reads the longest stream's chunks for every slot: not when the lengths are far apart
+        out = jax.lax.cond(one_loop_pays(live, chunk_of(n_slots), chunk_of(1)), one_loop, slot_by_slot)
     dv = out.shape[-1]
     return out.reshape(n_slots, n_heads, grp, t, dv).transpose(0, 3, 1, 2, 4).reshape(t_all, hq, dv)
 
