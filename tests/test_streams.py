@@ -219,10 +219,14 @@ def test_stream_attention_equals_unified_attention_per_stream_jitted_and_eager()
     np.testing.assert_array_equal(np.asarray(eager[6:]), 0.0)      # the padding slot
 
 
-@pytest.mark.parametrize("kv_dtype,alibi,softcap", [("float32", False, None), ("float16", True, None),
-                                                     ("float32", False, 5.0), ("q8_0", False, None)])
-def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, softcap):
+@pytest.mark.parametrize("kv_dtype,alibi,softcap,pairs", [("float32", False, None, False),
+                                                           ("float16", True, None, False),
+                                                           ("float32", False, 5.0, False), ("q8_0", False, None, False),
+                                                           ("float32", False, None, True)])
+def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, softcap, pairs):
     """All slots in one loop up to the longest stream give each slot what its own loop gives.
+
+    ``pairs``: a gathered-block budget that holds two slots' chunks, so two loops of two slots run.
 
     The streams are 37, 3 and 0 cells long in chunks of 8 (the per-slot loops run 5, 1 and 0 steps,
     the batched one 5 for all), a padding slot follows, the layer is the second of two, two query
@@ -232,6 +236,8 @@ def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, soft
     both ways.
     """
     monkeypatch.setattr(_attention, "MAX_CHUNK", 8)
+    if pairs:  # a chunk of 8 cells, 2 kv heads of 32 floats: 4096 bytes hold two slots' K block
+        monkeypatch.setattr(_attention, "GATHER_BLOCK_BYTES", 4096)
     base = kvjax.CacheConfig(size=64, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=32, padding=8,
                              k_dtype=kv_dtype, v_dtype=kv_dtype)
     memory = kvjax.init(kvjax.StreamsConfig(base))

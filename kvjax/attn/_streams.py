@@ -11,12 +11,14 @@ slot:
   that stream's chunks, with a **dynamic** trip count: only the chunks holding cells (up to the
   longest slot's stream's ``cell_max``) run, so the cost follows the sequences' lengths, not the
   window bucket;
-- all slots run in that one loop: each step gathers every slot's chunk of its own stream and
+- the slots run together: each step of one loop gathers every slot's chunk of its own stream and
   contracts them together (one set of ops per layer, not one per slot and layer: on XLA:CPU the
-  per-op cost of a loop per slot was most of a batch-32 decode step). A slot's rows past its own
-  stream's cells are masked, so they read bytes that change nothing. On a device mesh, where most
-  slots' streams live on other devices, slots run one after another instead (``lax.map``), each
-  over its own chunks only, so another device's slot costs nothing.
+  per-op cost of a loop per slot was most of a batch-32 decode step), in groups of slots when all
+  of them would overflow a step's memory budgets (:func:`slot_group`). A slot's rows past its own
+  stream's cells are masked, so they read bytes that change nothing. Slots run one after another
+  instead (``lax.map``), each over its own chunks only, when that reads far fewer cells (one long
+  stream beside short ones: :func:`one_loop_pays`), and always on a device mesh, where most slots'
+  streams live on other devices and cost nothing that way.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float, Int
+from kvjax.attn import _attention
 from kvjax.attn._attention import _attend, chunk_size
 from kvjax.attn._mask import _mask_additive
 from kvjax.memory import _cells
@@ -138,27 +141,42 @@ def _slot_extents(cache: KVCache, streams: Int[Array, "n_slots"]) -> Int[Array, 
     return jnp.where(streams >= 0, jax.vmap(_cells.cell_max)(cache.cells)[jnp.clip(streams, 0, n_stream - 1)], 0)
 
 
-#: One loop over all slots runs while it reads at most this many times the cells that a loop per
-#: slot would (:func:`one_loop_pays`).
+#: A loop over a group of slots runs while it reads at most this many times the cells that a loop
+#: per slot would (:func:`one_loop_pays`).
 ONE_LOOP_READ_FACTOR = 1.5
 
 
-def one_loop_pays(live: Int[Array, "n_slots"], c_one: int, c_own: int) -> Bool[Array, ""]:
-    """Whether one loop over all slots reads at most :data:`ONE_LOOP_READ_FACTOR` times the cells of a loop per slot.
+def one_loop_pays(live: Int[Array, "n_slots"], group: int, c_one: int, c_own: int) -> Bool[Array, ""]:
+    """Whether loops over groups of slots read at most :data:`ONE_LOOP_READ_FACTOR` times the cells of a loop per slot.
 
-    One loop runs chunks of ``c_one`` cells up to the longest extent ``max(live)`` for every slot;
-    a loop per slot runs chunks of ``c_own`` up to its own ``live``. Fewer ops pay for some extra
-    reading; a long stream beside short ones does not.
+    A loop over ``group`` consecutive slots runs chunks of ``c_one`` cells up to the group's longest
+    extent for each of them; a loop per slot runs chunks of ``c_own`` up to its own ``live``. Fewer
+    ops pay for some extra reading; a long stream beside short ones does not.
 
     Example:
-        >>> bool(one_loop_pays(jnp.array([100, 90, 120, 0]), 64, 256))       # 512 cells against 768
+        >>> bool(one_loop_pays(jnp.array([100, 90, 120, 0]), 4, 64, 256))       # 512 cells against 768
         True
-        >>> bool(one_loop_pays(jnp.array([8000, 16, 16, 16]), 256, 1024))    # 32768 against 11264
+        >>> bool(one_loop_pays(jnp.array([8000, 16, 16, 16]), 4, 256, 1024))    # 32768 against 11264
+        False
+        >>> bool(one_loop_pays(jnp.array([8000, 7000, 16, 16]), 2, 256, 1024))  # in pairs: 16896 against 17408
+        True
+        >>> bool(one_loop_pays(jnp.array([8000, 16, 7000, 16]), 2, 256, 1024))  # 30720 against 17408
         False
     """
-    read_one = live.shape[0] * ((jnp.max(live) + c_one - 1) // c_one * c_one)
+    longest = jnp.max(live.reshape(-1, group), axis=1)
+    read_one = group * jnp.sum((longest + c_one - 1) // c_one * c_one)
     read_own = jnp.sum((live + c_own - 1) // c_own * c_own)
     return read_one.astype(jnp.float32) <= ONE_LOOP_READ_FACTOR * read_own.astype(jnp.float32)
+
+
+def slot_group(n_slots: int, fits) -> int:
+    """Slots per loop: the largest divisor of ``n_slots`` whose blocks ``fits(group)`` (1 when none).
+
+    Example:
+        >>> slot_group(32, lambda g: g <= 8), slot_group(12, lambda g: g <= 5), slot_group(7, lambda g: g < 7)
+        (8, 4, 1)
+    """
+    return max(g for g in range(1, n_slots + 1) if n_slots % g == 0 and (g == 1 or fits(g)))
 
 
 def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slots: Tuple[int, int], cfg, scale,
@@ -166,16 +184,19 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
     """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
 
     A slot with ``live = 0`` (padding, or on a mesh a stream another device holds) gives zeros.
-    ``batched``: all slots in one online-softmax loop (:func:`kvjax.attn._attention._attend` over a
-    slot axis), chunk by chunk up to the largest ``live``: one gather and one contraction per chunk
-    for every slot, where one loop per slot costs its own few ops per slot and layer (at batch 32 on
-    XLA:CPU those per-op costs were most of a decode step, see docs/speed.md). That loop reads the
-    longest stream's extent for every slot, so when the window spans several chunks it runs only
-    while it reads at most 1.5x the cells the slots' own loops would (:func:`one_loop_pays`, a ``cond``;
-    one long stream beside short ones read 4x the cells and ran 3-4x slower). Otherwise, and always
-    when not ``batched``, slot by slot (``lax.map``), each over its own chunks, so a ``live = 0``
-    slot costs nothing: the mesh path's choice, where most slots belong to other devices. Returns
-    float32 ``[T, Hq, Dv]``.
+    ``batched``: the slots run in groups (:func:`slot_group`: as many as keep a step's score block
+    and gathered K/V blocks within :data:`kvjax.attn._attention.SCORE_BLOCK_BYTES` and
+    :data:`~kvjax.attn._attention.GATHER_BLOCK_BYTES`; all of them when decoding a small model), a
+    group in one online-softmax loop (:func:`kvjax.attn._attention._attend` over a slot axis),
+    chunk by chunk up to the group's largest ``live``: one gather and one contraction per chunk for
+    the group, where one loop per slot costs its own few ops per slot and layer (at batch 32 on
+    XLA:CPU those per-op costs were most of a decode step, see docs/speed.md). Such a loop reads the
+    group's longest extent for every slot in it, so when the window spans several chunks it runs only
+    while that is at most 1.5x the cells the slots' own loops would read (:func:`one_loop_pays`, a
+    ``cond``; one long stream beside short ones read 4x the cells and ran 3-4x slower). Otherwise,
+    and always when not ``batched``, slot by slot (``lax.map``), each over its own chunks, so a
+    ``live = 0`` slot costs nothing: the mesh path's choice, where most slots belong to other
+    devices. Returns float32 ``[T, Hq, Dv]``.
     """
     n_stream, n_layer, n_heads = k_all.shape[:3]
     # streams side by side on the layer axis: slot j reads "layer" stream_j * L + index, sliced
@@ -186,6 +207,7 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
     n_kv = slot_masks.shape[-1]
     t_all, hq, d = q.shape
     grp = hq // n_heads
+    width = n_heads * max(d, v_all.shape[-1]) * 4  # float32 bytes a cell adds to a slot's gathered block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     index_of = (jnp.clip(streams, 0, n_stream - 1) * n_layer + index).astype(jnp.int32)
     live = live.astype(jnp.int32)
@@ -202,29 +224,42 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
         bias = jnp.asarray(slopes, jnp.float32)[:, None, None] * jnp.expand_dims(jnp.where(visible, mask, 0.0), -3)
         return jnp.where(visible, 0.0, _NEG_INF), bias
 
-    def chunk_of(at_once):
-        cell_bytes = at_once * n_heads * max(d, v_all.shape[-1]) * 4 if at_once > 1 else 0
-        return chunk_size(n_kv, n_heads, at_once * grp * t, cfg.padding, cell_bytes)
+    def chunk_of(group):
+        return chunk_size(n_kv, n_heads, group * grp * t, cfg.padding, group * width if group > 1 else 0)
 
-    def attend(qr, mask, idx, n_live, at_once):
+    def fits(group):  # the budgets hold (chunk_size falls back to `padding` cells when they cannot)
+        c = chunk_of(group)
+        return (4 * n_heads * group * grp * t * c <= _attention.SCORE_BLOCK_BYTES
+                and group * width * c <= _attention.GATHER_BLOCK_BYTES)
+
+    def attend(qr, mask, idx, n_live, group):
         add, bias = mask_and_bias(mask)
-        out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk_of(at_once), grp, cap, cfg.k_dtype,
+        out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype,
                          cfg.v_dtype, n_live=n_live)
         return out                                                          # [.., H, G * t, Dv]
 
     def slot_by_slot():
         return jax.lax.map(lambda a: attend(*a, 1), (qs, slot_masks, index_of, live))
 
-    def one_loop():  # a slot with nothing to read sees nothing, whatever its mask says
-        seen = jnp.where((live > 0)[:, None, None], slot_masks, _NEG_INF)
-        return attend(qs, seen, index_of, jnp.max(live), n_slots)
+    group = slot_group(n_slots, fits) if batched else 1
 
-    if not batched or n_slots == 1:
+    def in_groups():  # a slot with nothing to read sees nothing, whatever its mask says
+        seen = jnp.where((live > 0)[:, None, None], slot_masks, _NEG_INF)
+        if group == n_slots:
+            return attend(qs, seen, index_of, jnp.max(live), group)
+
+        def split(x):
+            return x.reshape((n_slots // group, group) + x.shape[1:])
+        out = jax.lax.map(lambda a: attend(a[0], a[1], a[2], jnp.max(a[3]), group),
+                          (split(qs), split(seen), split(index_of), split(live)))
+        return out.reshape((n_slots,) + out.shape[2:])
+
+    if group == 1:
         out = slot_by_slot()
-    elif n_kv <= chunk_of(1):  # a slot's own loop reads the whole window anyway: one loop never reads more
-        out = one_loop()
-    else:  # one loop reads the longest stream's chunks for every slot: not when the lengths are far apart
-        out = jax.lax.cond(one_loop_pays(live, chunk_of(n_slots), chunk_of(1)), one_loop, slot_by_slot)
+    elif n_kv <= chunk_of(1):  # a slot's own loop reads the whole window anyway: a group's never reads more
+        out = in_groups()
+    else:  # a group's loop reads its longest stream's chunks for every slot: not when lengths are far apart
+        out = jax.lax.cond(one_loop_pays(live, group, chunk_of(group), chunk_of(1)), in_groups, slot_by_slot)
     dv = out.shape[-1]
     return out.reshape(n_slots, n_heads, grp, t, dv).transpose(0, 3, 1, 2, 4).reshape(t_all, hq, dv)
 
