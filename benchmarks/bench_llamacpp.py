@@ -18,14 +18,18 @@ benchmark says so and returns without it. Never part of the test suite.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 import kvjax
 from benchmarks.common import table
@@ -38,6 +42,10 @@ N_THREADS = 2
 GGML_TYPES = {"float32": 0, "float16": 1}
 #: (K/V dtype, unified) per compared layout, for batches above 1 (batch 1 runs the unified ones)
 LAYOUTS = (("float16", True), ("float32", True), ("float16", False), ("float32", False))
+#: Fresh processes the comparison runs in, one after another. On this shared machine a process keeps
+#: its own speed for its whole life: the same program ran 3100-4300 tokens/s from one process to the
+#: next, steady within each, so repeats inside one process do not average that out.
+N_PROCESSES = 3
 
 
 def tiny_llama() -> Llama:
@@ -184,18 +192,17 @@ class _LlamaCpp:
         self.lc.llama_model_free(self.model)
 
 
-def run(quick: bool = False) -> str:
-    head = "## kvjax against llama.cpp (same GGUF weights, decode tokens/s)"
-    try:
-        import llama_cpp  # noqa: F401
-        import gguf  # noqa: F401
-    except ImportError as e:
-        return f"{head}\n\nSkipped: {e.name} is not installed (`pip install 'kvjax[llamacpp,gguf]'`)."
+def _plan(quick: bool):
+    """``(new tokens, prompt length, repeats in a process)``."""
+    return (32, 16, 2) if quick else (128, 16, 5)
+
+
+def _measure(quick: bool) -> list:
+    """One process's comparison: a dict per (batch, K/V dtype, layout), the two sides interleaved."""
     source = tiny_llama()
-    cfg = source.config
-    n_new, prompt_len, repeats = (32, 16, 2) if quick else (128, 16, 5)
+    n_new, prompt_len, repeats = _plan(quick)
     rng = np.random.default_rng(0)
-    rows, agree = [], []
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "tiny-llama.gguf")
         _write_gguf(path, source)
@@ -225,14 +232,49 @@ def run(quick: bool = False) -> str:
                     cpp_runs.append(batch * (n_new - 1) / cpp.generate(prompts, n_new)[1])
                     kv_runs.append(gen(r + 1).steady_tokens_per_second)
                 cpp.close()
-                cpp_tps, kv_tps = statistics.median(cpp_runs), statistics.median(kv_runs)
                 same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
                         for x, y in zip(first.tokens, cpp_out)]
-                layout = "unified" if unified else "a stream per sequence"
-                agree.append(f"batch {batch} ({kv_dtype}, {layout}): equal for the first {min(same)} "
-                             f"(median {int(np.median(same))})")
-                rows.append([batch, kv_dtype, layout, f"{cpp_tps:.0f}", f"{kv_tps:.0f}", f"{kv_tps / cpp_tps:.2f}",
-                             f"{first.compile_seconds:.1f} s"])
+                rows.append(dict(batch=batch, kv_dtype=kv_dtype, unified=unified,
+                                 cpp=statistics.median(cpp_runs), kvjax=statistics.median(kv_runs),
+                                 compile=first.compile_seconds, same_min=min(same), same_median=int(np.median(same))))
+    return rows
+
+
+def _in_fresh_processes(quick: bool, n: int) -> list:
+    """:func:`_measure` in ``n`` fresh Python processes, one after another: their rows."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    runs = []
+    for _ in tqdm(range(n), desc="llama.cpp comparison", unit="process"):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.bench_llamacpp", "--rows"] + (["--quick"] * quick),
+                              cwd=root, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the comparison process failed:\n{done.stderr[-4000:]}")
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def run(quick: bool = False) -> str:
+    head = "## kvjax against llama.cpp (same GGUF weights, decode tokens/s)"
+    try:
+        import llama_cpp  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError as e:
+        return f"{head}\n\nSkipped: {e.name} is not installed (`pip install 'kvjax[llamacpp,gguf]'`)."
+    cfg = tiny_llama().config
+    n_new, prompt_len, repeats = _plan(quick)
+    n_proc = 1 if quick else N_PROCESSES
+    runs = _in_fresh_processes(quick, n_proc)
+    rows, agree = [], []
+    for i, first in enumerate(runs[0]):
+        mine = [run_[i] for run_ in runs]
+        ratios = [r["kvjax"] / r["cpp"] for r in mine]
+        layout = "unified" if first["unified"] else "a stream per sequence"
+        rows.append([first["batch"], first["kv_dtype"], layout, f"{statistics.median(r['cpp'] for r in mine):.0f}",
+                     f"{statistics.median(r['kvjax'] for r in mine):.0f}", f"{statistics.median(ratios):.2f}",
+                     " / ".join(f"{x:.2f}" for x in ratios), f"{first['compile']:.1f} s"])
+        agree.append(f"batch {first['batch']} ({first['kv_dtype']}, {layout}): equal for the first "
+                     f"{first['same_min']} (median {first['same_median']})")
     return "\n\n".join([
         head,
         f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, float32 "
@@ -240,16 +282,23 @@ def run(quick: bool = False) -> str:
         f"sequence; llama.cpp: `llama-cpp-python` {llama_cpp.__version__}, {N_THREADS} threads, one `llama_decode` "
         "of a B-row `llama_batch` per step, argmax on the host; kvjax: `kvjax.generate` (device loop, "
         f"`sync_every={n_new}`) of the model with fused projections (`kvjax.nn.fuse_projections`), steady "
-        f"tokens/s (compile time apart). Medians of {repeats}, the two sides interleaved. Both sides store "
-        "K/V in the same dtype (llama.cpp's default is float16: `type_k`/`type_v`) and the same layout: "
+        f"tokens/s (compile time apart). In {n_proc} fresh processes one after another (on this shared machine "
+        "a process runs at its own speed for its whole life, up to a third apart from the next one, so "
+        f"repeats inside one process do not average that out); in each, medians of {repeats} with the two sides "
+        "interleaved; the table gives the medians over the processes and each process's ratio. Both sides "
+        "store K/V in the same dtype (llama.cpp's default is float16: `type_k`/`type_v`) and the same layout: "
         "unified is one K/V buffer for every sequence (`kv_unified=true` / `kvjax.CacheConfig`), a stream per "
         "sequence is llama.cpp's default for several sequences (`kv_unified=false`) / `kvjax.StreamsConfig`.",
         table(["batch", "K/V dtype", "K/V layout", "llama.cpp tokens/s", "kvjax tokens/s", "kvjax / llama.cpp",
-               "kvjax compile (first run)"], rows),
-        "Greedy tokens of kvjax and llama.cpp per sequence (of " + str(n_new) + "): " + "; ".join(agree)
+               "per process", "kvjax compile (first run)"], rows),
+        "Greedy tokens of kvjax and llama.cpp per sequence (of " + str(n_new) + ", first process): "
+        + "; ".join(agree)
         + ". Float sums in another order flip near ties of this random model, after which the sequences differ.",
     ])
 
 
 if __name__ == "__main__":
-    print(run(quick=bool(int(os.environ.get("QUICK", "0")))))
+    if "--rows" in sys.argv:  # one process's measurement, for run(): its rows as one JSON line
+        print(json.dumps(_measure(quick="--quick" in sys.argv)))
+    else:
+        print(run(quick=bool(int(os.environ.get("QUICK", "0")))))

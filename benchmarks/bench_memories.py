@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import jax
@@ -18,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from benchmarks.common import table
+from benchmarks.common import interleaved_medians, table
 from kvjax.engine._engine import Engine
 from kvjax.nn import Llama, LlamaConfig
 
@@ -38,23 +37,23 @@ def _bytes_rows():
     return rows
 
 
-def _decode_rate(engine, context, steps, repeats):
+def _decode_rounds(engine, context, steps):
+    """Fill a ``context``-token prompt; then a round of ``steps`` greedy tokens per call: seconds a token."""
     # the prompt in batches of 128 tokens: the window cache holds n_swa + n_batch cells, and a
     # contiguous placement needs a free run of the batch's length beside what the window keeps
     for start in range(0, context, 128):
         n = min(128, context - start)
         engine.decode(list(np.arange(start, start + n) % 50), list(range(start, start + n)), [[0]] * n)
-    tok, pos = 1, context
-    times = []
-    for r in range(repeats + 1):
+    state = {"tok": 1, "pos": context}
+
+    def one_round() -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
-            logits = engine.decode([tok], [pos], [[0]])
-            tok = int(np.argmax(np.asarray(logits[0])))
-            pos += 1
-        if r:  # the first round compiles
-            times.append((time.perf_counter() - t0) / steps)
-    return 1.0 / statistics.median(times)
+            logits = engine.decode([state["tok"]], [state["pos"]], [[0]])
+            state["tok"] = int(np.argmax(np.asarray(logits[0])))
+            state["pos"] += 1
+        return (time.perf_counter() - t0) / steps
+    return one_round
 
 
 def run(quick: bool) -> str:
@@ -63,11 +62,12 @@ def run(quick: bool) -> str:
     cfg = LlamaConfig(vocab_size=64, d_model=128, n_layer=4, n_heads=4, n_kv_heads=2, swa_layers=(0, 2), n_swa=128)
     model = Llama(cfg, rngs=nnx.Rngs(0))
     base = cfg.cache_config(size=size, n_seq_max=1, padding=128)
-    rates = {}
+    rounds = {}
     for name, memory in (("iSWA pair", kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa,
                                                                       n_batch=512))),
                          ("one full-size cache", kvjax.init(base))):
-        rates[name] = _decode_rate(Engine(model, memory, n_ubatch=512), context, steps, repeats)
+        rounds[name] = _decode_rounds(Engine(model, memory, n_ubatch=512), context, steps)
+    rates = {name: 1.0 / t for name, t in interleaved_medians(rounds, repeats).items()}
     decode_rows = [[name, f"{size}", f"{context}", f"{rate:.0f}", f"{rate / rates['one full-size cache']:.2f}"]
                    for name, rate in rates.items()]
     return "\n".join([
@@ -79,8 +79,8 @@ def run(quick: bool) -> str:
         table(["cells", "one full-size cache", "iSWA pair", "window cache cells", "ratio"], _bytes_rows()),
         "",
         f"Decode, batch 1, a 4-layer width-128 model with window layers 0 and 2 (n_swa {cfg.n_swa}), through "
-        f"kvjax.Engine after a {context}-token prompt; median of {repeats} rounds of {steps} tokens, compile "
-        f"excluded:",
+        f"kvjax.Engine after a {context}-token prompt; median of {repeats} rounds of {steps} tokens, the two "
+        f"memories' rounds interleaved, compile excluded:",
         "",
         table(["memory", "cells", "context", "tokens/s", "vs full-size"], decode_rows),
     ])

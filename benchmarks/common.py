@@ -40,6 +40,25 @@ def median_time(fn: Callable[[], object], *, repeats: int = 7, number: int = 1, 
     return statistics.median(samples)
 
 
+def interleaved_medians(rounds: "dict[str, Callable[[], float]]", repeats: int) -> "dict[str, float]":
+    """Median of what each named round returns (its seconds), the rounds run in turns, repeat by repeat.
+
+    One warm-up turn first (it compiles); then ``repeats`` turns of every round, so that a slow spell
+    of a shared machine falls on all of them alike instead of on whichever ran during it.
+
+    Example:
+        >>> interleaved_medians({"a": lambda: 1.0, "b": lambda: 2.0}, repeats=3)
+        {'a': 1.0, 'b': 2.0}
+    """
+    samples = {name: [] for name in rounds}
+    for r in range(repeats + 1):
+        for name, round_ in rounds.items():
+            seconds = round_()
+            if r:  # the first turn compiles
+                samples[name].append(seconds)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
 def compile_time(jitted, *args, **kwargs) -> float:
     """Seconds to lower and compile ``jitted`` for these arguments (nothing is run)."""
     t0 = time.perf_counter()
