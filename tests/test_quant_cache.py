@@ -209,3 +209,36 @@ def test_engine_context_shift_with_q8_0():
     out = generate(Engine(Llama(mcfg, rngs=nnx.Rngs(0)), cache), [[1, 2, 3, 4]], max_new_tokens=80,
                    key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0), n_ctx=40)
     assert out.context_shifts >= 1 and len(out.tokens[0]) == 80
+
+
+def test_float16_storage_widens_exactly():
+    """Every float16 bit pattern: the integer-op widening equals numpy's conversion bit for bit (-0.0 included)."""
+    bits = np.arange(65536, dtype=np.uint16).view(np.float16)
+    want = bits.astype(np.float32)
+    nan = np.isnan(want)
+    for widen in (Q.float16_to_float32, jax.jit(Q.float16_to_float32), lambda x: Q.from_storage(x, "float16")):
+        got = np.asarray(widen(jnp.asarray(bits)))
+        assert got.dtype == np.float32 and np.array_equal(np.isnan(got), nan) and nan.sum() == 2046
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_float16_cache_attends_like_float32_holding_the_same_values(jitted):
+    """Attention over float16 K/V gives the bits of float32 K/V holding the same values (subnormals, zeros)."""
+    rng = np.random.default_rng(5)
+    n = 64
+    k = rng.standard_normal((n, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((n, 2, 64)).astype(np.float16)
+    k[:, :, :8] = np.float16(3e-6)          # float16 subnormals
+    v[::3, :, 8:16] = np.float16(-0.0)
+    q = jnp.asarray(rng.standard_normal((n, 4, 64)), jnp.float32)
+    ub = kvjax.make_ubatch(list(range(n)), [[0]] * n)
+    outs = []
+    for dtype in ("float16", "float32"):
+        cache = kvjax.init(kvjax.CacheConfig(size=128, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=64,
+                                             k_dtype=dtype, v_dtype=dtype))
+        cache, slot, _ = kvjax.find_slot(cache, ub)
+        cache = kvjax.write(cache, 0, slot, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+        attend = jax.jit(kvjax.attention, static_argnums=2) if jitted else kvjax.attention
+        outs.append(np.asarray(attend(q, cache, 0, kvjax.kq_mask(cache, ub, 128))))
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -168,7 +168,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         def one(i):
             return jax.lax.dynamic_slice(x, (i, 0, start, 0), size)[0]
         xc = jax.vmap(one)(index) if nb else one(index)
-        return _quant.from_storage(xc, name) if _quant.is_quantized(name) else xc  # this chunk only
+        return _quant.from_storage(xc, name)  # this chunk only, as float32
 
     def by_row(x):
         """``[.., T, chunk]`` (or a bias ``[.., 1 | H * G, 1 | T, chunk]``) against ``[.., H, G, T, chunk]``."""
@@ -183,7 +183,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         if n_kv % chunk:
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
-        s = jax.lax.dot_general(qr, kc.astype(jnp.float32), qk_dims, preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(qr, kc, qk_dims, preferred_element_type=jnp.float32)
         if softcap is not None:  # Gemma 2's logit soft-capping, on the scaled scores before the mask
             s = softcap * jnp.tanh(s / softcap)
         visible = by_row(ac > _NEG_INF)                             # [.., 1, 1, T, chunk]
@@ -197,7 +197,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)                # all masked so far: no NaN
         p = jnp.exp(s - m1_safe[..., None])
         alpha = jnp.exp(m0 - m1_safe)
-        pv = jax.lax.dot_general(p, vc.astype(jnp.float32), pv_dims, preferred_element_type=jnp.float32)
+        pv = jax.lax.dot_general(p, vc, pv_dims, preferred_element_type=jnp.float32)
         # ... and a zero weight times a NaN or inf V is still NaN: only when the product is not
         # finite (rare: some V row of the chunk is NaN or inf) is it redone with those rows zeroed;
         # a row that does see one of them becomes NaN, as it would have without the cleaning

@@ -266,4 +266,33 @@ def to_storage(x, name: str):
 
 def from_storage(x, name: str, dtype=jnp.float32):
     """Storage rows back to values ``[..., D]`` in ``dtype`` (dequantized for a block type)."""
-    return dequantize(x, name, dtype) if name in QUANT_TYPES else x.astype(dtype)
+    if name in QUANT_TYPES:
+        return dequantize(x, name, dtype)
+    if x.dtype == jnp.float16 and jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu":
+        return float16_to_float32(x)
+    return x.astype(dtype)
+
+
+def float16_to_float32(x: jax.Array) -> jax.Array:
+    """``x.astype(float32)`` for float16 ``x``, exactly (zeros, subnormals, inf and NaN included), in integer ops.
+
+    XLA:CPU's own conversion took about twice the time of a plain copy of the same block (an
+    ``[8, 1024, 32]`` chunk: 83-109 µs against 39-47 µs; attention converts every chunk it reads),
+    while these shifts and selects run as fast as the copy. A normal number moves its exponent from
+    bias 15 to bias 127 (add 112 << 23 to the shifted bits); a subnormal (or zero) is its 10-bit
+    mantissa times 2**-24, computed as a float32 product, which is exact and normal (a
+    float32-denormal intermediate would be flushed to zero by the CPU); inf and NaN keep an
+    all-ones exponent.
+
+    Example:
+        >>> x = jnp.array([1.0, -2.5, 6e-8, -0.0, 65504.0, -jnp.inf, jnp.nan], jnp.float16)
+        >>> float16_to_float32(x).tolist()
+        [1.0, -2.5, 5.960464477539063e-08, -0.0, 65504.0, -inf, nan]
+    """
+    u = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    exponent, mantissa = u & 0x7C00, u & 0x03FF
+    normal = ((u & 0x7FFF) << 13) + (112 << 23)
+    special = jnp.uint32(0x7F800000) | (mantissa << 13)
+    small = jax.lax.bitcast_convert_type(mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -24), jnp.uint32)
+    bits = jnp.where(exponent == 0, small, jnp.where(exponent == 0x7C00, special, normal))
+    return jax.lax.bitcast_convert_type(bits | ((u & 0x8000) << 16), jnp.float32)
