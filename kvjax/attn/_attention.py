@@ -81,19 +81,29 @@ def chunk_size(n_kv: int, n_heads: int, n_rows: int, padding: int, cell_bytes: i
         >>> chunk_size(32768, 8, 64, 32, cell_bytes=64 * 8 * 128 * 4)     # 64 slots, head size 128
         32
     """
-    budget = max(1, SCORE_BLOCK_BYTES // (4 * n_heads * n_rows))
-    if cell_bytes:
-        budget = min(budget, max(1, GATHER_BLOCK_BYTES // cell_bytes))
     chunk = padding
-    while chunk * 2 <= min(MAX_CHUNK, budget):
+    while chunk * 2 <= MAX_CHUNK and blocks_fit(chunk * 2, n_heads, n_rows, cell_bytes):
         chunk *= 2
     return min(chunk, n_kv)
+
+
+def blocks_fit(chunk: int, n_heads: int, n_rows: int, cell_bytes: int = 0) -> bool:
+    """Whether a step of ``chunk`` cells keeps its blocks within budget (see :func:`chunk_size`).
+
+    The score block ``[H, n_rows, chunk]`` float32 under :data:`SCORE_BLOCK_BYTES`, and the
+    gathered K or V block (``cell_bytes`` a cell) under :data:`GATHER_BLOCK_BYTES`.
+
+    Example:
+        >>> blocks_fit(1024, 8, 64), blocks_fit(1024, 8, 128), blocks_fit(256, 8, 1, cell_bytes=64 << 10)
+        (True, False, False)
+    """
+    return 4 * n_heads * n_rows * chunk <= SCORE_BLOCK_BYTES and cell_bytes * chunk <= GATHER_BLOCK_BYTES
 
 
 def _clean_pv(p, vc, pv_dims):
     """``p @ vc`` with V rows that are not finite zeroed, and NaN for the rows ``p`` that weigh one."""
     finite = jnp.all(jnp.isfinite(vc), axis=-1)                      # [..., H, chunk]
-    clean = jnp.where(finite[..., None], vc.astype(jnp.float32), 0.0)
+    clean = jnp.where(finite[..., None], vc, 0.0)
     pv = jax.lax.dot_general(p, clean, pv_dims, preferred_element_type=jnp.float32)
     sees = jnp.any((p > 0) & ~finite[..., None, :], axis=-1)          # [..., H, R]
     return jnp.where(sees[..., None], jnp.nan, pv)

@@ -45,8 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax.attn import _attention
-from kvjax.attn._attention import _attend, chunk_size
+from kvjax.attn._attention import _attend, blocks_fit, chunk_size
 from kvjax.attn._mask import _mask_additive
 from kvjax.memory import _cells
 from kvjax.memory._config import SwaType
@@ -224,13 +223,14 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
         bias = jnp.asarray(slopes, jnp.float32)[:, None, None] * jnp.expand_dims(jnp.where(visible, mask, 0.0), -3)
         return jnp.where(visible, 0.0, _NEG_INF), bias
 
+    def cell_bytes(group):  # a slot's own loop keeps the per-slot budget of the unified path
+        return group * width if group > 1 else 0
+
     def chunk_of(group):
-        return chunk_size(n_kv, n_heads, group * grp * t, cfg.padding, group * width if group > 1 else 0)
+        return chunk_size(n_kv, n_heads, group * grp * t, cfg.padding, cell_bytes(group))
 
     def fits(group):  # the budgets hold (chunk_size falls back to `padding` cells when they cannot)
-        c = chunk_of(group)
-        return (4 * n_heads * group * grp * t * c <= _attention.SCORE_BLOCK_BYTES
-                and group * width * c <= _attention.GATHER_BLOCK_BYTES)
+        return blocks_fit(chunk_of(group), n_heads, group * grp * t, cell_bytes(group))
 
     def attend(qr, mask, idx, n_live, group):
         add, bias = mask_and_bias(mask)
