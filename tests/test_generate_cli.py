@@ -52,9 +52,12 @@ def _greedy(model, ids, n, pad=32):
     return out
 
 
-def test_run_streams_the_greedy_continuation(folder):
+@pytest.mark.parametrize("padding", [None, 32])
+def test_run_streams_the_greedy_continuation(folder, padding):
+    """The default windows (from 256 cells) and windows from 32 cells give the uncached greedy tokens."""
     out, err = io.StringIO(), io.StringIO()
-    report = _generate.run(folder, "the lazy dog", max_new_tokens=6, ctx=64, out=out, err=err)
+    extra = {} if padding is None else dict(padding=padding)
+    report = _generate.run(folder, "the lazy dog", max_new_tokens=6, ctx=64, out=out, err=err, **extra)
     model = kvjax.nn.from_pretrained(folder)
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode("the lazy dog")
@@ -65,6 +68,7 @@ def test_run_streams_the_greedy_continuation(folder):
     assert text.startswith("the lazy dog") and text.rstrip("\n") == "the lazy dog" + tok.decode(want)
     log = err.getvalue()
     assert "load " in log and "compile " in log and "prompt: " in log and "generated: " in log
+    assert f"windows from {padding or _generate.DEFAULT_PADDING} cells" in log
     assert report.prompt_tokens_per_second > 0 and report.tokens_per_second > 0 and report.load_seconds > 0
 
 
@@ -86,6 +90,8 @@ def test_run_parallel_sequences_and_quantized_cache(folder):
     (dict(dtype="float64"), r"--dtype 'float64' is out of range"),
     (dict(ctx=1), r"--ctx 1 is out of range: allowed an integer >= 2"),
     (dict(ctx=3), r"--ctx 3 is out of range for a prompt of \d+ tokens"),
+    (dict(padding=0), r"--padding 0 is out of range: allowed an integer >= 1"),
+    (dict(padding=True), r"--padding True is out of range: allowed an integer >= 1"),
     (dict(prompt=""), r"--prompt '' is out of range: allowed a non-empty text"),
 ])
 def test_run_bad_arguments(folder, kwargs, match):

@@ -25,6 +25,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kvjax.nn._llama import Llama, LlamaConfig
+from kvjax.nn._pretrained import _all_loaded
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "corpus.txt"
@@ -150,7 +151,8 @@ def load(path: pathlib.Path = WEIGHTS, *, verbose: bool = True) -> Tuple[Llama, 
     with np.load(path) as f:
         arrays = dict(f)
     tok = CharTokenizer(arrays.pop("__vocab__").tobytes().decode())
-    model = Llama(model_config(tok.vocab_size), rngs=nnx.Rngs(0))
+    # shapes only: a random init would compile and run its initializers just to be overwritten
+    model = nnx.eval_shape(lambda: Llama(model_config(tok.vocab_size), rngs=nnx.Rngs(0)))
     # the flat state's variables are the model's own: setting them updates the model in place
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = "/".join(map(str, key))
@@ -158,4 +160,5 @@ def load(path: pathlib.Path = WEIGHTS, *, verbose: bool = True) -> Tuple[Llama, 
             raise ValueError(f"weights file {path} does not match the model at {name}: retrain with "
                              f"`python -m kvjax train`")
         var.set_value(jnp.asarray(arrays[name], jnp.float32))
+    _all_loaded(model, path)
     return model, tok, True

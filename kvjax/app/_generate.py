@@ -27,6 +27,11 @@ from typing import List, TextIO
 
 CACHE_TYPES = ("float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 DTYPES = ("float32", "bfloat16", "float16")
+#: the smallest attention window in cells (windows double from it; llama.cpp pads its window to 256
+#: cells with flash attention): every window bucket is one more program to compile, and for a real
+#: model a compile takes seconds to minutes while attending over up to 255 more cells costs a small
+#: part of a step
+DEFAULT_PADDING = 256
 
 
 @dataclass
@@ -72,7 +77,7 @@ def _check(name, value, ok, allowed):
 
 def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 64, temperature: float = 0.0,
         cache_type: str = "float32", ctx: int = 512, seed: int = 0, dtype: str = "float32", n_ubatch: int = 64,
-        out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Report:
+        padding: int = DEFAULT_PADDING, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Report:
     """Load, generate with streaming to ``out``, report to ``err``; the measured :class:`Report`.
 
     Raises:
@@ -87,6 +92,8 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     _check("--dtype", dtype, dtype in DTYPES, f"one of {list(DTYPES)}")
     _check("--ctx", ctx, isinstance(ctx, int) and ctx >= 2, "an integer >= 2")
     _check("--ubatch", n_ubatch, isinstance(n_ubatch, int) and n_ubatch >= 1, "an integer >= 1")
+    _check("--padding", padding, isinstance(padding, int) and not isinstance(padding, bool) and padding >= 1,
+           "an integer >= 1")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"--prompt {prompt!r} is out of range: allowed a non-empty text")
 
@@ -121,7 +128,7 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
             raise ValueError(f"--cache-type {cache_type!r} is out of range for a Mamba (its states are float32): "
                              f"allowed 'float32'")
     else:
-        overrides = dict(k_dtype=cache_type, v_dtype=cache_type)
+        overrides = dict(k_dtype=cache_type, v_dtype=cache_type, padding=padding)
     mem_cfg = memory_config_for(model, size=ctx * n_parallel, n_seq_max=n_parallel, **overrides)
     stop = [i for i in tok.eos_ids if i < vocab]
     options = dict(n_parallel=n_parallel, stop_tokens=stop, n_ctx=ctx, n_keep=min(len(ids), ctx // 4),
@@ -156,9 +163,10 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     cfg = model.config
     n_shift = result.context_shifts
     shifts = f"; {n_shift} context shift{'s' if n_shift != 1 else ''}" if n_shift else ""
+    windows = f", windows from {padding} cells" if "padding" in overrides else ""
     err.write(f"model: {type(model).__name__} {cfg.n_layer} layers, width {cfg.d_model}, vocab {vocab}, "
               f"{dtype}; memory: {type(mem_cfg).__name__} ({cache_type} K/V, {ctx} positions x {n_parallel} "
-              f"sequences)\n")
+              f"sequences{windows})\n")
     err.write(f"load {load_seconds:.2f} s; compile {compile_seconds:.2f} s ({warm.compiles + result.compiles} "
               f"programs, in a warm-up run and apart from the speeds)\n")
     n_seq = len(result.tokens)
@@ -173,7 +181,7 @@ def main(argv_args) -> int:
     a = argv_args
     try:
         run(a.model, a.prompt, n_parallel=a.n_parallel, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-            cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch)
+            cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch, padding=a.padding)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,4 +201,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     g.add_argument("--ctx", type=int, default=512, help="positions per sequence before a context shift (default 512)")
     g.add_argument("--ubatch", type=int, default=64, help="most tokens per ubatch (default 64)")
+    g.add_argument("--padding", type=int, default=DEFAULT_PADDING,
+                   help=f"the smallest attention window in cells, windows double from it: larger, fewer programs "
+                        f"to compile (default {DEFAULT_PADDING}, llama.cpp's)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
