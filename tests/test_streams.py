@@ -157,6 +157,35 @@ def test_a_token_of_two_streams_is_refused_and_changes_nothing():
     assert bool(ok)
 
 
+def test_eager_operations_are_one_program_each_and_leave_the_k_v_buffers_alone():
+    """Called eagerly, a stream operation compiles once (one program over the metadata, not a
+    dispatch per primitive) and hands back the very K/V arrays it was given (a jitted function's
+    returned arrays are fresh copies: K/V must not pass through it)."""
+    from tests.helpers import CompileCounter
+
+    memory = kvjax.init(kvjax.StreamsConfig(BASE))
+    memory, _, _ = kvjax.find_slot(memory, kvjax.make_ubatch([0, 1, 2], [[0], [0], [0]]))
+    memory = kvjax.update(kvjax.seq_cp(memory, 0, 1))
+    calls = {
+        "seq_rm": lambda m, i: kvjax.seq_rm(m, 1, i, -1)[0],
+        "seq_cp": lambda m, i: kvjax.seq_cp(m, 0, 2 + i % 2),
+        "seq_add": lambda m, i: kvjax.seq_add(m, 0, i, -1, 2),
+        "seq_div": lambda m, i: kvjax.seq_div(m, 0, i, -1, 2),
+        "seq_keep": lambda m, i: kvjax.seq_keep(m, i),
+        "find_slot": lambda m, i: kvjax.find_slot(m, kvjax.make_ubatch([8 + i], [[3]]))[0],
+        "seq_pos_max": lambda m, i: kvjax.seq_pos_max(m, i),
+        "used_cells": lambda m, i: kvjax.used_cells(m),
+    }
+    for name, call in calls.items():
+        with CompileCounter() as first:
+            out = call(memory, 0)
+        assert first.count <= 2, (name, first.count)   # the op's program (and the copy check's)
+        with no_recompile():
+            out = call(memory, 1)                       # new values: nothing compiles
+        if isinstance(out, kvjax.StreamCache):
+            assert all(a is b for a, b in zip(out.cache.k + out.cache.v, memory.cache.k + memory.cache.v)), name
+
+
 def test_config_bad_input():
     with pytest.raises(ValueError, match=r"n_stream=0 is out of range: allowed an integer in \[1, n_seq_max=4\]"):
         kvjax.StreamsConfig(BASE, n_stream=0)
