@@ -137,7 +137,9 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
 
     ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
     ``bias`` None or ``[1 | H * G, 1 | T, 1 | N]``. ``k_all [L, H, C, D]`` and
-    ``v_all [L, H, C, Dv]`` are the stacked storage itself: every step slices its
+    ``v_all [L, H, C, Dv]`` are the stacked storage itself (or a stream memory's ``[S, L, H, C, *]``
+    with ``index`` an ``i32[2]`` pair ``(stream, layer)``: no reshape of the buffers a step has just
+    written, which XLA answered with copies of all of them): every step slices its
     ``[H, chunk, *]`` block straight out of it (no copy of the layer's window first), and the
     score block of one chunk (``[H, R, chunk]`` float32) is the largest temporary; mask and bias
     are broadcast per chunk, never expanded to ``[H, R, N]``. When ``chunk`` does not divide
@@ -172,11 +174,14 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         return x if x.shape[-1] == 1 else jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=x.ndim - 1)
 
     def block(x, start, name):
-        """The step's ``[.., H, chunk, *]`` block of the storage ``x [L, H, C, *]``, as values."""
-        size = (1,) + x.shape[1:2] + (chunk,) + x.shape[3:]
+        """The step's ``[.., H, chunk, *]`` block of the storage ``x [L, H, C, *]`` (or of a stream
+        memory's ``[S, L, H, C, *]``, ``index`` then holding ``(stream, layer)`` pairs), as values."""
+        n_lead = x.ndim - 3
+        size = (1,) * n_lead + x.shape[-3:-2] + (chunk,) + x.shape[-1:]
 
         def one(i):
-            return jax.lax.dynamic_slice(x, (i, 0, start, 0), size)[0]
+            lead = (i,) if n_lead == 1 else tuple(i[j] for j in range(n_lead))
+            return jax.lax.dynamic_slice(x, lead + (0, start, 0), size).reshape(size[n_lead:])
         xc = jax.vmap(one)(index) if nb else one(index)
         return _quant.from_storage(xc, name)  # this chunk only, as float32
 

@@ -198,17 +198,17 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
     devices. Returns float32 ``[T, Hq, Dv]``.
     """
     n_stream, n_layer, n_heads = k_all.shape[:3]
-    # streams side by side on the layer axis: slot j reads "layer" stream_j * L + index, sliced
-    # chunk by chunk straight out of the storage (no per-stream copy of the window)
-    k_flat = k_all.reshape((n_stream * n_layer,) + k_all.shape[2:])
-    v_flat = v_all.reshape((n_stream * n_layer,) + v_all.shape[2:])
+    # slot j reads (stream_j, index) of the [S, L, H, C, D] storage, sliced chunk by chunk straight
+    # out of it (no per-stream copy of the window). Not a [S * L, ...] reshape: after a one-row
+    # write (a dynamic-update-slice) XLA fused the write into the reshape as well, computed it twice
+    # and copied every stream's K/V twice per layer to keep both (200 ms a token at 4 x 4096 cells)
     n_slots, t = slots
     n_kv = slot_masks.shape[-1]
     t_all, hq, d = q.shape
     grp = hq // n_heads
     width = n_heads * max(d, v_all.shape[-1]) * 4  # float32 bytes a cell adds to a slot's gathered block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    index_of = (jnp.clip(streams, 0, n_stream - 1) * n_layer + index).astype(jnp.int32)
+    index_of = jnp.stack([jnp.clip(streams, 0, n_stream - 1), jnp.full_like(streams, index)], axis=-1).astype(jnp.int32)
     live = live.astype(jnp.int32)
     qs = q.astype(jnp.float32).reshape(n_slots, t, n_heads, grp, d).transpose(0, 2, 3, 1, 4)
     qs = qs.reshape(n_slots, n_heads, grp * t, d) * jnp.float32(scale)
@@ -234,7 +234,7 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
 
     def attend(qr, mask, idx, n_live, group):
         add, bias = mask_and_bias(mask)
-        out, _ = _attend(qr, k_flat, v_flat, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype,
+        out, _ = _attend(qr, k_all, v_all, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype,
                          cfg.v_dtype, n_live=n_live)
         return out                                                          # [.., H, G * t, Dv]
 

@@ -244,7 +244,9 @@ class StreamCache(Memory):
                                  f"{s1}): allowed only a whole-sequence copy (p0 <= 0 and p1 < 0), which copies the "
                                  f"stream's K/V at the next update (llama.cpp's rule); copy within a stream, or the "
                                  f"whole sequence")
-            if s0 >= 0 and s1 >= 0 and s0 != s1 and bool(self._holds_others(seq_id_dst, s1)):
+            # one stream per sequence: nothing else to hold (and no device read to wait for)
+            grouped = self.n_stream != self.n_seq_max
+            if grouped and s0 >= 0 and s1 >= 0 and s0 != s1 and bool(self._holds_others(seq_id_dst, s1)):
                 raise ValueError(f"seq_cp({seq_id_src} -> {seq_id_dst}) crosses streams ({s0} -> {s1}) and stream {s1} "
                                  f"holds other sequences than {seq_id_dst}: allowed only into a stream the copy may "
                                  f"empty (llama.cpp resets the destination stream); remove them first, or use one "
@@ -492,7 +494,13 @@ def _apply_update(memory: StreamCache) -> StreamCache:
     # the sequence of copies llama.cpp runs (seq_cp composed the chains when they were enqueued)
     k = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.k)
     v = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.v)
-    cache = jax.vmap(apply_update)(cache.replace(k=k, v=v))
+    cache = cache.replace(k=k, v=v)
+    # under vmap each stream's K-shift and defrag `cond` turns into a select that runs both branches
+    # over every stream's K/V: only enter it when some stream has a shift or a defrag pending (a
+    # copy alone, as after sharing a prompt, needs neither)
+    cells = cache.cells
+    work = jnp.any(cells.delta != 0) | jnp.any(cells.defrag)
+    cache = jax.lax.cond(work, jax.vmap(apply_update), lambda c: c, cache)
     # every copy applied: all -1, derived from copy_from so it keeps its sharding on a mesh (a fresh
     # constant would come out replicated)
     return memory.replace(cache=cache, copy_from=jnp.minimum(memory.copy_from, -1))
