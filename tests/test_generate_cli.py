@@ -82,6 +82,23 @@ def test_run_parallel_sequences_and_quantized_cache(folder):
     assert "3 sequences" in err.getvalue()
 
 
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_parallel_greedy_continuations_on_streams_and_one_buffer(folder, kv_unified):
+    """``--n-parallel`` uses a stream per sequence by default (llama.cpp's), one shared buffer with
+    ``--kv-unified``; greedy, every sequence is the uncached continuation, a context shift included."""
+    err = io.StringIO()
+    report = _generate.run(folder, "the lazy dog", n_parallel=3, max_new_tokens=12, ctx=16, kv_unified=kv_unified,
+                           out=io.StringIO(), err=err)
+    assert ("memory: CacheConfig" if kv_unified else "memory: StreamsConfig") in err.getvalue()
+    assert "context shift" in err.getvalue()
+    assert report.tokens[0] == report.tokens[1] == report.tokens[2]
+    ids = Tokenizer.from_pretrained(folder).encode("the lazy dog")
+    n_free = 16 - len(ids)  # tokens before the first shift: those equal the uncached greedy ones
+    want = _greedy(kvjax.nn.from_pretrained(folder), ids, n_free)
+    got = report.tokens[0][:n_free]
+    assert got == want[:len(got)]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n_parallel=0), r"--n-parallel 0 is out of range: allowed an integer in \[1, 64\]"),
     (dict(max_new_tokens=0), r"--max-new-tokens 0 is out of range: allowed an integer >= 1"),
@@ -92,6 +109,7 @@ def test_run_parallel_sequences_and_quantized_cache(folder):
     (dict(ctx=3), r"--ctx 3 is out of range for a prompt of \d+ tokens"),
     (dict(padding=0), r"--padding 0 is out of range: allowed an integer >= 1"),
     (dict(padding=True), r"--padding True is out of range: allowed an integer >= 1"),
+    (dict(kv_unified=1), r"--kv-unified 1 is out of range: allowed True or False"),
     (dict(prompt=""), r"--prompt '' is out of range: allowed a non-empty text"),
 ])
 def test_run_bad_arguments(folder, kwargs, match):

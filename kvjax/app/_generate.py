@@ -2,8 +2,9 @@
 
 Loads a Hugging Face folder (:func:`kvjax.nn.from_pretrained`) or a ``.gguf`` file
 (:func:`kvjax.nn.from_gguf`), tokenizes the prompt with the checkpoint's tokenizer, runs
-:func:`kvjax.generate` on the memory the model needs (:func:`kvjax.nn.memory_config_for`) and
-prints sequence 0's text as its tokens come (the other ``--n-parallel`` sequences at the end).
+:func:`kvjax.generate` on the memory the model needs (:func:`kvjax.nn.memory_config_for`; with
+``--n-parallel`` above 1 a stream per sequence, :class:`kvjax.StreamsConfig`, as llama.cpp does
+unless ``--kv-unified``; attention windows from ``--padding`` cells) and prints sequence 0's text as its tokens come (the other ``--n-parallel`` sequences at the end).
 Generation stops at the model's EOS tokens or ``--max-new-tokens``; a sequence that reaches
 ``--ctx`` positions shifts its context (llama.cpp's rule).
 
@@ -77,7 +78,7 @@ def _check(name, value, ok, allowed):
 
 def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 64, temperature: float = 0.0,
         cache_type: str = "float32", ctx: int = 512, seed: int = 0, dtype: str = "float32", n_ubatch: int = 64,
-        padding: int = DEFAULT_PADDING, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Report:
+        padding: int = DEFAULT_PADDING, kv_unified: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Report:
     """Load, generate with streaming to ``out``, report to ``err``; the measured :class:`Report`.
 
     Raises:
@@ -92,6 +93,7 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     _check("--dtype", dtype, dtype in DTYPES, f"one of {list(DTYPES)}")
     _check("--ctx", ctx, isinstance(ctx, int) and ctx >= 2, "an integer >= 2")
     _check("--ubatch", n_ubatch, isinstance(n_ubatch, int) and n_ubatch >= 1, "an integer >= 1")
+    _check("--kv-unified", kv_unified, isinstance(kv_unified, bool), "True or False")
     _check("--padding", padding, isinstance(padding, int) and not isinstance(padding, bool) and padding >= 1,
            "an integer >= 1")
     if not isinstance(prompt, str) or not prompt:
@@ -130,6 +132,10 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     else:
         overrides = dict(k_dtype=cache_type, v_dtype=cache_type, padding=padding)
     mem_cfg = memory_config_for(model, size=ctx * n_parallel, n_seq_max=n_parallel, **overrides)
+    if n_parallel > 1 and not kv_unified and isinstance(mem_cfg, kvjax.CacheConfig):
+        # llama.cpp's default for several sequences: a stream of ctx cells per sequence, so each
+        # sequence attends over its own cells only (the prompt is evaluated once and its stream copied)
+        mem_cfg = kvjax.StreamsConfig(memory_config_for(model, size=ctx, n_seq_max=n_parallel, **overrides))
     stop = [i for i in tok.eos_ids if i < vocab]
     options = dict(n_parallel=n_parallel, stop_tokens=stop, n_ctx=ctx, n_keep=min(len(ids), ctx // 4),
                    sampling=kvjax.SamplingConfig(temperature=float(temperature)))
@@ -181,7 +187,8 @@ def main(argv_args) -> int:
     a = argv_args
     try:
         run(a.model, a.prompt, n_parallel=a.n_parallel, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-            cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch, padding=a.padding)
+            cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch, padding=a.padding,
+            kv_unified=a.kv_unified)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -204,4 +211,8 @@ def add_parser(sub) -> None:
     g.add_argument("--padding", type=int, default=DEFAULT_PADDING,
                    help=f"the smallest attention window in cells, windows double from it: larger, fewer programs "
                         f"to compile (default {DEFAULT_PADDING}, llama.cpp's)")
+    g.add_argument("--kv-unified", action="store_true",
+                   help="with --n-parallel > 1, one K/V buffer shared by every sequence (default: one stream "
+                        "of --ctx cells per sequence, llama.cpp's default; models with window layers always "
+                        "share one)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
