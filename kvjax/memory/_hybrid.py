@@ -44,7 +44,7 @@ from flax import struct
 
 from kvjax.memory._config import CacheConfig
 from kvjax.memory._iswa import IswaConfig
-from kvjax.memory._protocol import Memory, not_defined
+from kvjax.memory._protocol import Memory, not_defined, on_metadata
 from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig
 
 __all__ = ["HybridConfig", "HybridCache", "init_hybrid"]
@@ -171,6 +171,9 @@ class HybridCache(Memory):
     def clear(self):
         return self._both("clear")
 
+    # all or nothing over both parts: several dispatches when composed eagerly (and small programs
+    # compiled on first use: 9 for the iSWA pair, 5 for the hybrid), one program here
+    @on_metadata
     def seq_rm(self, seq_id, p0, p1):
         attention, ok_a = self.attention.seq_rm(seq_id, p0, p1)
         recurrent, ok_r = self.recurrent.seq_rm(seq_id, p0, p1)

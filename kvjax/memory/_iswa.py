@@ -47,7 +47,7 @@ from kvjax.attn._mask import is_masked_swa
 from kvjax.memory import _seqbits
 from kvjax.memory._cells import Cells, is_used
 from kvjax.memory._config import CacheConfig, SwaType
-from kvjax.memory._protocol import Memory
+from kvjax.memory._protocol import Memory, on_metadata
 from kvjax.memory._unified import KVCache, init_unified
 
 __all__ = ["IswaConfig", "IswaCache", "init_iswa"]
@@ -182,6 +182,9 @@ class IswaCache(Memory):
         pick = lambda old, new: new.replace(cells=jax.tree.map(lambda a, b: jnp.where(ok, b, a), old.cells, new.cells))
         return self.replace(base=pick(self.base, base), swa=pick(self.swa, swa))
 
+    # all or nothing over both parts: several dispatches when composed eagerly (and small programs
+    # compiled on first use: 9 for the iSWA pair, 5 for the hybrid), one program here
+    @on_metadata
     def seq_rm(self, seq_id, p0, p1):
         base, ok_base = self.base.seq_rm(seq_id, p0, p1)
         swa, ok_swa = self.swa.seq_rm(seq_id, p0, p1)

@@ -25,6 +25,7 @@ Shape letters: see :mod:`kvjax._typing`; P is the number of attention parts.
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any, List, Sequence, Tuple
 
 import jax
@@ -363,6 +364,38 @@ class Memory(abc.ABC):
     @abc.abstractmethod
     def state_read(self, data, seq_id: int = -1, **options) -> "Memory":
         """A memory restored from a :meth:`state_write` blob; this one unchanged on error."""
+
+
+def on_metadata(fn=None, *, static_argnames=()):
+    """A memory method ``fn(memory, *args)`` run as one compiled program over the memory's metadata.
+
+    For memories whose methods compose other memories' operations (the stream stack, the iSWA pair,
+    the hybrid): called eagerly, each ``vmap``, ``jnp`` call or part's operation would be a dispatch
+    of its own, and on first use a compile of its own. The program sees the memory without its
+    buffers (:meth:`Memory.split`): the method must not read or write them (K/V, states), because a
+    jitted function hands back every array it returns as a fresh copy and the buffers would be
+    copied on every call. Under an outer ``jit`` the program is inlined.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.StreamsConfig(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1,
+        ...                                                 head_dim=4))
+        >>> memory = kvjax.init(cfg)
+        >>> kvjax.seq_rm(memory, 0)[0].cache.k[0] is memory.cache.k[0]   # K/V handed back untouched
+        True
+    """
+    if fn is None:
+        return functools.partial(on_metadata, static_argnames=static_argnames)
+    compiled = jax.jit(fn, static_argnames=static_argnames)
+
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        buffers, rest = self.split()
+        out = compiled(rest, *args, **kwargs)
+        kind = type(self)
+        return jax.tree.map(lambda x: x.join(buffers) if isinstance(x, kind) else x, out,
+                            is_leaf=lambda x: isinstance(x, kind))
+    return method
 
 
 def require_memory(memory, name: str = "memory") -> Memory:

@@ -60,7 +60,7 @@ from kvjax._validate import is_traced
 from kvjax.memory import _cells
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import CacheConfig
-from kvjax.memory._protocol import Memory
+from kvjax.memory._protocol import Memory, on_metadata
 from kvjax.memory._seqbits import seq_bits
 from kvjax.memory._unified import KVCache, init_unified, total_size
 
@@ -129,29 +129,6 @@ class StreamPlacement:
 def _select(mask, new, old):
     """Per stream: ``new`` where ``mask[s]``, else ``old`` (leaves with a leading stream axis)."""
     return jax.tree.map(lambda a, b: jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), a, b), new, old)
-
-
-def _on_metadata(fn=None, *, static_argnames=()):
-    """Run the method ``fn(memory, *args)`` as one compiled program over the memory's metadata.
-
-    Called eagerly, a stream operation built from ``vmap`` and ``jnp`` calls would dispatch (and
-    on first use compile) every primitive on its own: 1-16 ms a call and dozens of small programs
-    where the unified cache's ops take 20-200 µs. The program sees the memory without its K/V
-    (:meth:`StreamCache.split`): none of these methods reads or writes K/V, and a jitted function
-    hands back every array it returns as a fresh copy, so the K/V would be copied on every call.
-    Under an outer ``jit`` the inner program is inlined, as before.
-    """
-    if fn is None:
-        return functools.partial(_on_metadata, static_argnames=static_argnames)
-    compiled = jax.jit(fn, static_argnames=static_argnames)
-
-    @functools.wraps(fn)
-    def method(self, *args, **kwargs):
-        buffers, rest = self.split()
-        out = compiled(rest, *args, **kwargs)
-        return jax.tree.map(lambda x: x.join(buffers) if isinstance(x, StreamCache) else x, out,
-                            is_leaf=lambda x: isinstance(x, StreamCache))
-    return method
 
 
 def _vmap_cells(fn, cells: Cells, *args) -> Cells:
@@ -226,12 +203,12 @@ class StreamCache(Memory):
 
     # -- sequences ------------------------------------------------------------------------------
 
-    @_on_metadata
+    @on_metadata
     def clear(self) -> "StreamCache":
         cells = _vmap_cells(_cells.clear, self.cache.cells)
         return self.replace(cache=self.cache.replace(cells=cells), copy_from=jnp.full_like(self.copy_from, -1))
 
-    @_on_metadata
+    @on_metadata
     def seq_rm(self, seq_id, p0, p1):
         return self._cells_in(seq_id, _vmap_cells(_cells.seq_rm, self.cache.cells, seq_id, p0, p1)), np.bool_(True)
 
@@ -253,7 +230,7 @@ class StreamCache(Memory):
                                  f"stream per sequence")
         return self._seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
-    @_on_metadata
+    @on_metadata
     def _seq_cp(self, seq_id_src, seq_id_dst, p0, p1) -> "StreamCache":
         s0, s1 = self.stream_of(seq_id_src), self.stream_of(seq_id_dst)
         full = (jnp.asarray(p0) <= 0) & (jnp.asarray(p1) < 0)
@@ -267,7 +244,7 @@ class StreamCache(Memory):
         out = jax.tree.map(lambda a, b: jnp.where(refused, a, b), self, out)
         return out.replace(error=out.error | jnp.where(refused, jnp.uint32(ErrorFlag.SEQ_ID), jnp.uint32(0)))
 
-    @_on_metadata
+    @on_metadata
     def _holds_others(self, seq_id, stream) -> Bool[Array, ""]:
         """Whether ``stream`` holds a cell of a sequence other than ``seq_id`` (grouped streams only)."""
         if self.n_stream == self.n_seq_max:
@@ -294,43 +271,43 @@ class StreamCache(Memory):
         origin = jnp.where(self.copy_from[s0c] >= 0, self.copy_from[s0c], s0c)
         return self.replace(cache=self.cache.replace(cells=cells), copy_from=self.copy_from.at[s1c].set(origin))
 
-    @_on_metadata
+    @on_metadata
     def seq_keep(self, seq_id) -> "StreamCache":
         # every stream: the other streams hold no cell of seq_id and are emptied, as in llama.cpp
         cells = _vmap_cells(_cells.seq_keep, self.cache.cells, seq_id)
         return self.replace(cache=self.cache.replace(cells=cells))
 
-    @_on_metadata
+    @on_metadata
     def seq_add(self, seq_id, p0, p1, delta) -> "StreamCache":
         return self._cells_in(seq_id, _vmap_cells(_cells.seq_add, self.cache.cells, seq_id, p0, p1, delta))
 
-    @_on_metadata
+    @on_metadata
     def seq_div(self, seq_id, p0, p1, d) -> "StreamCache":
         return self._cells_in(seq_id, _vmap_cells(_cells.seq_div, self.cache.cells, seq_id, p0, p1, d))
 
-    @_on_metadata
+    @on_metadata
     def seq_pos_min(self, seq_id):
         lo = jax.vmap(_cells.seq_pos_min, in_axes=(0, None))(self.cache.cells, seq_id)
         held = lo >= 0
         return jnp.where(jnp.any(held), jnp.min(jnp.where(held, lo, _POS_INF)), -1).astype(jnp.int32)
 
-    @_on_metadata
+    @on_metadata
     def seq_pos_max(self, seq_id):
         return jnp.max(jax.vmap(_cells.seq_pos_max, in_axes=(0, None))(self.cache.cells, seq_id))
 
-    @_on_metadata
+    @on_metadata
     def seq_shared(self, seq_id, p0, p1):
         return jnp.any(jax.vmap(_cells.seq_shared, in_axes=(0, None, None, None))(self.cache.cells, seq_id, p0, p1))
 
-    @_on_metadata
+    @on_metadata
     def used_cells(self):
         return jnp.sum(jax.vmap(_cells.used_cells)(self.cache.cells))
 
-    @_on_metadata
+    @on_metadata
     def n_tokens(self):
         return jnp.sum(jax.vmap(_cells.n_tokens)(self.cache.cells))
 
-    @_on_metadata
+    @on_metadata
     def pos_max(self):
         return jnp.max(self.cache.cells.pos)
 
@@ -357,7 +334,7 @@ class StreamCache(Memory):
                              f"per token (per-sequence streams share no cells; evaluate a shared prompt in one "
                              f"sequence and copy it with kvjax.seq_cp)")
 
-    @_on_metadata(static_argnames="contiguous")
+    @on_metadata(static_argnames="contiguous")
     def find_slot(self, ubatch, *, contiguous: bool = True):
         from kvjax.memory._slots import find_slot_cells
 
@@ -396,16 +373,16 @@ class StreamCache(Memory):
     def part_slots(self, placement: StreamPlacement, index: int):
         return placement.cell
 
-    @_on_metadata
+    @on_metadata
     def extent(self):
         return jnp.max(jax.vmap(_cells.cell_max)(self.cache.cells))[None]
 
-    @_on_metadata
+    @on_metadata
     def stream_extent(self) -> Int[Array, "S"]:
         """One past the last non-empty cell of each stream (what each stream's attention reads)."""
         return jax.vmap(_cells.cell_max)(self.cache.cells)
 
-    @_on_metadata
+    @on_metadata
     def extent_after(self, n_tokens):
         cells = self.cache.cells
         top = jax.vmap(_cells.cell_max)(cells)
@@ -414,7 +391,7 @@ class StreamCache(Memory):
 
     # -- pending work ---------------------------------------------------------------------------------
 
-    @_on_metadata
+    @on_metadata
     def pending(self):
         cells = self.cache.cells
         return jnp.any(self.copy_from >= 0) | jnp.any(cells.delta != 0) | jnp.any(cells.defrag)
@@ -450,11 +427,11 @@ class StreamCache(Memory):
         k, v = buffers
         return self.replace(cache=self.cache.replace(k=tuple(k), v=tuple(v)))
 
-    @_on_metadata
+    @on_metadata
     def error_bits(self):
         return self.error | jax.lax.reduce(self.cache.cells.error, jnp.uint32(0), jax.lax.bitwise_or, (0,))
 
-    @_on_metadata
+    @on_metadata
     def clear_errors(self) -> "StreamCache":
         cells = self.cache.cells.replace(error=jnp.zeros_like(self.cache.cells.error))
         return self.replace(cache=self.cache.replace(cells=cells), error=jnp.zeros((), jnp.uint32))
