@@ -56,6 +56,7 @@ from flax import struct
 
 from kvjax._errors import ErrorFlag, StateError
 from kvjax._typing import Array, Bool, Int
+from kvjax._jit import JitTwins, donating
 from kvjax._validate import is_traced
 from kvjax.memory import _cells
 from kvjax.memory._cells import Cells
@@ -393,13 +394,12 @@ class StreamCache(Memory):
 
     @on_metadata
     def pending(self):
-        cells = self.cache.cells
-        return jnp.any(self.copy_from >= 0) | jnp.any(cells.delta != 0) | jnp.any(cells.defrag)
+        return jnp.any(self.copy_from >= 0) | _shift_or_defrag(self.cache.cells)
 
     def update(self, *, donate: bool = False) -> "StreamCache":
         if not is_traced(self.copy_from) and not bool(self.pending()):
             return self
-        return (_update_donated if donate and not is_traced(self.copy_from) else _update)(self)
+        return _update(self, donate=donating(donate, self.copy_from))
 
     @property
     def can_shift(self) -> bool:
@@ -475,16 +475,18 @@ def _apply_update(memory: StreamCache) -> StreamCache:
     # under vmap each stream's K-shift and defrag `cond` turns into a select that runs both branches
     # over every stream's K/V: only enter it when some stream has a shift or a defrag pending (a
     # copy alone, as after sharing a prompt, needs neither)
-    cells = cache.cells
-    work = jnp.any(cells.delta != 0) | jnp.any(cells.defrag)
-    cache = jax.lax.cond(work, jax.vmap(apply_update), lambda c: c, cache)
+    cache = jax.lax.cond(_shift_or_defrag(cache.cells), jax.vmap(apply_update), lambda c: c, cache)
     # every copy applied: all -1, derived from copy_from so it keeps its sharding on a mesh (a fresh
     # constant would come out replicated)
     return memory.replace(cache=cache, copy_from=jnp.minimum(memory.copy_from, -1))
 
 
-_update = jax.jit(_apply_update)
-_update_donated = jax.jit(_apply_update, donate_argnums=0)
+_update = JitTwins(_apply_update, donate_argnums=0)
+
+
+def _shift_or_defrag(cells: Cells) -> Bool[Array, ""]:
+    """Whether some stream has a K-shift or a defrag pending (the stacked cells of every stream)."""
+    return jnp.any(cells.delta != 0) | jnp.any(cells.defrag)
 
 
 def init_streams(config: StreamsConfig) -> StreamCache:
