@@ -10,14 +10,13 @@
 
 from __future__ import annotations
 
-import time
 
 import jax
 import numpy as np
 from flax import nnx
 
 import kvjax
-from benchmarks.common import interleaved_medians, table
+from benchmarks.common import greedy_decode_rounds, interleaved_medians, table
 from kvjax.engine._engine import Engine
 from kvjax.nn import Llama, LlamaConfig
 
@@ -37,23 +36,13 @@ def _bytes_rows():
     return rows
 
 
-def _decode_rounds(engine, context, steps):
-    """Fill a ``context``-token prompt; then a round of ``steps`` greedy tokens per call: seconds a token."""
+def _prefill(engine, context):
+    """A ``context``-token prompt for sequence 0."""
     # the prompt in batches of 128 tokens: the window cache holds n_swa + n_batch cells, and a
     # contiguous placement needs a free run of the batch's length beside what the window keeps
     for start in range(0, context, 128):
         n = min(128, context - start)
         engine.decode(list(np.arange(start, start + n) % 50), list(range(start, start + n)), [[0]] * n)
-    state = {"tok": 1, "pos": context}
-
-    def one_round() -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits = engine.decode([state["tok"]], [state["pos"]], [[0]])
-            state["tok"] = int(np.argmax(np.asarray(logits[0])))
-            state["pos"] += 1
-        return (time.perf_counter() - t0) / steps
-    return one_round
 
 
 def run(quick: bool) -> str:
@@ -66,7 +55,9 @@ def run(quick: bool) -> str:
     for name, memory in (("iSWA pair", kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa,
                                                                       n_batch=512))),
                          ("one full-size cache", kvjax.init(base))):
-        rounds[name] = _decode_rounds(Engine(model, memory, n_ubatch=512), context, steps)
+        engine = Engine(model, memory, n_ubatch=512)
+        _prefill(engine, context)
+        rounds[name] = greedy_decode_rounds(engine, 1, context, steps)
     rates = {name: 1.0 / t for name, t in interleaved_medians(rounds, repeats).items()}
     decode_rows = [[name, f"{size}", f"{context}", f"{rate:.0f}", f"{rate / rates['one full-size cache']:.2f}"]
                    for name, rate in rates.items()]

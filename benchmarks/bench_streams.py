@@ -10,13 +10,12 @@ interleaved (on a shared machine a slow spell then hits both), compile time excl
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 from flax import nnx
 
 import kvjax
-from benchmarks.common import interleaved_medians, table
+from benchmarks.common import greedy_decode_rounds, interleaved_medians, table
 from kvjax.engine._engine import Engine
 from kvjax.nn import Llama, LlamaConfig
 
@@ -31,20 +30,6 @@ def _prefill(engine, n_seq: int, context: int) -> None:
             pos += list(range(start, start + n))
             ids += [[s]] * n
         engine.decode(toks, pos, ids, outputs=[])
-
-
-def _rounds(engine, n_seq: int, first: int, steps: int):
-    """A round of ``steps`` greedy decode steps per call, continuing from position ``first``: seconds a step."""
-    state = {"pos": first, "tok": [1] * n_seq}
-
-    def one_round() -> float:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits = engine.decode(state["tok"], [state["pos"]] * n_seq, [[s] for s in range(n_seq)])
-            state["tok"] = [int(t) for t in np.argmax(np.asarray(logits), axis=-1)]
-            state["pos"] += 1
-        return (time.perf_counter() - t0) / steps
-    return one_round
 
 
 def run(quick: bool) -> str:
@@ -64,7 +49,7 @@ def run(quick: bool) -> str:
             for name, config in (("unified", unified), ("streams", streams)):
                 engine = Engine(model, kvjax.init(config), n_ubatch=512)
                 _prefill(engine, n_seq, context)
-                rounds[name] = _rounds(engine, n_seq, context, steps)
+                rounds[name] = greedy_decode_rounds(engine, n_seq, context, steps)
             rates = {name: n_seq / t for name, t in interleaved_medians(rounds, repeats).items()}
             rows.append([f"{n_seq}", f"{context}", f"{n_seq * per_seq}", f"{rates['unified']:.0f}",
                          f"{rates['streams']:.0f}", f"{rates['streams'] / rates['unified']:.2f}"])

@@ -59,6 +59,24 @@ def interleaved_medians(rounds: "dict[str, Callable[[], float]]", repeats: int) 
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def greedy_decode_rounds(engine, n_seq: int, first: int, steps: int) -> Callable[[], float]:
+    """A round of ``steps`` greedy decode steps per call (sequences ``0..n_seq-1`` together, from
+    position ``first`` on, each round continuing the last): the round's seconds a step.
+
+    For :func:`interleaved_medians`: the engine must already hold each sequence's prompt.
+    """
+    state = {"pos": first, "tok": [1] * n_seq}
+
+    def one_round() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = engine.decode(state["tok"], [state["pos"]] * n_seq, [[s] for s in range(n_seq)])
+            state["tok"] = [int(t) for t in np.argmax(np.asarray(logits), axis=-1)]
+            state["pos"] += 1
+        return (time.perf_counter() - t0) / steps
+    return one_round
+
+
 def compile_time(jitted, *args, **kwargs) -> float:
     """Seconds to lower and compile ``jitted`` for these arguments (nothing is run)."""
     t0 = time.perf_counter()
