@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
 import numpy as np
 
 import kvjax
@@ -14,6 +15,29 @@ from kvjax._compiles import CompileCounter  # noqa: F401  (re-exported for the t
 #: the suite turns off to compile faster (tests/conftest.py), so these tests check the program users
 #: get. The other suite flag (LLVM at -O0) changes machine code only: the HLO text is the same.
 USER_HLO = {"xla_cpu_use_fusion_emitters": True}
+
+
+def buffer_copies(step, state, memory, ubatch, tokens, windows=()) -> list:
+    """The copy instructions of whole memory buffers in a model step compiled as users compile it.
+
+    A step updates the memory's K/V or state buffers in place; a ``copy`` of one in the optimized
+    HLO is a whole-buffer copy on every call (what an in-place test asserts is absent).
+    """
+    import re
+
+    from flax import nnx
+
+    buffers, rest = memory.split()
+    hlo = step._jitted.lower(nnx.state(state) if isinstance(state, nnx.Module) else state, rest, buffers,
+                             ubatch, tokens, None, None, windows=windows).compile(
+                                 compiler_options=USER_HLO).as_text()
+    shapes = {",".join(str(n) for n in x.shape) for x in jax.tree.leaves(buffers)}
+    copies = []
+    for line in hlo.splitlines():
+        found = re.match(r"\s*%\S+ = \w+\[([0-9,]+)\]\S* copy\(", line)
+        if found and found.group(1) in shapes:
+            copies.append(line.strip()[:120])
+    return copies
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
+from kvjax.memory._recurrent import _row_sources, moving_rows_bound
 from kvjax.memory._seqbits import unpack
 from kvjax.testing import RecurrentRef
 from kvjax.testing._recurrent_reference import move_rows
@@ -61,7 +62,7 @@ def compare(memory, ref, placement=None, inputs=None):
 def simulated_step(memory, placement, ubatch):
     """Run the fold through the memory's row operations, as a model step does."""
     n_slots, t = kvjax.memory._ubatch.equal_slots(ubatch)
-    memory = memory.copy_rows(placement)
+    memory = memory.copy_rows(placement, n_slots)
     k0, v0 = memory.slot_states(placement, n_slots)                  # [L, S, 1], [L, S, 2]
     pos = jnp.asarray(ubatch.pos).reshape(n_slots, t)
     q = min(memory.config.n_states, t)
@@ -103,6 +104,10 @@ def place(memory, ref, rows, slots, jitted=False):
     if not want:
         assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new.cells, memory.cells))
         return memory, rows
+    moving = np.asarray(_row_sources(placement, new.config)) != np.arange(new.config.rows)
+    kk = new.config.n_states
+    assert np.sum(moving) <= moving_rows_bound(new.config, len(slots)), (slots, np.flatnonzero(moving))
+    assert len(set(np.flatnonzero(moving) // kk)) <= (3 + (kk > 1)) * len(slots), slots  # the bound's proof
     inputs = ref.set_inputs()
     compare(new, ref, placement, inputs)
     rows = move_rows(rows, ref, inputs, [(list(p), list(s)) for p, s in slots], fold, 0.0)
@@ -237,6 +242,30 @@ def test_rollback_restores_the_kept_state():
     assert rows[ref.state_of(0, 0)] == fold(after_2, 3)
     memory, ok = kvjax.seq_rm(memory, 0, 1, -1)                      # deeper than what is kept: refused
     assert not bool(ok) and not ref.seq_rm(0, 1, -1)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), n_states=st.sampled_from([1, 3]))
+def test_a_placement_moves_a_bounded_number_of_rows(data, n_states):
+    """In a memory with more cells than the bound, every placement moves at most
+    ``moving_rows_bound`` rows (``place`` checks it) and still agrees with the reference."""
+    run_program(data.draw(programs(6, 12)), 12, 6, n_states, jitted=False)
+
+
+def test_a_rolled_back_cell_outside_the_ubatch_keeps_its_roll():
+    """A cell in the placement's range that no slot uses moves whole and keeps its ``roll``;
+    applying it there (the rule before) made the rows a placement moves unbounded."""
+    memory, ref, rows = kvjax.init(config(4, 4, n_states=2)), RecurrentRef(4, 4, 2), {}
+    memory, rows = place(memory, ref, rows, [([0, 1], [s]) for s in range(4)])   # seq s in cell s
+    memory, ok = kvjax.seq_rm(memory, 2, 1, -1)
+    assert bool(ok) and ref.seq_rm(2, 1, -1) and int(memory.cells.roll[2]) == 1
+    before = np.asarray(memory.k[0])[:, 4:6]
+    memory, rows = place(memory, ref, rows, [([2], [0]), ([2], [3])])            # cells 0..3, seq 3 to cell 1
+    assert int(memory.cells.roll[2]) == 1 and ref.cells[2].roll == 1
+    np.testing.assert_array_equal(np.asarray(memory.k[0])[:, 4:6], before)       # cell 2's rows untouched
+    memory, rows = place(memory, ref, rows, [([1], [2])])                        # seq 2 continues after 0
+    assert rows[ref.state_of(2, 0)] == fold(fold(0.0, 0), 1)                   # the state after 0, then 1
+    assert float(np.asarray(memory.k[0])[0, ref.tail[2] * 2, 0]) == fold(fold(0.0, 0), 1)
 
 
 # -- bad input ------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from flax import nnx
 import kvjax
 from kvjax.nn import make_step
 from kvjax.nn._mamba import Mamba, MambaConfig, params_from_hf
-from tests.helpers import no_recompile
+from tests.helpers import buffer_copies, no_recompile
 
 CFG = MambaConfig(vocab_size=40, d_model=16, n_layer=2, d_state=4, d_conv=4, scan_chunk=4)
 ATOL = 2e-5
@@ -181,6 +181,34 @@ def test_the_step_compiles_once_per_shape(model):
     _, after, ok = step(state, memory, ub, np.array([1, 99]), windows=())
     assert not bool(ok)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after))))
+
+
+@pytest.mark.parametrize("kind, n_states", [("mamba", 1), ("mamba", 2), ("hybrid", 1)])
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_a_step_updates_the_state_buffers_in_place(model, kind, n_states, n_seq):
+    """The compiled model step holds no copy of a state buffer.
+
+    The placement's row copies were a ``cond`` between the buffers and a gather of every row,
+    joined with a copy of every state buffer; with one sequence its state was read by a
+    dynamic-slice fused into each reader, which XLA could not order before the in-place write, and
+    it copied every buffer again: 6 whole-buffer copies per one-sequence step, 2 per two-sequence
+    step. Now only the moving rows are gathered, and one row is read by a two-row gather.
+    """
+    from kvjax.nn import HybridLM, HybridLMConfig
+
+    if kind == "hybrid":
+        cfg = HybridLMConfig(vocab_size=40, d_model=16, n_layer=4, recurrent_layers=(0, 2), n_heads=2,
+                             n_kv_heads=1, d_state=4)
+        model = HybridLM(cfg, rngs=nnx.Rngs(2))
+        memory = kvjax.init(cfg.memory_config(size=64, n_seq_max=4, n_states=n_states, padding=16))
+        windows = (16,)
+    else:
+        memory = kvjax.init(CFG.memory_config(4, n_states=n_states))
+        windows = ()
+    ubatch = kvjax.make_equal_ubatch([([0], [s]) for s in range(n_seq)], n_slots=n_seq)
+    copies = buffer_copies(make_step(model), model, memory, ubatch, jnp.arange(1, n_seq + 1, dtype=jnp.int32),
+                           windows=windows)
+    assert not copies, copies[:3]
 
 
 def test_engine_logits_equal_hugging_face():

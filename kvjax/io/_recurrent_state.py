@@ -194,7 +194,7 @@ def _read_seq(memory: RecurrentCache, seq_id: int, pos, k_rows, v_rows) -> Recur
     if not bool(ok):
         raise StateError(f"cell_count: expected a free cell for sequence {seq_id}, found none of size={cfg.size} "
                          f"free (remove a sequence first)")
-    placed = placed.copy_rows(placement)
+    placed = placed.copy_rows(placement, n_slots=1)
     for g in range(len(cfg.groups)):
         k_new = _stack(k_rows, cfg, g)[:, :, None]          # [Lg, 1 slot, 1 state, *shape]
         v_new = _stack(v_rows, cfg, g)[:, :, None]

@@ -60,7 +60,7 @@ from kvjax.memory._config import FLOAT_DTYPES, MAX_LAYERS, MAX_SEQ, MAX_WIDTH
 from kvjax.memory._protocol import Memory, not_defined
 
 __all__ = ["RecurrentConfig", "RecurrentGroup", "RecurrentCells", "RecurrentPlacement", "RecurrentCache",
-           "init_recurrent"]
+           "init_recurrent", "moving_rows_bound"]
 
 _I32_MAX = 2**31 - 1
 
@@ -597,20 +597,27 @@ class RecurrentCache(Memory):
 
     # -- the states, for the model step --------------------------------------------------------------------
 
-    def copy_rows(self, placement: RecurrentPlacement) -> "RecurrentCache":
+    def copy_rows(self, placement: RecurrentPlacement, n_slots: int) -> "RecurrentCache":
         """Apply the placement's copies: the rows of cells ``[head, head + n)`` from ``s_copy``/``s_roll``.
 
-        Every read happens before any write (one gather). When no row moves (steady decoding) the
-        buffers are returned as they are, without touching them.
+        Only the rows that move are touched (none in steady decoding): at most
+        :func:`moving_rows_bound` of them, all read into a small temporary before any is written,
+        so the buffers are updated in place.
+
+        Args:
+            placement: the ubatch's placement (from ``find_slot``).
+            n_slots: the ubatch's slot count (static: ``equal_slots(ubatch)[0]``).
         """
         src = _row_sources(placement, self.config)
-        identity = jnp.all(src == jnp.arange(src.shape[0]))
+        rows = src.shape[0]
+        dest = jnp.nonzero(src != jnp.arange(rows), size=moving_rows_bound(self.config, n_slots),
+                           fill_value=rows)[0]                               # rows: dropped below
+        origin = jnp.take(src, dest, mode="clip")
 
-        def gather(buffers):
-            return jax.tree.map(lambda x: jnp.take(x, src, axis=1), buffers)
+        def move(x):
+            return x.at[:, dest].set(jnp.take(x, origin, axis=1), mode="drop")
 
-        k, v = jax.lax.cond(identity, lambda b: b, gather, (self.k, self.v))
-        return self.replace(k=k, v=v)
+        return self.replace(k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
 
     def slot_states(self, placement: RecurrentPlacement, n_slots: int, group: int = 0):
         """The states the ubatch's ``n_slots`` sequences start from, after :meth:`copy_rows`.
@@ -625,7 +632,11 @@ class RecurrentCache(Memory):
         keep = jnp.take(placement.s_mask, jnp.clip(slot, 0, self.size - 1)) & (slot < placement.n_seqs)
 
         def pick(x):
-            got = jnp.take(x, rows, axis=1)
+            # one slot's row is read as a gather of two copies of it: a one-row gather compiles to
+            # a dynamic-slice that XLA fuses into each reader, and then, unable to order those
+            # reads before write_states' in-place write, it copies every state buffer each step
+            got = jnp.take(x, jnp.concatenate([rows, rows]), axis=1)[:, :1] if n_slots == 1 else \
+                jnp.take(x, rows, axis=1)
             return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
         return pick(self.k[group]), pick(self.v[group])
@@ -734,6 +745,28 @@ def share_state_prefix(memory: Memory, src: int, dst: int, n: int, attention_ok:
     if not bool(ok):
         return memory, 0, False
     return rolled, n, True
+
+
+def moving_rows_bound(config: RecurrentConfig, n_slots: int) -> int:
+    """The most state rows that one placement of ``n_slots`` slots moves (:meth:`RecurrentCache.copy_rows`).
+
+    A cell's rows move when its state comes from another cell, or when it is a slot's cell with a
+    ``roll``. Before a placement every used cell reads itself and an empty one nothing; each slot
+    then makes at most one copy-on-write cell (which reads the shared cell) and one swap of two
+    cells (:func:`kvjax.memory._recurrent_slots.find_slot_recurrent`). So at most ``2 * n_slots``
+    cells touched by a swap and ``n_slots`` copy-on-write cells read another cell, and ``n_slots``
+    slot cells may apply a ``roll`` (never with one state per cell); the other cells of the range
+    keep their ``roll`` instead of applying it, which is what makes the count bounded. Each cell
+    moves at most ``n_states`` rows. The property tests check the bound after every placement.
+
+    Example:
+        >>> import kvjax
+        >>> cfg = kvjax.RecurrentConfig(size=64, n_seq_max=64, n_layer=1, k_shape=(2,), v_shape=(2,))
+        >>> moving_rows_bound(cfg, 1), moving_rows_bound(cfg, 32)
+        (3, 64)
+    """
+    cells = (3 + (config.n_states > 1)) * int(n_slots)
+    return min(config.rows, cells * config.n_states)
 
 
 def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:

@@ -12,8 +12,9 @@ One jitted function of the cells and the ubatch. The seed's steps, each on devic
    only the tails of the two cells' sequences and can lose a third sequence's state;
 4. the slots' cells take their last positions and sequence sets, ``head = lo``;
 5. the graph inputs: for each cell ``head + i`` of the range, the cell (``s_copy``) and row
-   (``s_roll``) its state is read from, and ``s_mask`` (0: a new state); after them every used
-   cell of the range reads itself, which kvjax records by resetting ``roll``.
+   (``s_roll``, a slot's ``roll``; 0 for the other cells, whose rows move whole and which keep
+   their ``roll``) its state is read from, and ``s_mask`` (0: a new state); after them every used
+   cell of the range reads itself, and the slots' cells have ``roll`` 0.
 
 A refused ubatch (a bad shape or id, no empty cell for a sequence that needs one) changes nothing,
 ``head`` included, and gives a placement that copies and writes nothing. The loops over slots are
@@ -152,10 +153,10 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     src_i = src[d]
     has_src = (src_i >= 0) & (src_i < size)
     s_copy = jnp.where(inside, jnp.where(has_src, src_i, lo + i), -1)
-    s_roll = jnp.where(inside & has_src, roll[d], 0)
+    s_roll = jnp.where(inside & has_src & (i < n_seqs), roll[d], 0)      # the other cells move whole
     s_mask = inside & (src_i >= 0)
-    in_range = (i >= lo) & (i < lo + n)
-    roll = jnp.where(in_range & jnp.any(seq != 0, axis=-1), 0, roll)
+    slots_cells = (i >= lo) & (i < lo + n_seqs)
+    roll = jnp.where(slots_cells & jnp.any(seq != 0, axis=-1), 0, roll)
 
     ok = ~failed
     placed = cells.replace(pos=pos, seq=seq, roll=roll, hist=hist, tail=tail, head=lo)

@@ -91,8 +91,11 @@ rolled back. With ``k = 1`` every rule below reduces to the seed's. The spec:
   ``pos + n_seq_tokens`` (else ``min(k, n_seq_tokens)``: older states no longer sit at
   ``pos - j``); ``seq_div`` by ``d > 1`` keeps only the current state (``hist = 1``);
   ``seq_add`` moves the kept states with it.
-- **Inputs.** ``s_roll(i)`` is cell ``head + i``'s ``roll`` (0 where ``s_copy`` falls back to
-  the cell itself); :meth:`RecurrentRef.set_inputs` resets ``roll`` to 0 with ``src``.
+- **Inputs.** ``s_roll(i)`` is cell ``head + i``'s ``roll`` for a slot (``i < n_seqs``; 0 where
+  ``s_copy`` falls back to the cell itself) and 0 for the other cells of the range: their rows
+  move whole and they keep their ``roll``, so that a placement moves the rows of at most
+  ``4 n_seqs`` cells (applying every rolled-back cell's ``roll`` would move any number).
+  :meth:`RecurrentRef.set_inputs` resets ``src`` to the cell itself, and a slot's ``roll`` to 0.
 - **Rows a ubatch writes** (:func:`move_rows` is this rule as code): for ``i`` in ``[0, n)`` and
   cell ``d = head + i``, first read (all reads before any write) ``old[i][j] =
   row(s_copy(i), s_roll(i) + j)`` for ``j < k - s_roll(i)``. A slot ``i < n_seqs`` runs its
@@ -457,9 +460,9 @@ class RecurrentRef:
         return src if 0 <= src < self.size else cell_id
 
     def s_roll(self, i: int) -> int:
-        """The row of :meth:`s_copy`'s cell holding the current state (kvjax extension)."""
+        """A slot's row of :meth:`s_copy`'s cell holding its current state (kvjax extension)."""
         cell = self.cells[self.head + i]
-        return cell.roll if 0 <= cell.src < self.size else 0
+        return cell.roll if 0 <= cell.src < self.size and i < self._last[0] else 0
 
     def s_mask(self, i: int) -> float:
         """0.0 when the state of cell ``head + i`` is new and must start from zeros."""
@@ -472,7 +475,9 @@ class RecurrentRef:
         for i in range(self.n):
             cell = self.cells[self.head + i]
             if not cell.is_empty():  # kvjax: an empty cell keeps src = -1
-                cell.src, cell.roll = self.head + i, 0
+                cell.src = self.head + i
+                if i < self._last[0]:
+                    cell.roll = 0
         return out
 
     # -- self-check -----------------------------------------------------------------------
