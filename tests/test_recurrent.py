@@ -107,7 +107,7 @@ def place(memory, ref, rows, slots, jitted=False):
     moving = np.asarray(_row_sources(placement, new.config)) != np.arange(new.config.rows)
     kk = new.config.n_states
     assert np.sum(moving) <= moving_rows_bound(new.config, len(slots)), (slots, np.flatnonzero(moving))
-    assert len(set(np.flatnonzero(moving) // kk)) <= (3 + (kk > 1)) * len(slots), slots  # the bound's proof
+    assert len(set(np.flatnonzero(moving) // kk)) <= 2 * len(slots), slots     # the bound's argument
     inputs = ref.set_inputs()
     compare(new, ref, placement, inputs)
     rows = move_rows(rows, ref, inputs, [(list(p), list(s)) for p, s in slots], fold, 0.0)

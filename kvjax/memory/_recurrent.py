@@ -750,23 +750,23 @@ def share_state_prefix(memory: Memory, src: int, dst: int, n: int, attention_ok:
 def moving_rows_bound(config: RecurrentConfig, n_slots: int) -> int:
     """The most state rows that one placement of ``n_slots`` slots moves (:meth:`RecurrentCache.copy_rows`).
 
-    A cell's rows move when its state comes from another cell, or when it is a slot's cell with a
-    ``roll``. Before a placement every used cell reads itself and an empty one nothing; each slot
-    then makes at most one copy-on-write cell (which reads the shared cell) and one swap of two
-    cells (:func:`kvjax.memory._recurrent_slots.find_slot_recurrent`). So at most ``2 * n_slots``
-    cells touched by a swap and ``n_slots`` copy-on-write cells read another cell, and ``n_slots``
-    slot cells may apply a ``roll`` (never with one state per cell); the other cells of the range
-    keep their ``roll`` instead of applying it, which is what makes the count bounded. Each cell
-    moves at most ``n_states`` rows. The property tests check the bound after every placement.
+    ``2 * n_slots`` cells of ``n_states`` rows each (at most every row). Before a placement every
+    used cell reads itself and an empty one nothing
+    (:func:`kvjax.memory._recurrent_slots.find_slot_recurrent`). A slot then gets its cell
+    ``head + s`` either by one swap of two cells, or where it already is (its own cell, or a
+    copy-on-write cell made there). Only cells touched by a swap and the slots' own cells can read
+    from another cell, or (a slot's cell) from another row, its ``roll``: two cells for a slot
+    with a swap, one without. The other cells of the range keep their ``roll`` instead of applying
+    it, without which no slot count would bound the rows. The property tests check the count of
+    moving cells after every placement.
 
     Example:
         >>> import kvjax
         >>> cfg = kvjax.RecurrentConfig(size=64, n_seq_max=64, n_layer=1, k_shape=(2,), v_shape=(2,))
         >>> moving_rows_bound(cfg, 1), moving_rows_bound(cfg, 32)
-        (3, 64)
+        (2, 64)
     """
-    cells = (3 + (config.n_states > 1)) * int(n_slots)
-    return min(config.rows, cells * config.n_states)
+    return min(config.rows, 2 * int(n_slots) * config.n_states)
 
 
 def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:
