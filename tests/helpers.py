@@ -34,7 +34,7 @@ def buffer_copies(step, state, memory, ubatch, tokens, windows=()) -> list:
     shapes = {",".join(str(n) for n in x.shape) for x in jax.tree.leaves(buffers)}
     copies = []
     for line in hlo.splitlines():
-        found = re.match(r"\s*%\S+ = \w+\[([0-9,]+)\]\S* copy\(", line)
+        found = re.match(r"\s*(?:ROOT\s+)?%\S+ = \w+\[([0-9,]+)\]\S* copy\(", line)
         if found and found.group(1) in shapes:
             copies.append(line.strip()[:120])
     return copies

@@ -191,7 +191,7 @@ def test_a_step_updates_the_state_buffers_in_place(model, kind, n_states, n_seq)
     The placement's row copies were a ``cond`` between the buffers and a gather of every row,
     joined with a copy of every state buffer; with one sequence its state was read by a
     dynamic-slice fused into each reader, which XLA could not order before the in-place write, and
-    it copied every buffer again: 6 whole-buffer copies per one-sequence step, 2 per two-sequence
+    it copied every buffer again: 8 whole-buffer copies per one-sequence step, 6 per two-sequence
     step. Now only the moving rows are gathered, and one row is read by a two-row gather.
     """
     from kvjax.nn import HybridLM, HybridLMConfig

@@ -264,7 +264,8 @@ class RecurrentPlacement:
 
     Attributes:
         head: ``i32[]`` cell of slot 0.
-        n: ``i32[]`` cells ``[head, head + n)`` whose rows the step rewrites (0 when refused).
+        n: ``i32[]`` cells ``[head, head + n)`` the placement covers (0 when refused); only the rows
+            that ``s_copy``/``s_roll`` move are rewritten.
         n_seqs: ``i32[]`` sequences (slots) in the ubatch (0 when refused).
         s_copy: ``i32[C]``.
         s_roll: ``i32[C]``.
@@ -610,8 +611,12 @@ class RecurrentCache(Memory):
         """
         src = _row_sources(placement, self.config)
         rows = src.shape[0]
-        dest = jnp.nonzero(src != jnp.arange(rows), size=moving_rows_bound(self.config, n_slots),
-                           fill_value=rows)[0]                               # rows: dropped below
+        if rows == 1:
+            return self                                                      # a lone row never moves
+        # at least two entries: a one-entry gather and scatter compile to a dynamic-slice and a
+        # select around a dynamic-update-slice, which XLA answers with copies of the buffers
+        size = min(rows, max(2, moving_rows_bound(self.config, n_slots)))
+        dest = jnp.nonzero(src != jnp.arange(rows), size=size, fill_value=rows)[0]   # rows: dropped
         origin = jnp.take(src, dest, mode="clip")
 
         def move(x):
@@ -682,8 +687,8 @@ class RecurrentCache(Memory):
     # -- placement on a device mesh ---------------------------------------------------------------------
 
     def logical_axes(self) -> "RecurrentCache":
-        # states are [Lg, R, *shape]; the rows of a cell move with every placement (copy_rows gathers
-        # them), so the default rules keep them whole; cell metadata and tails likewise
+        # states are [Lg, R, *shape]; a placement may move any cell's rows to another cell
+        # (copy_rows), so the default rules keep them whole; cell metadata and tails likewise
         from jax.sharding import PartitionSpec as P
         from kvjax.shard._axes import CELLS, SEQ_WORDS, SEQS, scalar_axes, state_axes
 
@@ -750,23 +755,23 @@ def share_state_prefix(memory: Memory, src: int, dst: int, n: int, attention_ok:
 def moving_rows_bound(config: RecurrentConfig, n_slots: int) -> int:
     """The most state rows that one placement of ``n_slots`` slots moves (:meth:`RecurrentCache.copy_rows`).
 
-    ``2 * n_slots`` cells of ``n_states`` rows each (at most every row). Before a placement every
+    ``2 * n_slots - 1`` cells of ``n_states`` rows each (at most every row). Before a placement every
     used cell reads itself and an empty one nothing
-    (:func:`kvjax.memory._recurrent_slots.find_slot_recurrent`). A slot then gets its cell
-    ``head + s`` either by one swap of two cells, or where it already is (its own cell, or a
-    copy-on-write cell made there). Only cells touched by a swap and the slots' own cells can read
-    from another cell, or (a slot's cell) from another row, its ``roll``: two cells for a slot
-    with a swap, one without. The other cells of the range keep their ``roll`` instead of applying
-    it, without which no slot count would bound the rows. The property tests check the count of
-    moving cells after every placement.
+    (:func:`kvjax.memory._recurrent_slots.find_slot_recurrent`). The placement then changes only
+    the slots' cells ``head + s`` and the cells their states sat in before the swaps (a
+    sequence's own cell, or its copy-on-write cell): states move only by swaps between those, each
+    slot making at most one. The lowest of the latter cells is ``head`` itself, so at most
+    ``2 * n_seqs - 1`` cells, and only a slot's cell applies a ``roll``. The other cells of the
+    range keep their rows and their ``roll``, without which no slot count would bound the rows.
+    The property tests check the count of moving cells after every placement.
 
     Example:
         >>> import kvjax
         >>> cfg = kvjax.RecurrentConfig(size=64, n_seq_max=64, n_layer=1, k_shape=(2,), v_shape=(2,))
         >>> moving_rows_bound(cfg, 1), moving_rows_bound(cfg, 32)
-        (2, 64)
+        (1, 63)
     """
-    return min(config.rows, 2 * int(n_slots) * config.n_states)
+    return min(config.rows, (2 * int(n_slots) - 1) * config.n_states)
 
 
 def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:

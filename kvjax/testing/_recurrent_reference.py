@@ -94,7 +94,7 @@ rolled back. With ``k = 1`` every rule below reduces to the seed's. The spec:
 - **Inputs.** ``s_roll(i)`` is cell ``head + i``'s ``roll`` for a slot (``i < n_seqs``; 0 where
   ``s_copy`` falls back to the cell itself) and 0 for the other cells of the range: their rows
   move whole and they keep their ``roll``, so that a placement moves the rows of at most
-  ``2 n_seqs`` cells (applying every rolled-back cell's ``roll`` would move any number).
+  ``2 n_seqs - 1`` cells (applying every rolled-back cell's ``roll`` would move any number).
   :meth:`RecurrentRef.set_inputs` resets ``src`` to the cell itself, and a slot's ``roll`` to 0.
 - **Rows a ubatch writes** (:func:`move_rows` is this rule as code): for ``i`` in ``[0, n)`` and
   cell ``d = head + i``, first read (all reads before any write) ``old[i][j] =
