@@ -17,11 +17,16 @@ from kvjax._compiles import CompileCounter  # noqa: F401  (re-exported for the t
 USER_HLO = {"xla_cpu_use_fusion_emitters": True}
 
 
-def buffer_copies(step, state, memory, ubatch, tokens, windows=()) -> list:
-    """The copy instructions of whole memory buffers in a model step compiled as users compile it.
+def buffer_writes(step, state, memory, ubatch, tokens, windows=(), of=None) -> dict:
+    """How a model step, compiled as users compile it, produces the memory's whole buffers.
 
-    A step updates the memory's K/V or state buffers in place; a ``copy`` of one in the optimized
-    HLO is a whole-buffer copy on every call (what an in-place test asserts is absent).
+    ``of``: the memory, or a part of it (a hybrid's ``recurrent``), whose buffers the
+    dynamic-update-slice list looks at; copies are looked for in every buffer.
+
+    Returns ``{"copy": [...], "dynamic-update-slice": [...]}``: the optimized HLO's ``copy``
+    instructions of a whole K/V or state buffer (a whole-buffer copy on every call, what an
+    in-place test asserts is absent), and its fusions rooted in a dynamic-update-slice of one
+    (XLA:CPU computes everything fused into them slowly, see docs/speed.md section 9).
     """
     import re
 
@@ -31,13 +36,18 @@ def buffer_copies(step, state, memory, ubatch, tokens, windows=()) -> list:
     hlo = step._jitted.lower(nnx.state(state) if isinstance(state, nnx.Module) else state, rest, buffers,
                              ubatch, tokens, None, None, windows=windows).compile(
                                  compiler_options=USER_HLO).as_text()
-    shapes = {",".join(str(n) for n in x.shape) for x in jax.tree.leaves(buffers)}
-    copies = []
+    def shapes(part):
+        return {",".join(str(n) for n in x.shape) for x in jax.tree.leaves(part.split()[0])}
+
+    every, written = shapes(memory), shapes(of or memory)
+    found = {"copy": [], "dynamic-update-slice": []}
     for line in hlo.splitlines():
-        found = re.match(r"\s*(?:ROOT\s+)?%\S+ = \w+\[([0-9,]+)\]\S* copy\(", line)
-        if found and found.group(1) in shapes:
-            copies.append(line.strip()[:120])
-    return copies
+        op = re.match(r"\s*(?:ROOT\s+)?%(\S+) = \w+\[([0-9,]+)\]\S* (copy|fusion)\(", line)
+        if op and op.group(3) == "copy" and op.group(2) in every:
+            found["copy"].append(line.strip()[:120])
+        elif op and "dynamic-update-slice" in op.group(1) and op.group(2) in written:
+            found["dynamic-update-slice"].append(line.strip()[:120])
+    return found
 
 
 @contextlib.contextmanager

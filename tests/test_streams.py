@@ -16,7 +16,7 @@ from kvjax.engine._engine import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 from kvjax.storage import _quant
 from kvjax.testing import StreamsRef
-from tests.helpers import assert_cells_match, buffer_copies, no_recompile
+from tests.helpers import assert_cells_match, buffer_writes, no_recompile
 
 BASE = kvjax.CacheConfig(size=16, n_seq_max=4, n_layer=1, n_kv_heads=1, head_dim=4, padding=8,
                          rope=kvjax.RopeConfig(n_rot=4))
@@ -236,7 +236,7 @@ def test_a_model_step_updates_the_stream_buffers_in_place(n_seq):
     ubatch = kvjax.make_ubatch([0] * n_seq, [[s] for s in range(n_seq)])
     tokens = jnp.arange(1, n_seq + 1, dtype=jnp.int32)
     step = make_step(model)
-    copies = buffer_copies(step, model, memory, ubatch, tokens, windows=(32,))
+    copies = buffer_writes(step, model, memory, ubatch, tokens, windows=(32,))["copy"]
     assert not copies, copies[:3]
     logits, _, ok = step(_nnx.state(model), memory, ubatch, tokens, n_kv=32)
     want, _, _ = make_step(model)(_nnx.state(model), kvjax.init(model.config.cache_config(size=256, n_seq_max=4,
