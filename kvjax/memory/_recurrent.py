@@ -613,14 +613,12 @@ class RecurrentCache(Memory):
         rows = src.shape[0]
         if rows == 1:
             return self                                                      # a lone row never moves
-        # at least two entries: a one-entry gather and scatter compile to a dynamic-slice and a
-        # select around a dynamic-update-slice, which XLA answers with copies of the buffers
-        size = min(rows, max(2, moving_rows_bound(self.config, n_slots)))
-        dest = jnp.nonzero(src != jnp.arange(rows), size=size, fill_value=rows)[0]   # rows: dropped
+        dest = jnp.nonzero(src != jnp.arange(rows), size=moving_rows_bound(self.config, n_slots),
+                           fill_value=rows)[0]                               # rows: dropped below
         origin = jnp.take(src, dest, mode="clip")
 
         def move(x):
-            return x.at[:, dest].set(jnp.take(x, origin, axis=1), mode="drop")
+            return _set_rows(x, dest, _take_rows(x, origin))
 
         return self.replace(k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
 
@@ -637,11 +635,7 @@ class RecurrentCache(Memory):
         keep = jnp.take(placement.s_mask, jnp.clip(slot, 0, self.size - 1)) & (slot < placement.n_seqs)
 
         def pick(x):
-            # one slot's row is read as a gather of two copies of it: a one-row gather compiles to
-            # a dynamic-slice that XLA fuses into each reader, and then, unable to order those
-            # reads before write_states' in-place write, it copies every state buffer each step
-            got = jnp.take(x, jnp.concatenate([rows, rows]), axis=1)[:, :1] if n_slots == 1 else \
-                jnp.take(x, rows, axis=1)
+            got = _take_rows(x, rows)
             return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
         return pick(self.k[group]), pick(self.v[group])
@@ -670,18 +664,11 @@ class RecurrentCache(Memory):
             new = jnp.flip(new, axis=2).astype(x.dtype)                    # newest first: row 0
             if q < kk:
                 old_rows = jnp.clip(base[:, None] + jnp.arange(kk - q)[None], 0, x.shape[1] - 1)
-                old = jnp.take(x, old_rows.reshape(-1), axis=1).reshape((x.shape[0], n_slots, kk - q) + x.shape[2:])
+                old = _take_rows(x, old_rows.reshape(-1)).reshape((x.shape[0], n_slots, kk - q) + x.shape[2:])
                 new = jnp.concatenate([new, old], axis=2)
             rows = jnp.where(active[:, None], base[:, None] + jnp.arange(kk)[None], x.shape[1]).reshape(-1)
             flat = new.reshape((x.shape[0], n_slots * kk) + x.shape[2:])
-            if rows.shape[0] == 1 and x.shape[1] > 1:
-                # the row written twice (the same values): a one-row write compiles to a
-                # dynamic-update-slice fusion that XLA:CPU fills with the whole state update,
-                # computed slowly inside it (1.3 ms of a 3.7 ms Mamba step); a scatter keeps it
-                # apart. (A dropped second row of zeros measured as slow as before: XLA folds it.)
-                # A one-row buffer is replaced whole, which XLA does without either.
-                rows, flat = jnp.concatenate([rows, rows]), jnp.concatenate([flat, flat], axis=1)
-            return x.at[:, rows].set(flat, mode="drop")
+            return _set_rows(x, rows, flat)
 
         if q > kk:
             raise ValueError(f"{q} states per slot were given: allowed at most n_states={kk}")
@@ -779,6 +766,32 @@ def moving_rows_bound(config: RecurrentConfig, n_slots: int) -> int:
         (1, 63)
     """
     return min(config.rows, (2 * int(n_slots) - 1) * config.n_states)
+
+
+def _take_rows(x, rows: Int[Array, "n"]):
+    """``x[:, rows]`` of a state buffer ``x [Lg, R, ...]``.
+
+    One row is read as a gather of two copies of it: a one-row gather compiles to a dynamic-slice
+    that XLA fuses into each of its readers, and then, unable to order those reads before the
+    in-place write of the new states, it copies every state buffer on each step.
+    """
+    if rows.shape[0] == 1:
+        return jnp.take(x, jnp.concatenate([rows, rows]), axis=1)[:, :1]
+    return jnp.take(x, rows, axis=1)
+
+
+def _set_rows(x, rows: Int[Array, "n"], values):
+    """``x`` with ``x[:, rows] = values`` (``values [Lg, n, ...]``), rows outside ``[0, R)`` dropped.
+
+    One row is written twice (the same values): a one-row write compiles to a select around a
+    dynamic-update-slice, a fusion into which XLA:CPU pulls the whole state update and runs it
+    slowly (1.3 ms of a 3.7 ms Mamba step), or, in ``copy_rows``, answers with copies of the
+    buffers; a scatter keeps both apart. (A dropped second row of zeros measured as slow: XLA
+    folds it.) A one-row buffer is replaced whole, which XLA does without either.
+    """
+    if rows.shape[0] == 1 and x.shape[1] > 1:
+        rows, values = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1)
+    return x.at[:, rows].set(values, mode="drop")
 
 
 def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:

@@ -155,8 +155,7 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     s_copy = jnp.where(inside, jnp.where(has_src, src_i, lo + i), -1)
     s_roll = jnp.where(inside & has_src & (i < n_seqs), roll[d], 0)      # the other cells move whole
     s_mask = inside & (src_i >= 0)
-    slots_cells = (i >= lo) & (i < lo + n_seqs)
-    roll = jnp.where(slots_cells & jnp.any(seq != 0, axis=-1), 0, roll)
+    roll = jnp.where((i >= lo) & (i < lo + n_seqs), 0, roll)                # the slots' cells (all used)
 
     ok = ~failed
     placed = cells.replace(pos=pos, seq=seq, roll=roll, hist=hist, tail=tail, head=lo)
