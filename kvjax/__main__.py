@@ -7,8 +7,8 @@ Compiled programs are kept in JAX's persistent compilation cache (``~/.cache/kvj
 - ``demo``: the main job (see :mod:`kvjax.app._demo`).
 - ``train [--steps N]``: train the demo's character model (writes ``kvjax/data/charlm.npz``).
 - ``generate --model PATH --prompt TEXT [--n-parallel N] [--max-new-tokens N] [--temperature T]
-  [--cache-type T] [--ctx N] [--padding N] [--kv-unified]``: text from a checkpoint folder (or .gguf), streamed, with the speed
-  (see :mod:`kvjax.app._generate`).
+  [--cache-type T] [--ctx N] [--padding N] [--kv-unified]``: text from a checkpoint folder (or
+  .gguf), streamed, with the speed (see :mod:`kvjax.app._generate`).
 - ``bench [--quick] [--only NAME ...] [--out BENCHMARKS.md]``: run ``benchmarks/bench_*.py``
   from a source checkout and write the results.
 """

@@ -4,7 +4,8 @@ Loads a Hugging Face folder (:func:`kvjax.nn.from_pretrained`) or a ``.gguf`` fi
 (:func:`kvjax.nn.from_gguf`), tokenizes the prompt with the checkpoint's tokenizer, runs
 :func:`kvjax.generate` on the memory the model needs (:func:`kvjax.nn.memory_config_for`; with
 ``--n-parallel`` above 1 a stream per sequence, :class:`kvjax.StreamsConfig`, as llama.cpp does
-unless ``--kv-unified``; attention windows from ``--padding`` cells) and prints sequence 0's text as its tokens come (the other ``--n-parallel`` sequences at the end).
+unless ``--kv-unified``; attention windows from ``--padding`` cells) and prints sequence 0's
+text as its tokens come (the other ``--n-parallel`` sequences at the end).
 Generation stops at the model's EOS tokens or ``--max-new-tokens``; a sequence that reaches
 ``--ctx`` positions shifts its context (llama.cpp's rule).
 
@@ -78,7 +79,8 @@ def _check(name, value, ok, allowed):
 
 def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 64, temperature: float = 0.0,
         cache_type: str = "float32", ctx: int = 512, seed: int = 0, dtype: str = "float32", n_ubatch: int = 64,
-        padding: int = DEFAULT_PADDING, kv_unified: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> Report:
+        padding: int = DEFAULT_PADDING, kv_unified: bool = False, out: TextIO = sys.stdout,
+        err: TextIO = sys.stderr) -> Report:
     """Load, generate with streaming to ``out``, report to ``err``; the measured :class:`Report`.
 
     Raises:
