@@ -5,11 +5,14 @@ Property tests drive random equal-split ubatches and sequence operations through
 operation, every cell (``pos``, sequences, ``roll``, ``hist``), every tail, ``head``, each
 placement's ``s_copy``/``s_roll``/``s_mask`` and every refusal. State rows are simulated with a
 fold that says which tokens a state has seen (``x -> (7 x + pos + 1) mod 65521``, exact in float32),
-run through the memory's own row operations (``copy_rows``, ``slot_states``, ``write_states``) and
-through the reference's ``move_rows``: every kept state of every sequence must agree.
+run through the memory's own row operations (``read_states``, which must give what ``copy_rows``
+then ``slot_states`` give, and ``write_states``) and through the reference's ``move_rows``: every
+kept state of every sequence must agree.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.memory._recurrent import _row_sources, moving_rows_bound
+from kvjax.memory._recurrent import _row_sources, _set_rows, _take_rows, moving_rows_bound
 from kvjax.memory._seqbits import unpack
 from kvjax.testing import RecurrentRef
 from kvjax.testing._recurrent_reference import move_rows
@@ -58,12 +61,18 @@ def compare(memory, ref, placement=None, inputs=None):
         assert not np.asarray(placement.s_mask)[n:].any()
 
 
-@jax.jit
-def simulated_step(memory, placement, ubatch):
-    """Run the fold through the memory's row operations, as a model step does."""
+@functools.partial(jax.jit, static_argnames="read_first")
+def simulated_step(memory, placement, ubatch, read_first=True):
+    """Run the fold through the memory's row operations, as a model step does.
+
+    ``read_first``: through ``read_states`` (what the models call: the slots' states read from
+    their source rows, then only the other rows moved), else ``copy_rows`` then ``slot_states``."""
     n_slots, t = kvjax.memory._ubatch.equal_slots(ubatch)
-    memory = memory.copy_rows(placement, n_slots)
-    k0, v0 = memory.slot_states(placement, n_slots)                  # [L, S, 1], [L, S, 2]
+    if read_first:
+        memory, ((k0, v0),) = memory.read_states(placement, n_slots, t)
+    else:
+        memory = memory.copy_rows(placement, n_slots)
+        k0, v0 = memory.slot_states(placement, n_slots)              # [L, S, 1], [L, S, 2]
     pos = jnp.asarray(ubatch.pos).reshape(n_slots, t)
     q = min(memory.config.n_states, t)
 
@@ -110,10 +119,15 @@ def place(memory, ref, rows, slots, jitted=False, pad=0):
     kk = new.config.n_states
     assert np.sum(moving) <= moving_rows_bound(new.config, len(slots) + pad), (slots, np.flatnonzero(moving))
     assert len(set(np.flatnonzero(moving) // kk)) <= 2 * len(slots) - 1, slots  # the bound's argument
+    others = set(np.flatnonzero(moving) // kk) - set(range(int(placement.head), int(placement.head) + len(slots)))
+    assert len(others) * kk <= moving_rows_bound(new.config, len(slots) + pad, slots_rewritten=True), slots
     inputs = ref.set_inputs()
     compare(new, ref, placement, inputs)
     rows = move_rows(rows, ref, inputs, [(list(p), list(s)) for p, s in slots], fold, 0.0)
-    new = simulated_step(new, placement, ub)
+    both = [simulated_step(new, placement, ub, read_first=r) for r in (True, False)]
+    for a, b in zip(jax.tree.leaves(both[0]), jax.tree.leaves(both[1])):
+        np.testing.assert_array_equal(a, b)                          # read_states == copy_rows + slot_states
+    new = both[0]
     check_states(new, ref, rows)
     return new, rows
 
@@ -252,6 +266,23 @@ def test_a_placement_moves_a_bounded_number_of_rows(data, n_states, pad):
     """In a memory with more cells than the bound, every placement (padded ubatches too) moves at
     most ``moving_rows_bound`` rows (``place`` checks it) and still agrees with the reference."""
     run_program(data.draw(programs(6, 12)), 12, 6, n_states, jitted=False, pad=pad)
+
+
+@pytest.mark.parametrize("layers, rows", [(1, [2]), (1, [0, 3]), (3, [2]), (3, [1, 4, 0]), (2, [4])])
+def test_row_gather_and_scatter_are_per_layer_and_drop_out_of_range_rows(layers, rows):
+    """``_take_rows`` / ``_set_rows`` index the buffer as ``[Lg * R, ...]``: row ``R`` (dropped)
+    must not land in the next layer's row 0, nor a write in another layer."""
+    x = jnp.arange(layers * 4 * 2, dtype=jnp.float32).reshape(layers, 4, 2)
+    idx = jnp.asarray(rows, jnp.int32)
+    valid = [r for r in rows if r < 4]
+    np.testing.assert_array_equal(_take_rows(x, jnp.asarray(valid, jnp.int32)), np.asarray(x)[:, valid])
+    values = -1.0 - jnp.arange(layers * len(rows) * 2, dtype=jnp.float32).reshape(layers, len(rows), 2)
+    want = np.asarray(x).copy()
+    for i, r in enumerate(rows):
+        if r < 4:
+            want[:, r] = np.asarray(values)[:, i]
+    np.testing.assert_array_equal(_set_rows(x, idx, values), want)
+    np.testing.assert_array_equal(jax.jit(_set_rows)(x, idx, values), want)
 
 
 def test_a_rolled_back_cell_outside_the_ubatch_keeps_its_roll():

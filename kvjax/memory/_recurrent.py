@@ -609,18 +609,45 @@ class RecurrentCache(Memory):
             placement: the ubatch's placement (from ``find_slot``).
             n_slots: the ubatch's slot count (static: ``equal_slots(ubatch)[0]``).
         """
+        moved, _ = self._move_rows(placement, moving_rows_bound(self.config, n_slots))
+        return moved
+
+    def _move_rows(self, placement: RecurrentPlacement, bound: int, slots_rewritten: bool = False,
+                   n_slots: int = 0):
+        """Copy the moving rows (at most ``bound``), and read the ``n_slots`` slots' states as they
+        are after the copies, in the same gather.
+
+        With ``slots_rewritten`` the rows of the slots' cells are not copied (the step rewrites
+        them whole). The slots' states are read through the row map, from the rows the slots' rows
+        would be copied from, in the gather that reads the moving rows: the scatter depends on it,
+        so XLA orders every read before the in-place writes (a read of its own copies the buffers).
+
+        Returns:
+            ``(memory, states)``: ``states[g] = (k, v)`` of group ``g`` as :meth:`slot_states` reads
+            them; ``()`` when ``n_slots`` is 0.
+        """
+        kk, rows = self.config.n_states, self.config.rows
         src = _row_sources(placement, self.config)
-        rows = src.shape[0]
-        if rows == 1:
-            return self                                                      # a lone row never moves
-        dest = jnp.nonzero(src != jnp.arange(rows), size=moving_rows_bound(self.config, n_slots),
-                           fill_value=rows)[0]                               # rows: dropped below
-        origin = jnp.take(src, dest, mode="clip")
+        moving = src != jnp.arange(rows)
+        if slots_rewritten:
+            cell = jnp.arange(rows) // kk
+            moving = moving & ~((cell >= placement.head) & (cell < placement.head + placement.n_seqs))
+        bound = 0 if rows == 1 else bound                                   # a lone row never moves
+        dest = jnp.nonzero(moving, size=bound, fill_value=rows)[0]          # rows: dropped below
+        slot = jnp.arange(n_slots)
+        slot_rows = jnp.take(src, jnp.clip((placement.head + slot) * kk, 0, rows - 1))
+        reads = jnp.concatenate([jnp.take(src, dest, mode="clip"), slot_rows])
+        if reads.shape[0] == 0:
+            return self, ()
 
         def move(x):
-            return _set_rows(x, dest, _take_rows(x, origin))
+            got = _take_rows(x, reads)
+            slots = _started(got[:, bound:], placement, self.size)
+            return (_set_rows(x, dest, got[:, :bound]) if bound else x), slots
 
-        return self.replace(k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
+        k, sk = zip(*map(move, self.k))
+        v, sv = zip(*map(move, self.v))
+        return self.replace(k=tuple(k), v=tuple(v)), (tuple(zip(sk, sv)) if n_slots else ())
 
     def slot_states(self, placement: RecurrentPlacement, n_slots: int, group: int = 0):
         """The states the ubatch's ``n_slots`` sequences start from, after :meth:`copy_rows`.
@@ -629,16 +656,33 @@ class RecurrentCache(Memory):
             ``(k [Lg, n_slots, *k_shape], v [Lg, n_slots, *v_shape])``, zeros for a new sequence
             (``s_mask`` false: a select, so a NaN in a reused row cannot leak into it).
         """
-        kk = self.config.n_states
-        slot = jnp.arange(n_slots)
-        rows = jnp.clip((placement.head + slot) * kk, 0, self.config.rows - 1)
-        keep = jnp.take(placement.s_mask, jnp.clip(slot, 0, self.size - 1)) & (slot < placement.n_seqs)
+        rows = jnp.clip((placement.head + jnp.arange(n_slots)) * self.config.n_states, 0, self.config.rows - 1)
+        return tuple(_started(_take_rows(x, rows), placement, self.size) for x in (self.k[group], self.v[group]))
 
-        def pick(x):
-            got = _take_rows(x, rows)
-            return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
+    def read_states(self, placement: RecurrentPlacement, n_slots: int, n_tokens: int):
+        """The states every group's slots start from, and the memory ready for :meth:`write_states`.
 
-        return pick(self.k[group]), pick(self.v[group])
+        What a model step calls first: what ``copy_rows`` then ``slot_states`` of each group give,
+        cheaper. When the step's write replaces every row of the slots' cells
+        (``n_tokens >= n_states``, always for the seed's one state per cell), the slots' rows are
+        not copied but read from the rows they would be copied from, and only the other moving
+        rows are copied, at most ``n_slots - 1`` cells of them (:func:`moving_rows_bound`): none
+        for one sequence, whose decode step then reads and writes its own row and nothing else.
+
+        Args:
+            placement: the ubatch's placement (from ``find_slot``).
+            n_slots: the ubatch's slot count (static).
+            n_tokens: tokens per slot (static: ``equal_slots(ubatch)[1]``).
+
+        Returns:
+            ``(memory, states)``: ``states[g] = (k [Lg, n_slots, *k_shape], v [Lg, n_slots, *v_shape])``
+            for each layer group ``g``.
+        """
+        if n_tokens < self.config.n_states:     # the write keeps older rows of the slots' cells
+            moved = self.copy_rows(placement, n_slots)
+            return moved, tuple(moved.slot_states(placement, n_slots, g) for g in range(len(self.config.groups)))
+        bound = moving_rows_bound(self.config, n_slots, slots_rewritten=True)
+        return self._move_rows(placement, bound, slots_rewritten=True, n_slots=n_slots)
 
     def write_states(self, placement: RecurrentPlacement, k_new, v_new, group: int = 0) -> "RecurrentCache":
         """Store each slot's states after its tokens, keeping the older ones as rollback history.
@@ -746,7 +790,7 @@ def share_state_prefix(memory: Memory, src: int, dst: int, n: int, attention_ok:
     return rolled, n, True
 
 
-def moving_rows_bound(config: RecurrentConfig, n_slots: int) -> int:
+def moving_rows_bound(config: RecurrentConfig, n_slots: int, *, slots_rewritten: bool = False) -> int:
     """The most state rows that one placement of ``n_slots`` slots moves (:meth:`RecurrentCache.copy_rows`).
 
     ``2 * n_slots - 1`` cells of ``n_states`` rows each (at most every row). Before a placement every
@@ -757,41 +801,75 @@ def moving_rows_bound(config: RecurrentConfig, n_slots: int) -> int:
     slot making at most one. The lowest of the latter cells is ``head`` itself, so at most
     ``2 * n_seqs - 1`` cells, and only a slot's cell applies a ``roll``. The other cells of the
     range keep their rows and their ``roll``, without which no slot count would bound the rows.
-    The property tests check the count of moving cells after every placement.
+    With ``slots_rewritten`` (the step rewrites the slots' cells whole: :meth:`RecurrentCache.read_states`)
+    only the other cells are copied: at most ``n_slots - 1``, as ``n_seqs`` of those ``2 n_seqs - 1``
+    cells are the slots'. The property tests check both counts after every placement.
 
     Example:
         >>> import kvjax
         >>> cfg = kvjax.RecurrentConfig(size=64, n_seq_max=64, n_layer=1, k_shape=(2,), v_shape=(2,))
-        >>> moving_rows_bound(cfg, 1), moving_rows_bound(cfg, 32)
-        (1, 63)
+        >>> moving_rows_bound(cfg, 1), moving_rows_bound(cfg, 32), moving_rows_bound(cfg, 1, slots_rewritten=True)
+        (1, 63, 0)
     """
-    return min(config.rows, (2 * int(n_slots) - 1) * config.n_states)
+    cells = int(n_slots) - 1 if slots_rewritten else 2 * int(n_slots) - 1
+    return min(config.rows, cells * config.n_states)
+
+
+def _flat_rows(x, rows: Int[Array, "n"]) -> Int[Array, "Lg*n"]:
+    """Rows ``rows`` of every layer of ``x [Lg, R, ...]`` as indices into ``x`` viewed as ``[Lg * R, ...]``
+    (layer major); rows outside ``[0, R)`` map past the end (a scatter drops them)."""
+    lg, r = x.shape[:2]
+    idx = jnp.arange(lg, dtype=rows.dtype)[:, None] * r + rows[None, :]
+    return jnp.where(((rows >= 0) & (rows < r))[None, :], idx, lg * r).reshape(-1)
 
 
 def _take_rows(x, rows: Int[Array, "n"]):
-    """``x[:, rows]`` of a state buffer ``x [Lg, R, ...]``.
+    """``x[:, rows]`` of a state buffer ``x [Lg, R, ...]`` (rows in range).
 
-    One row is read as a gather of two copies of it: a one-row gather compiles to a dynamic-slice
-    that XLA fuses into each of its readers, and then, unable to order those reads before the
-    in-place write of the new states, it copies every state buffer on each step.
+    A gather of the ``Lg * n`` rows of ``x`` viewed as ``[Lg * R, ...]``: its result comes out in
+    ``[Lg, n, ...]`` order, where a gather along axis 1 comes out index first, and every reader
+    then transposed it element by element (a one-sequence Mamba step 1.3x slower). A single
+    entry is read as two: a one-entry gather compiles to a dynamic-slice that XLA fuses into each
+    of its readers, and then, unable to order those reads before the in-place write of the new
+    states, it copies every state buffer on each step.
     """
-    if rows.shape[0] == 1:
-        return jnp.take(x, jnp.concatenate([rows, rows]), axis=1)[:, :1]
-    return jnp.take(x, rows, axis=1)
+    lg, r = x.shape[:2]
+    if lg * rows.shape[0] == 1:
+        return _take_rows(x, jnp.concatenate([rows, rows]))[:, :1]
+    flat = x.reshape((lg * r,) + x.shape[2:])
+    got = jnp.take(flat, _flat_rows(x, jnp.clip(rows, 0, r - 1)), axis=0, mode="clip")
+    return got.reshape((lg, rows.shape[0]) + x.shape[2:])
+
+
+def _started(got, placement: RecurrentPlacement, size: int):
+    """The slots' rows ``got [Lg, n_slots, ...]`` with zeros for a new sequence (``s_mask`` false) and
+    for the slots past ``n_seqs``: a select, so a NaN in a reused row cannot leak into a new state."""
+    slot = jnp.arange(got.shape[1])
+    # a reduction, so XLA computes the flags once: as a gather and a compare it fused their scalar
+    # chain (the placement's) into every element of every layer's read, 3-4x those fusions' time
+    keep = jnp.any((jnp.arange(size)[None] == slot[:, None]) & placement.s_mask[None]
+                   & (slot < placement.n_seqs)[:, None], axis=1)
+    return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
 
 def _set_rows(x, rows: Int[Array, "n"], values):
     """``x`` with ``x[:, rows] = values`` (``values [Lg, n, ...]``), rows outside ``[0, R)`` dropped.
 
-    One row is written twice (the same values): a one-row write compiles to a select around a
-    dynamic-update-slice, a fusion into which XLA:CPU pulls the whole state update and runs it
-    slowly (1.3 ms of a 3.7 ms Mamba step), or, in ``copy_rows``, answers with copies of the
-    buffers; a scatter keeps both apart. (A dropped second row of zeros measured as slow: XLA
-    folds it.) A one-row buffer is replaced whole, which XLA does without either.
+    A scatter of ``Lg * n`` rows into ``x`` viewed as ``[Lg * R, ...]`` (the updates in their own
+    order, as :func:`_take_rows` reads). A single entry is written twice (the same values): a
+    one-entry write compiles to a select around a dynamic-update-slice, a fusion into which
+    XLA:CPU pulls the whole state update and runs it slowly (1.3 ms of a 3.7 ms Mamba step), or,
+    in ``copy_rows``, answers with copies of the buffers; a scatter keeps both apart. (A dropped
+    second entry of zeros measured as slow.) A one-row buffer is replaced whole, which XLA does
+    without either.
     """
-    if rows.shape[0] == 1 and x.shape[1] > 1:
-        rows, values = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1)
-    return x.at[:, rows].set(values, mode="drop")
+    lg, r = x.shape[:2]
+    n = rows.shape[0]
+    if lg * n == 1 and r > 1:
+        rows, values, n = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1), 2
+    flat = x.reshape((lg * r,) + x.shape[2:])
+    out = flat.at[_flat_rows(x, rows)].set(values.reshape((lg * n,) + x.shape[2:]), mode="drop")
+    return out.reshape(x.shape)
 
 
 def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:

@@ -152,8 +152,7 @@ class HybridLM(nnx.Module):
         kinds = [MaskKind(memory.layer_part(il)) for il in cfg.attention_layers]
         inputs = inputs.with_masks(memory, kinds)
         placement = inputs.placement[1]
-        states = memory.recurrent.copy_rows(placement, n_slots)
-        conv_all, ssm_all = states.slot_states(placement, n_slots)           # [Lr, S, Di, K-1], [Lr, S, Di, N]
+        states, ((conv_all, ssm_all),) = memory.recurrent.read_states(placement, n_slots, t)  # [Lr, S, Di, K-1], ...
         keep = min(states.config.n_states, t)
         convs, ssms = [], []
         x = self.embed(tokens)

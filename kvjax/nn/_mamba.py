@@ -612,8 +612,7 @@ def _memory_call(model: "Mamba", tokens, memory, inputs):
                          f"{want.k_shape[0]} and {want.v_shape[0]} (use config.memory_config)")
     n_slots, t = equal_slots(inputs.ubatch)
     placement = inputs.placement
-    memory = memory.copy_rows(placement, n_slots)
-    conv, ssm = memory.slot_states(placement, n_slots)                 # [L, S, Di, K-1], [L, S, Di, N]
+    memory, ((conv, ssm),) = memory.read_states(placement, n_slots, t)  # [L, S, Di, K-1], [L, S, Di, N]
     keep = min(memory.config.n_states, t)
     logits, conv_h, ssm_h = model._run(jnp.asarray(tokens).reshape(n_slots, t),
                                        jnp.swapaxes(conv, -1, -2).astype(jnp.float32),
