@@ -4,6 +4,10 @@
   1 and 8 (one token per sequence per step, after a 64-token prompt each), and the same model's
   bare jitted step on states the caller keeps (``make_mamba_step``), the floor the memory's
   bookkeeping adds to. Same run, compile excluded (one warm-up round).
+- ``generate`` (the device loop) against the same model's pure jitted loops: one ``fori_loop``
+  of placement, the model through the memory and argmax (``bench_generate``'s yardstick for the
+  Llama engine), and one of the bare step on states the loop carries (no memory at all).
+  Interleaved repeat by repeat, compile excluded.
 - A fork: ``seq_cp`` of a sequence and the first decode of both (a copy-on-write of the shared
   state inside the step) against a plain decode step of two sequences.
 """
@@ -20,7 +24,10 @@ from flax import nnx
 
 import kvjax
 from benchmarks.common import table
-from kvjax.engine._engine import Engine
+from kvjax.engine._engine import Engine, generate
+from kvjax.engine._sampling import SamplingConfig
+from kvjax.memory._ubatch import Ubatch
+from kvjax.nn._inputs import UbatchInputs
 from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step
 
 
@@ -65,6 +72,79 @@ def _bare_rate(model, cfg, n_seq, steps, repeats):
     return n_seq * steps / _median_seconds(run, repeats)
 
 
+def _memory_loop(graphdef):
+    """Greedy decode as one jitted ``fori_loop``: placement, the model through the memory, argmax."""
+    def loop(state, memory, tok, pos, n):
+        def body(i, carry):
+            memory, tok = carry
+            ub = Ubatch(pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32),
+                        seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None], valid=jnp.ones(tok.shape, bool),
+                        n_seq_tokens=1)
+            memory, placement, _ = memory.find_slot(ub)
+            logits, memory = nnx.merge(graphdef, state)(tok, memory, UbatchInputs(ubatch=ub, placement=placement))
+            return memory, jnp.argmax(logits, -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, body, (memory, tok))
+    return jax.jit(loop, static_argnames="n", donate_argnames="memory")
+
+
+def _bare_loop(graphdef):
+    """Greedy decode as one jitted ``fori_loop`` of the bare step on states the loop carries."""
+    def loop(state, conv, ssm, tok, n):
+        def body(i, carry):
+            conv, ssm, tok = carry
+            logits, conv, ssm = nnx.merge(graphdef, state).step(tok[:, None], conv, ssm)
+            return conv, ssm, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, body, (conv, ssm, tok))
+    return jax.jit(loop, static_argnames="n", donate_argnums=(1, 2))
+
+
+def _against_loops(model, cfg, quick: bool, cells: int = 8):
+    """Rows ``[sequences, generate, memory loop, ratio, bare loop, ratio]`` (tokens/s, medians), in a
+    memory of ``cells`` state cells (a server's slots; one cell alone takes another write path)."""
+    graphdef, state = nnx.split(model)
+    memory_loop, bare_loop = _memory_loop(graphdef), _bare_loop(graphdef)
+    n_new, prompt_len, repeats = (16, 8, 2) if quick else (128, 16, 7)
+    rng = np.random.default_rng(1)
+    rows = []
+    for n_seq in (1, 8):
+        prompts = [rng.integers(1, cfg.vocab_size, size=prompt_len).tolist() for _ in range(n_seq)]
+
+        def prefilled():
+            engine = Engine(model, kvjax.init(cfg.memory_config(cells)))
+            logits = engine.decode(sum(prompts, []), [p for _ in prompts for p in range(prompt_len)],
+                                   [[s] for s in range(n_seq) for _ in range(prompt_len)], outputs="last")
+            return engine.cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
+        def timed(fn, *args, **kw):
+            jax.block_until_ready(args)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args, **kw))
+            return n_seq * (n_new - 1) / (time.perf_counter() - t0)
+
+        def mem():
+            memory, tok = prefilled()
+            return timed(memory_loop, state, memory, tok, jnp.int32(prompt_len), n=n_new - 1)
+
+        def bare():
+            conv, ssm = cfg.zero_states(n_seq)
+            return timed(bare_loop, state, conv, ssm, jnp.ones((n_seq,), jnp.int32), n=n_new - 1)
+
+        def gen(r):
+            return generate(Engine(model, kvjax.init(cfg.memory_config(cells))), prompts, max_new_tokens=n_new,
+                            key=jax.random.PRNGKey(r), sampling=SamplingConfig(temperature=0),
+                            sync_every=n_new).steady_tokens_per_second
+
+        mem(), bare(), gen(0)                         # compile
+        got = {"gen": [], "mem": [], "bare": []}
+        for r in range(repeats):                      # interleaved: a slow spell hits all three alike
+            got["gen"].append(gen(r + 1))
+            got["mem"].append(mem())
+            got["bare"].append(bare())
+        g, m, b = (statistics.median(got[k]) for k in ("gen", "mem", "bare"))
+        rows.append([f"{n_seq}", f"{g:.0f}", f"{m:.0f}", f"{g / m:.2f}", f"{b:.0f}", f"{g / b:.2f}"])
+    return rows, n_new, prompt_len, repeats, cells
+
+
 def _fork_cost(model, cfg, repeats):
     def fresh():
         engine = Engine(model, kvjax.init(cfg.memory_config(4)), n_ubatch=512)
@@ -96,6 +176,7 @@ def run(quick: bool) -> str:
         engine = _engine_rate(model, cfg, n_seq, steps, repeats)
         bare = _bare_rate(model, cfg, n_seq, steps, repeats)
         rows.append([f"{n_seq}", f"{engine:.0f}", f"{bare:.0f}", f"{engine / bare:.2f}"])
+    loop_rows, n_new, prompt_len, loop_repeats, cells = _against_loops(model, cfg, quick)
     plain, fork = _fork_cost(model, cfg, repeats)
     state_kib = cfg.memory_config(1).nbytes() / 1024
     return "\n".join([
@@ -107,6 +188,15 @@ def run(quick: bool) -> str:
         f"caller keeps (no memory, no placement, no host work): what the memory's bookkeeping and the engine add to.",
         "",
         table(["sequences", "engine tokens/s", "bare step tokens/s", "engine / bare"], rows),
+        "",
+        f"`generate` (greedy, the device loop, a memory of {cells} state cells, {prompt_len}-token prompts, "
+        f"{n_new} new tokens each, steady "
+        f"tokens/s) against the same model's decode as one jitted `fori_loop`: 'memory loop' places each token and "
+        f"runs the model through the memory (the yardstick `bench_generate` uses for the Llama engine), 'bare "
+        f"loop' runs the bare step on states the loop carries; interleaved, median of {loop_repeats}:",
+        "",
+        table(["sequences", "generate tokens/s", "memory loop", "generate / memory loop", "bare loop",
+               "generate / bare loop"], loop_rows),
         "",
         f"A fork (`seq_cp`, then the first decode of both sequences, which copies the shared state inside the "
         f"step) against a plain decode step of two sequences, median of {repeats}:",
