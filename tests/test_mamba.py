@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step, params_from_hf, select_states
+from kvjax.nn._mamba import (Mamba, MambaConfig, make_mamba_step, params_from_hf, pick_scan, select_states,
+                             selective_scan, selective_scan_keep)
 
 ATOL = 1e-5      # one float32 model against itself: only the order of the scan's sums differs
 ATOL_HF = 1e-4   # against torch: different matmul and scan orders
@@ -74,9 +75,9 @@ def model(eager_model):
 
 # -- against Hugging Face --------------------------------------------------------------------
 
-@pytest.mark.parametrize("tie, bias, chunk", [(True, False, 256), (False, True, 4)],
-                         ids=["tied-convbias", "untied-bias-chunked"])
-def test_logits_and_states_equal_hf(tie, bias, chunk):
+@pytest.mark.parametrize("tie, bias, chunk, scan", [(True, False, 256, "sequential"), (False, True, 4, "chunked")],
+                         ids=["tied-convbias-sequential", "untied-bias-chunked"])
+def test_logits_and_states_equal_hf(tie, bias, chunk, scan):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -91,8 +92,8 @@ def test_logits_and_states_equal_hf(tie, bias, chunk):
     with torch.no_grad():
         out = hf(ids, use_cache=True)
 
-    loaded = params_from_hf(hf, scan_chunk=chunk)
-    assert loaded.config.tie_embeddings == tie and loaded.config.use_bias == bias
+    loaded = params_from_hf(hf, scan_chunk=chunk, scan=scan)
+    assert loaded.config.tie_embeddings == tie and loaded.config.use_bias == bias and loaded.config.scan == scan
     assert (loaded.lm_head is None) == tie
     ours = Jitted(loaded)
     np.testing.assert_allclose(ours.forward(jnp.asarray(ids.numpy())), out.logits.numpy(), atol=ATOL_HF)
@@ -130,6 +131,40 @@ def test_from_hf_config():
     hc.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act"):
         MambaConfig.from_hf(hc)
+
+
+# -- the two scans ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [2, 4, 9, 17])
+@pytest.mark.parametrize("keep", [None, 1, 3])
+def test_sequential_and_chunked_scans_agree(T, keep):
+    """The per-token scan (CPU's default) and the chunked parallel scan give the same outputs and
+    states, for lengths inside one chunk, whole chunks and padded chunks (chunk 4)."""
+    S, Di, N = 2, 6, 3
+    k = jax.random.split(jax.random.PRNGKey(T), 6)
+    h0 = jax.random.normal(k[0], (S, Di, N))
+    u = jax.random.normal(k[1], (S, T, Di))
+    dt = jax.nn.softplus(jax.random.normal(k[2], (S, T, Di)))
+    Bm, Cm = jax.random.normal(k[3], (S, T, N)), jax.random.normal(k[4], (S, T, N))
+    A = -jnp.exp(jax.random.normal(k[5], (Di, N)))
+    if keep is None:
+        run = lambda scan: selective_scan(h0, u, dt, Bm, Cm, A, chunk=4, scan=scan)          # noqa: E731
+    else:
+        run = lambda scan: selective_scan_keep(h0, u, dt, Bm, Cm, A, chunk=4, keep=min(keep, T), scan=scan)  # noqa: E731
+    (y1, h1), (y2, h2) = run("sequential"), run("chunked")
+    np.testing.assert_allclose(y1, y2, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(h1, h2, atol=ATOL, rtol=RTOL)
+    # and both are the recurrence written out
+    h, ys = h0, []
+    for t in range(T):
+        h = jnp.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * Bm[:, t, None, :]
+        ys.append(jnp.einsum("sdn,sn->sd", h, Cm[:, t]))
+    np.testing.assert_allclose(y1, jnp.stack(ys, 1), atol=ATOL, rtol=RTOL)
+
+
+def test_auto_scan_is_sequential_on_cpu():
+    assert pick_scan("auto") == ("sequential" if jax.default_backend() == "cpu" else "chunked")
+    assert MambaConfig().scan == "auto" and pick_scan("chunked") == "chunked"
 
 
 # -- the stateful step against the uncached pass ---------------------------------------------
@@ -281,7 +316,7 @@ def test_jit_equals_eager_and_compiles_once_per_shape(eager_model, monkeypatch):
 @pytest.mark.parametrize("field, value", [
     ("vocab_size", 0), ("d_model", -1), ("n_layer", 1.5), ("d_state", 0), ("d_conv", 1), ("expand", 0),
     ("dt_rank", 0), ("dt_rank", "big"), ("norm_eps", 0.0), ("use_bias", 1), ("tie_embeddings", "yes"),
-    ("dtype", jnp.int32), ("param_dtype", "nope"), ("scan_chunk", 0)])
+    ("dtype", jnp.int32), ("param_dtype", "nope"), ("scan_chunk", 0), ("scan", "fast"), ("scan", 1)])
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}="):
         MambaConfig(**{field: value})

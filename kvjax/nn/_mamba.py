@@ -102,10 +102,15 @@ class MambaConfig:
         dtype: activation dtype of the projections and norms (the scan and the states are
             always float32, as in HF and llama.cpp).
         param_dtype: dtype of the weights.
-        scan_chunk: prefill runs the parallel scan over chunks of this many tokens, carrying the
-            state between chunks, so the scan's working set is ``[S, scan_chunk, Di, N]`` instead
-            of ``[S, T, Di, N]``; only float rounding depends on it. Smaller chunks touch less
-            memory per step (faster on CPU), larger ones leave fewer sequential steps.
+        scan: how a ubatch of several tokens runs the selective scan (:data:`SCANS`):
+            ``"sequential"``, one recurrence step per token carrying the ``[S, Di, N]`` state
+            (``lax.scan``); ``"chunked"``, the parallel scan within chunks of ``scan_chunk``
+            tokens; ``"auto"`` (the default), sequential on CPU, where it measured 3-6x faster
+            (``docs/speed.md`` section 11), chunked on accelerators, where a step per token is a
+            launch per token. Only float rounding depends on it.
+        scan_chunk: the chunked scan runs the parallel scan over chunks of this many tokens,
+            carrying the state between chunks, so its working set is ``[S, scan_chunk, Di, N]``
+            instead of ``[S, T, Di, N]``; only float rounding depends on it.
 
     Example:
         >>> cfg = MambaConfig(vocab_size=32, d_model=40, n_layer=1)
@@ -128,10 +133,13 @@ class MambaConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     scan_chunk: int = 64
+    scan: str = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "d_state", "expand", "scan_chunk"):
             _pos_int(name, getattr(self, name))
+        if not isinstance(self.scan, str) or self.scan not in SCANS:
+            raise ValueError(f"scan={self.scan!r} is out of range: allowed one of {', '.join(map(repr, SCANS))}")
         _pos_int("d_conv", self.d_conv, 2)
         if self.dt_rank == "auto":
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
@@ -305,6 +313,35 @@ def select_states(states_all, s_copy: Int[Array, "n"], s_mask):
 
 # -- the selective scan ----------------------------------------------------------------------
 
+#: the ways :func:`selective_scan` runs a ubatch of several tokens (``MambaConfig.scan``).
+SCANS = ("auto", "sequential", "chunked")
+
+
+def pick_scan(scan: str) -> str:
+    """``scan`` with ``"auto"`` resolved by the default backend: ``"sequential"`` on CPU, else ``"chunked"``.
+
+    Example:
+        >>> pick_scan("chunked"), pick_scan("auto") in ("sequential", "chunked")
+        ('chunked', True)
+    """
+    if scan != "auto":
+        return scan
+    return "sequential" if jax.default_backend() == "cpu" else "chunked"
+
+
+def _sequential_scan(h0, u, dt, Bm, Cm, A):
+    """One recurrence step per token (``lax.scan``): ``(y [S, T, Di], h_T [S, Di, N])``. On CPU the
+    state stays in cache and no ``[S, T, Di, N]`` array is built (the chunked scan builds several
+    ``[S, chunk, Di, N]`` ones per level of its tree)."""
+    def one(h, xs):
+        u_t, dt_t, b_t, c_t = xs
+        h = jnp.exp(dt_t[..., None] * A) * h + (dt_t * u_t)[..., None] * b_t[:, None, :]
+        return h, jnp.einsum("sdn,sn->sd", h, c_t)
+
+    h, y = jax.lax.scan(one, h0, tuple(jnp.moveaxis(x, 1, 0) for x in (u, dt, Bm, Cm)))
+    return jnp.moveaxis(y, 0, 1), h
+
+
 def _combine(left, right):
     # (a1, b1) then (a2, b2): h -> a2 * (a1 * h + b1) + b2
     a1, b1 = left
@@ -325,19 +362,22 @@ def _scan_block(h0, u, dt, Bm, Cm, A):
     return jnp.einsum("sqdn,sqn->sqd", h, Cm), h[:, -1]
 
 
-def selective_scan(h0, u, dt, Bm, Cm, A, *, chunk: int):
+def selective_scan(h0, u, dt, Bm, Cm, A, *, chunk: int, scan: str = "auto"):
     """The SSM over T tokens from state ``h0``: ``(y [S, T, Di], h_T [S, Di, N])`` (float32).
 
-    T = 1 (decode) is the single recurrence step. Longer inputs run ``jax.lax.associative_scan``
-    (depth log T) within chunks of ``chunk`` tokens and a sequential ``lax.scan`` over chunks that
-    carries the state: a whole-sequence associative scan would hold several ``[S, T, Di, N]``
-    float32 buffers at once (for Mamba-130m, Di=1536 and N=16, that is 200 MB per sequence and
-    buffer at T=2048), the chunked one several ``[S, chunk, Di, N]``.
+    T = 1 (decode) is the single recurrence step. Longer inputs run as ``scan`` says
+    (:func:`pick_scan`): ``"sequential"``, a ``lax.scan`` of that step; ``"chunked"``,
+    ``jax.lax.associative_scan`` (depth log T) within chunks of ``chunk`` tokens and a sequential
+    ``lax.scan`` over chunks that carries the state: a whole-sequence associative scan would hold
+    several ``[S, T, Di, N]`` float32 buffers at once (for Mamba-130m, Di=1536 and N=16, that is
+    200 MB per sequence and buffer at T=2048), the chunked one several ``[S, chunk, Di, N]``.
     """
     S, T, _ = u.shape
     if T == 1:
         h = jnp.exp(dt[:, 0, :, None] * A) * h0 + (dt[:, 0] * u[:, 0])[..., None] * Bm[:, 0, None, :]
         return jnp.einsum("sdn,sn->sd", h, Cm[:, 0])[:, None], h
+    if pick_scan(scan) == "sequential":
+        return _sequential_scan(h0, u, dt, Bm, Cm, A)
     if T <= chunk:
         return _scan_block(h0, u, dt, Bm, Cm, A)
     n_chunks = -(-T // chunk)
@@ -357,7 +397,7 @@ def selective_scan(h0, u, dt, Bm, Cm, A, *, chunk: int):
     return y, h
 
 
-def selective_scan_keep(h0, u, dt, Bm, Cm, A, *, chunk: int, keep: int):
+def selective_scan_keep(h0, u, dt, Bm, Cm, A, *, chunk: int, keep: int, scan: str = "auto"):
     """:func:`selective_scan` that also returns the states after each of the last ``keep`` tokens.
 
     Returns ``(y [S, T, Di], hs [S, keep, Di, N])``, oldest first. The first ``T - keep`` tokens
@@ -366,13 +406,14 @@ def selective_scan_keep(h0, u, dt, Bm, Cm, A, *, chunk: int, keep: int):
     """
     T = u.shape[1]
     if keep == 1:
-        y, h = selective_scan(h0, u, dt, Bm, Cm, A, chunk=chunk)
+        y, h = selective_scan(h0, u, dt, Bm, Cm, A, chunk=chunk, scan=scan)
         return y, h[:, None]
     head = T - keep
     ys = []
     h = h0
     if head:
-        y0, h = selective_scan(h0, u[:, :head], dt[:, :head], Bm[:, :head], Cm[:, :head], A, chunk=chunk)
+        y0, h = selective_scan(h0, u[:, :head], dt[:, :head], Bm[:, :head], Cm[:, :head], A, chunk=chunk,
+                               scan=scan)
         ys.append(y0)
 
     def one(h, xs):
@@ -448,10 +489,11 @@ class MambaMixer(nnx.Module):
         A = -jnp.exp(f32(self.A_log[...]))                       # [Di, N]
         u32 = f32(u)
         if keep is None:
-            y, h = selective_scan(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk)
+            y, h = selective_scan(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, scan=c.scan)
             conv_out = f32(window[:, T:])
         else:
-            y, h = selective_scan_keep(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, keep=keep)
+            y, h = selective_scan_keep(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, keep=keep,
+                                       scan=c.scan)
             # the conv state after token t is the K-1 inputs ending at t: window[t + 1 : t + K]
             conv_out = jnp.stack([f32(window[:, t + 1:t + c.d_conv]) for t in range(T - keep, T)], axis=1)
         y = (y + u32 * f32(self.D[...])) * jax.nn.silu(f32(z))
