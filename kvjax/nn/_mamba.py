@@ -329,16 +329,18 @@ def pick_scan(scan: str) -> str:
     return "sequential" if jax.default_backend() == "cpu" else "chunked"
 
 
+def _recurrence(h, u_t, dt_t, b_t, c_t, A):
+    """One token of the SSM: ``h [S, Di, N]``, ``u_t, dt_t [S, Di]``, ``b_t, c_t [S, N]`` ->
+    ``(h', y [S, Di])`` with ``h' = exp(dt A) h + dt u B`` and ``y = h' C``."""
+    h = jnp.exp(dt_t[..., None] * A) * h + (dt_t * u_t)[..., None] * b_t[:, None, :]
+    return h, jnp.einsum("sdn,sn->sd", h, c_t)
+
+
 def _sequential_scan(h0, u, dt, Bm, Cm, A):
     """One recurrence step per token (``lax.scan``): ``(y [S, T, Di], h_T [S, Di, N])``. On CPU the
     state stays in cache and no ``[S, T, Di, N]`` array is built (the chunked scan builds several
     ``[S, chunk, Di, N]`` ones per level of its tree)."""
-    def one(h, xs):
-        u_t, dt_t, b_t, c_t = xs
-        h = jnp.exp(dt_t[..., None] * A) * h + (dt_t * u_t)[..., None] * b_t[:, None, :]
-        return h, jnp.einsum("sdn,sn->sd", h, c_t)
-
-    h, y = jax.lax.scan(one, h0, tuple(jnp.moveaxis(x, 1, 0) for x in (u, dt, Bm, Cm)))
+    h, y = jax.lax.scan(lambda h, xs: _recurrence(h, *xs, A), h0, tuple(jnp.moveaxis(x, 1, 0) for x in (u, dt, Bm, Cm)))
     return jnp.moveaxis(y, 0, 1), h
 
 
@@ -374,8 +376,8 @@ def selective_scan(h0, u, dt, Bm, Cm, A, *, chunk: int, scan: str = "auto"):
     """
     S, T, _ = u.shape
     if T == 1:
-        h = jnp.exp(dt[:, 0, :, None] * A) * h0 + (dt[:, 0] * u[:, 0])[..., None] * Bm[:, 0, None, :]
-        return jnp.einsum("sdn,sn->sd", h, Cm[:, 0])[:, None], h
+        h, y = _recurrence(h0, u[:, 0], dt[:, 0], Bm[:, 0], Cm[:, 0], A)
+        return y[:, None], h
     if pick_scan(scan) == "sequential":
         return _sequential_scan(h0, u, dt, Bm, Cm, A)
     if T <= chunk:
@@ -417,9 +419,8 @@ def selective_scan_keep(h0, u, dt, Bm, Cm, A, *, chunk: int, keep: int, scan: st
         ys.append(y0)
 
     def one(h, xs):
-        u_t, dt_t, b_t, c_t = xs
-        h = jnp.exp(dt_t[..., None] * A) * h + (dt_t * u_t)[..., None] * b_t[:, None, :]
-        return h, (jnp.einsum("sdn,sn->sd", h, c_t), h)
+        h, y = _recurrence(h, *xs, A)
+        return h, (y, h)
 
     tail = tuple(jnp.moveaxis(x[:, head:], 1, 0) for x in (u, dt, Bm, Cm))
     _, (y1, hs) = jax.lax.scan(one, h, tail)
