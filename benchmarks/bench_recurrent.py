@@ -8,12 +8,16 @@
   of placement, the model through the memory and argmax (``bench_generate``'s yardstick for the
   Llama engine), and one of the bare step on states the loop carries (no memory at all).
   Interleaved repeat by repeat, compile excluded.
+- Prefill: a prompt through ``Engine.decode`` with each form of the selective scan
+  (``MambaConfig.scan``: the per-token recurrence, CPU's default, and the chunked parallel scan),
+  interleaved, against the bare uncached ``forward`` of the same tokens.
 - A fork: ``seq_cp`` of a sequence and the first decode of both (a copy-on-write of the shared
   state inside the step) against a plain decode step of two sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -145,6 +149,39 @@ def _against_loops(model, cfg, quick: bool, cells: int = 8):
     return rows, n_new, prompt_len, repeats, cells
 
 
+def _prefill(model, cfg, quick: bool):
+    """Rows ``[sequences x prompt, sequential, chunked, speed-up, forward]``: prefill tokens/s."""
+    forms = {scan: Mamba(dataclasses.replace(cfg, scan=scan), rngs=nnx.Rngs(0)) for scan in ("sequential", "chunked")}
+    graphdef, state = nnx.split(forms["sequential"])
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state).forward(tokens)[:, -1])
+    repeats = 2 if quick else 5
+    rows = []
+    for n_seq, length in ((1, 64), (8, 64), (1, 512)) if not quick else ((1, 16),):
+        prompts = np.random.default_rng(2).integers(1, cfg.vocab_size, size=(n_seq, length))
+
+        def engine(m):
+            e = Engine(m, kvjax.init(m.config.memory_config(8)), n_ubatch=512)
+            t0 = time.perf_counter()
+            np.asarray(e.decode(prompts.reshape(-1).tolist(), list(range(length)) * n_seq,
+                                [[s] for s in range(n_seq) for _ in range(length)], outputs="last"))
+            return n_seq * length / (time.perf_counter() - t0)
+
+        def bare():
+            t0 = time.perf_counter()
+            jax.block_until_ready(forward(state, jnp.asarray(prompts, jnp.int32)))
+            return n_seq * length / (time.perf_counter() - t0)
+
+        engine(forms["sequential"]), engine(forms["chunked"]), bare()            # compile
+        got = {"sequential": [], "chunked": [], "bare": []}
+        for _ in range(repeats):
+            for scan, m in forms.items():
+                got[scan].append(engine(m))
+            got["bare"].append(bare())
+        seq_, chunk_, bare_ = (statistics.median(got[k]) for k in ("sequential", "chunked", "bare"))
+        rows.append([f"{n_seq} x {length}", f"{seq_:.0f}", f"{chunk_:.0f}", f"{seq_ / chunk_:.2f}", f"{bare_:.0f}"])
+    return rows, repeats
+
+
 def _fork_cost(model, cfg, repeats):
     def fresh():
         engine = Engine(model, kvjax.init(cfg.memory_config(4)), n_ubatch=512)
@@ -177,6 +214,7 @@ def run(quick: bool) -> str:
         bare = _bare_rate(model, cfg, n_seq, steps, repeats)
         rows.append([f"{n_seq}", f"{engine:.0f}", f"{bare:.0f}", f"{engine / bare:.2f}"])
     loop_rows, n_new, prompt_len, loop_repeats, cells = _against_loops(model, cfg, quick)
+    prefill_rows, prefill_repeats = _prefill(model, cfg, quick)
     plain, fork = _fork_cost(model, cfg, repeats)
     state_kib = cfg.memory_config(1).nbytes() / 1024
     return "\n".join([
@@ -197,6 +235,14 @@ def run(quick: bool) -> str:
         "",
         table(["sequences", "generate tokens/s", "memory loop", "generate / memory loop", "bare loop",
                "generate / bare loop"], loop_rows),
+        "",
+        f"Prefill tokens/s: the prompts through `Engine.decode` (engine, placement and memory included, "
+        f"8 state cells) with the per-token recurrence (`MambaConfig(scan='sequential')`, the default on CPU) and "
+        f"with the chunked parallel scan (`scan='chunked'`, chunks of {cfg.scan_chunk}), and the bare uncached "
+        f"`forward` of the same tokens (sequential scan); interleaved, median of {prefill_repeats}:",
+        "",
+        table(["sequences x prompt", "engine, sequential scan", "engine, chunked scan", "sequential / chunked",
+               "bare forward"], prefill_rows),
         "",
         f"A fork (`seq_cp`, then the first decode of both sequences, which copies the shared state inside the "
         f"step) against a plain decode step of two sequences, median of {repeats}:",
