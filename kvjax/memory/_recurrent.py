@@ -667,12 +667,17 @@ class RecurrentCache(Memory):
     def read_states(self, placement: RecurrentPlacement, n_slots: int, n_tokens: int):
         """The states every group's slots start from, and the memory ready for :meth:`write_states`.
 
-        What a model step calls first: what ``copy_rows`` then ``slot_states`` of each group give,
-        cheaper. When the step's write replaces every row of the slots' cells
-        (``n_tokens >= n_states``, always for the seed's one state per cell), the slots' rows are
-        not copied but read from the rows they would be copied from, and only the other moving
-        rows are copied, at most ``n_slots - 1`` cells of them (:func:`moving_rows_bound`): none
-        for one sequence, whose decode step then reads and writes its own row and nothing else.
+        What a model step calls first, cheaper than ``copy_rows`` then ``slot_states`` of each
+        group: the states are the same, and so is the memory once the step has called
+        :meth:`write_states` for **every layer group with** ``q = min(n_states, n_tokens)``
+        **states per slot** (as Mamba and the hybrid do). When that write replaces every row of the
+        slots' cells (``n_tokens >= n_states``: every step with the seed's one state per cell; a
+        prefill of at least ``n_states`` tokens with rollback), the slots' rows are not copied but
+        read from the rows they would be copied from, and only the other moving rows are copied,
+        those of at most ``n_slots - 1`` cells (:func:`moving_rows_bound`): none for one sequence,
+        whose decode step then reads and writes its own row and nothing else. Otherwise (a decode
+        step with ``n_states > 1``, whose write keeps the older rows) it is ``copy_rows`` then
+        ``slot_states``.
 
         Args:
             placement: the ubatch's placement (from ``find_slot``).
@@ -820,6 +825,10 @@ def moving_rows_bound(config: RecurrentConfig, n_slots: int, *, slots_rewritten:
     return min(config.rows, cells * config.n_states)
 
 
+#: flat row indices (and the past-the-end fill) are int32: buffers of more rows keep the 2-d indexing
+_INT32_END = 2**31 - 1
+
+
 def _flat_rows(x, rows: Int[Array, "n"]) -> Int[Array, "Lg*n"]:
     """Rows ``rows`` of every layer of ``x [Lg, R, ...]`` as indices into ``x`` viewed as ``[Lg * R, ...]``
     (layer major); rows outside ``[0, R)`` map past the end (a scatter drops them)."""
@@ -841,6 +850,8 @@ def _take_rows(x, rows: Int[Array, "n"]):
     lg, r = x.shape[:2]
     if lg * rows.shape[0] == 1:
         return _take_rows(x, jnp.concatenate([rows, rows]))[:, :1]
+    if lg * r >= _INT32_END:                                  # flat indices would not fit int32
+        return jnp.take(x, rows, axis=1, mode="clip")
     flat = x.reshape((lg * r,) + x.shape[2:])
     got = jnp.take(flat, _flat_rows(x, jnp.clip(rows, 0, r - 1)), axis=0, mode="clip")
     return got.reshape((lg, rows.shape[0]) + x.shape[2:])
@@ -872,6 +883,8 @@ def _set_rows(x, rows: Int[Array, "n"], values):
     n = rows.shape[0]
     if lg * n == 1 and r > 1:
         rows, values, n = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1), 2
+    if lg * r >= _INT32_END:                                  # flat indices would not fit int32
+        return x.at[:, rows].set(values, mode="drop")
     flat = x.reshape((lg * r,) + x.shape[2:])
     out = flat.at[_flat_rows(x, rows)].set(values.reshape((lg * n,) + x.shape[2:]), mode="drop")
     return out.reshape(x.shape)
