@@ -215,6 +215,18 @@ def test_a_step_updates_the_state_buffers_in_place(model, kind, n_states, n_seq)
     assert not writes["dynamic-update-slice"], writes["dynamic-update-slice"][:3]
 
 
+def test_a_one_cell_step_copies_each_state_buffer_at_most_once(model):
+    """A one-cell memory (``memory_config(1)``, one sequence): its buffer is the row. Read and
+    written through a gather and a scatter of that row, the step copied every state buffer twice;
+    read as the buffer and replaced by a select ordered after the step's output (``after``), once
+    (XLA still writes the select's result through a copy)."""
+    memory = kvjax.init(CFG.memory_config(1))
+    ubatch = kvjax.make_equal_ubatch([([0], [0])], n_slots=1)
+    writes = buffer_writes(make_step(model), model, memory, ubatch, jnp.ones((1,), jnp.int32))
+    assert len(writes["copy"]) <= len(jax.tree.leaves(memory.split()[0])), writes["copy"]
+    assert not writes["dynamic-update-slice"], writes["dynamic-update-slice"][:3]
+
+
 def test_engine_logits_equal_hugging_face():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

@@ -694,7 +694,8 @@ class RecurrentCache(Memory):
         bound = moving_rows_bound(self.config, n_slots, slots_rewritten=True)
         return self._move_rows(placement, bound, slots_rewritten=True, n_slots=n_slots)
 
-    def write_states(self, placement: RecurrentPlacement, k_new, v_new, group: int = 0) -> "RecurrentCache":
+    def write_states(self, placement: RecurrentPlacement, k_new, v_new, group: int = 0, *,
+                     after=None) -> "RecurrentCache":
         """Store each slot's states after its tokens, keeping the older ones as rollback history.
 
         Args:
@@ -704,6 +705,13 @@ class RecurrentCache(Memory):
                 state only, enough when ``n_states == 1``).
             v_new: ``[Lg, n_slots, q, *v_shape]`` likewise.
             group: the layer group.
+            after: an array the write waits for, computed from every read of the old states (a
+                model step passes its output). XLA fuses a read into each of its readers and
+                overwrites a buffer in place only once every reader is done; readers the write
+                does not depend on (the step's output path) make it copy the buffer instead, as a
+                one-cell memory's step did (its read is the buffer itself). The write takes a
+                test on ``after`` that is always false (``after > inf``), so it depends on every
+                reader and changes nothing else. Ignored when empty.
 
         Row ``j`` of a slot's cell becomes the state after its ``j``-th last token for ``j < q``,
         and its old row ``j - q`` for ``j >= q``; slots past ``n_seqs`` write nothing.
@@ -720,7 +728,9 @@ class RecurrentCache(Memory):
                 old_rows = jnp.clip(base[:, None] + jnp.arange(kk - q)[None], 0, x.shape[1] - 1)
                 old = _take_rows(x, old_rows.reshape(-1)).reshape((x.shape[0], n_slots, kk - q) + x.shape[2:])
                 new = jnp.concatenate([new, old], axis=2)
-            rows = jnp.where(active[:, None], base[:, None] + jnp.arange(kk)[None], x.shape[1]).reshape(-1)
+            write = active if after is None or not jnp.size(after) else \
+                active & ~(jnp.ravel(after)[0].astype(jnp.float32) > jnp.inf)
+            rows = jnp.where(write[:, None], base[:, None] + jnp.arange(kk)[None], x.shape[1]).reshape(-1)
             flat = new.reshape((x.shape[0], n_slots * kk) + x.shape[2:])
             return _set_rows(x, rows, flat)
 
@@ -845,9 +855,11 @@ def _take_rows(x, rows: Int[Array, "n"]):
     then transposed it element by element (a one-sequence Mamba step 1.3x slower). A single
     entry is read as two: a one-entry gather compiles to a dynamic-slice that XLA fuses into each
     of its readers, and then, unable to order those reads before the in-place write of the new
-    states, it copies every state buffer on each step.
+    states, it copies every state buffer on each step. A one-row buffer is read as itself.
     """
     lg, r = x.shape[:2]
+    if r == 1:                                                # the buffer is the row (rows are 0)
+        return jnp.broadcast_to(x, (lg, rows.shape[0]) + x.shape[2:])
     if lg * rows.shape[0] == 1:
         return _take_rows(x, jnp.concatenate([rows, rows]))[:, :1]
     if lg * r >= _INT32_END:                                  # flat indices would not fit int32
@@ -876,11 +888,19 @@ def _set_rows(x, rows: Int[Array, "n"], values):
     one-entry write compiles to a select around a dynamic-update-slice, a fusion into which
     XLA:CPU pulls the whole state update and runs it slowly (1.3 ms of a 3.7 ms Mamba step), or,
     in ``copy_rows``, answers with copies of the buffers; a scatter keeps both apart. (A dropped
-    second entry of zeros measured as slow.) A one-row buffer is replaced whole, which XLA does
-    without either.
+    second entry of zeros measured as slow.) A one-row buffer (a one-cell memory) is replaced
+    whole by a select: as a gather and scatter over its one row XLA copied it four times a step.
     """
     lg, r = x.shape[:2]
     n = rows.shape[0]
+    if r == 1:                       # the buffer is the row: a select, in place, no scatter
+        hit = rows == 0
+        if n == 1:
+            chosen = values
+        else:                        # the entry for row 0 (one at most: a one-cell memory has one slot)
+            chosen = jnp.sum(jnp.where(hit.reshape((1, n) + (1,) * (values.ndim - 2)), values, 0), axis=1,
+                             keepdims=True)
+        return jnp.where(jnp.any(hit), chosen.astype(x.dtype), x)
     if lg * n == 1 and r > 1:
         rows, values, n = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1), 2
     if lg * r >= _INT32_END:                                  # flat indices would not fit int32

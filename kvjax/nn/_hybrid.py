@@ -166,7 +166,7 @@ class HybridLM(nnx.Module):
                 ssms.append(ssm)
             else:
                 x, memory = layer(x, memory, inputs)
-        states = states.write_states(placement, jnp.stack(convs), jnp.stack(ssms))
+        states = states.write_states(placement, jnp.stack(convs), jnp.stack(ssms), after=x)
         return self._logits(select_outputs(x, inputs)), memory.replace(recurrent=states)
 
     def forward(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:

@@ -661,7 +661,7 @@ def _memory_call(model: "Mamba", tokens, memory, inputs):
                                        jnp.swapaxes(conv, -1, -2).astype(jnp.float32),
                                        ssm.astype(jnp.float32), keep=keep, outputs=inputs.outputs)
     # stored in the seed's element order: the conv row channel major ([Di, K-1])
-    memory = memory.write_states(placement, jnp.swapaxes(conv_h, -1, -2), ssm_h)
+    memory = memory.write_states(placement, jnp.swapaxes(conv_h, -1, -2), ssm_h, after=logits)
     return logits.reshape((-1, logits.shape[-1])), memory
 
 
