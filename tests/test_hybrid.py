@@ -7,6 +7,8 @@ and a rollback continue exactly; a refused removal changes neither part; state b
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,21 @@ def test_iswa_attention_part(model):
     tokens = [3, 1, 4, 1, 5, 9, 2]
     got = np.asarray(eng.decode(tokens, range(7), [[0]] * 7))
     np.testing.assert_allclose(got, full(model, tokens), atol=ATOL)
+
+
+def test_scan_forms_agree_and_a_bad_one_is_refused(model):
+    """The hybrid's Mamba layers take ``scan`` (CPU's default: sequential); the chunked form of the
+    same weights gives the same logits, prefill and decode."""
+    chunked = HybridLM(dataclasses.replace(CFG, scan="chunked"), rngs=nnx.Rngs(2))
+    nnx.update(chunked, nnx.state(model))
+    assert chunked.config.mamba.scan == "chunked" and model.config.mamba.scan == "auto"
+    tokens = [3, 7, 1, 9, 12, 5, 30, 2, 8, 11, 4]
+    np.testing.assert_allclose(full(chunked, tokens), full(model, tokens), atol=ATOL)
+    eng = kvjax.Engine(chunked, kvjax.init(CFG.memory_config(size=64, n_seq_max=1, padding=16)), n_ubatch=16)
+    np.testing.assert_allclose(np.asarray(eng.decode(tokens, range(len(tokens)), [[0]] * len(tokens))),
+                               full(model, tokens), atol=ATOL)
+    with pytest.raises(ValueError, match=r"^scan='fast' is out of range"):
+        HybridLMConfig(scan="fast")
 
 
 @pytest.mark.parametrize("kwargs, match", [

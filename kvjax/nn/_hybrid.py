@@ -52,6 +52,8 @@ class HybridLMConfig:
         expand: Di = expand * d_model.
         d_ff: the MLP width (default as the Llama reference).
         norm_eps: RMSNorm epsilon.
+        scan: how the Mamba layers run a prefill's selective scan (``MambaConfig.scan``:
+            ``"auto"``, ``"sequential"`` or ``"chunked"``).
     """
 
     vocab_size: int = 64
@@ -65,6 +67,7 @@ class HybridLMConfig:
     expand: int = 2
     d_ff: Optional[int] = None
     norm_eps: float = 1e-5
+    scan: str = "auto"
 
     def __post_init__(self):
         layers = tuple(int(il) for il in self.recurrent_layers)
@@ -88,7 +91,8 @@ class HybridLMConfig:
     def mamba(self) -> MambaConfig:
         """The recurrent layers' description (``n_layer`` = the number of recurrent layers)."""
         return MambaConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_layer=max(1, len(self.recurrent_layers)),
-                           d_state=self.d_state, d_conv=self.d_conv, expand=self.expand, norm_eps=self.norm_eps)
+                           d_state=self.d_state, d_conv=self.d_conv, expand=self.expand, norm_eps=self.norm_eps,
+                           scan=self.scan)
 
     def memory_config(self, size: int, n_seq_max: int, *, n_states: int = 1, **cache_overrides) -> HybridConfig:
         """The :class:`kvjax.HybridConfig` this model runs on: ``size`` cells of K/V for the attention
