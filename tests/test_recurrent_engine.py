@@ -43,9 +43,12 @@ def engine(model, n_seq=4, size=None, n_states=1, n_ubatch=16):
     return kvjax.Engine(model, kvjax.init(CFG.memory_config(n_seq, size=size, n_states=n_states)), n_ubatch=n_ubatch)
 
 
-def test_token_by_token_equals_the_full_forward(model):
+@pytest.mark.parametrize("n_seq", [4, 1], ids=["four-cells", "one-cell"])
+def test_token_by_token_equals_the_full_forward(model, n_seq):
+    """Cached equals uncached, in a memory of several cells and in a one-cell memory (whose buffer
+    is the row: read as itself, replaced by a select)."""
     tokens = [3, 7, 1, 9, 12, 5, 30, 2, 8, 11]
-    eng = engine(model)
+    eng = engine(model, n_seq=n_seq)
     got = [np.asarray(eng.decode(tokens[:5], range(5), [[0]] * 5))]          # a prefill (4 + 1)
     for p in range(5, len(tokens)):
         got.append(np.asarray(eng.decode([tokens[p]], [p], [[0]])))

@@ -639,9 +639,7 @@ class RecurrentCache(Memory):
             moving = moving & ~((cell >= placement.head) & (cell < placement.head + placement.n_seqs))
         bound = 0 if rows == 1 else bound                                   # a lone row never moves
         dest = jnp.nonzero(moving, size=bound, fill_value=rows)[0]          # rows: dropped below
-        slot = jnp.arange(n_slots)
-        slot_rows = jnp.take(src, jnp.clip((placement.head + slot) * kk, 0, rows - 1))
-        reads = jnp.concatenate([jnp.take(src, dest, mode="clip"), slot_rows])
+        reads = jnp.concatenate([jnp.take(src, dest, mode="clip"), jnp.take(src, self._slot_rows(placement, n_slots))])
         if reads.shape[0] == 0:
             return self, ()
 
@@ -661,8 +659,12 @@ class RecurrentCache(Memory):
             ``(k [Lg, n_slots, *k_shape], v [Lg, n_slots, *v_shape])``, zeros for a new sequence
             (``s_mask`` false: a select, so a NaN in a reused row cannot leak into it).
         """
-        rows = jnp.clip((placement.head + jnp.arange(n_slots)) * self.config.n_states, 0, self.config.rows - 1)
+        rows = self._slot_rows(placement, n_slots)
         return tuple(_started(_take_rows(x, rows), placement, self.size) for x in (self.k[group], self.v[group]))
+
+    def _slot_rows(self, placement: RecurrentPlacement, n_slots: int) -> Int[Array, "n_slots"]:
+        """Row 0 of each slot's cell ``head + s`` (clipped into the buffer for padding slots)."""
+        return jnp.clip((placement.head + jnp.arange(n_slots)) * self.config.n_states, 0, self.config.rows - 1)
 
     def read_states(self, placement: RecurrentPlacement, n_slots: int, n_tokens: int):
         """The states every group's slots start from, and the memory ready for :meth:`write_states`.
@@ -901,7 +903,7 @@ def _set_rows(x, rows: Int[Array, "n"], values):
             chosen = jnp.sum(jnp.where(hit.reshape((1, n) + (1,) * (values.ndim - 2)), values, 0), axis=1,
                              keepdims=True)
         return jnp.where(jnp.any(hit), chosen.astype(x.dtype), x)
-    if lg * n == 1 and r > 1:
+    if lg * n == 1:
         rows, values, n = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1), 2
     if lg * r >= _INT32_END:                                  # flat indices would not fit int32
         return x.at[:, rows].set(values, mode="drop")
