@@ -276,3 +276,127 @@ def test_bad_input():
         kvjax.attention(q, cache, 0, mask, scale=float("nan"))
     with pytest.raises(ValueError, match="must be a kvjax.*KVCache"):
         kvjax.attention(q, cache.cells, 0, mask)
+
+
+def _side_by_side(n_seq=8, prompt=3, steps=5, shared=0):
+    """``n_seq`` sequences decoding side by side in one unified cache, the ubatch of their next tokens.
+
+    Each sequence's prompt is placed on its own, then ``steps`` ubatches of one token per sequence
+    interleave their cells; with ``shared`` the first ``shared`` cells of sequence 0 are also
+    sequence 1's (``seq_cp``): columns two rows see.
+    """
+    cfg = _config(size=128, n_seq_max=n_seq, layer_filter=[0, 1, 2])
+    cache = kvjax.init(cfg)
+    for s in range(n_seq):
+        cache = fill(cache, list(range(prompt)), [[s]] * prompt)
+    if shared:
+        cache, _ = kvjax.seq_rm(cache, 1, -1, -1)
+        cache = kvjax.seq_cp(cache, 0, 1, 0, shared)
+    for p in range(prompt, prompt + steps):
+        cache = fill(cache, [p] * n_seq, [[s] for s in range(n_seq)])
+    ub = kvjax.make_ubatch([prompt + steps] * n_seq, [[s] for s in range(n_seq)])
+    cache, slot, ok = kvjax.find_slot(cache, ub)
+    assert bool(ok)
+    rng = np.random.default_rng(11)
+    for il in cfg.cached_layers:
+        h, d, dv = cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il]
+        cache = kvjax.write(cache, il, jnp.arange(cfg.size), jnp.asarray(rng.standard_normal((cfg.size, h, d)), jnp.float32),
+                            jnp.asarray(rng.standard_normal((cfg.size, h, dv)), jnp.float32))
+    return cache, ub
+
+
+def _retrace(monkeypatch, module, name, value):
+    """Set a module attribute that ``_attention`` reads while tracing, and drop its compiled programs."""
+    monkeypatch.setattr(module, name, value)
+    module._attention.clear_cache()
+
+
+@pytest.fixture(autouse=True)
+def _no_programs_traced_with_patched_constants():
+    """After each test, no ``_attention`` program traced under a test's patched constants is reused."""
+    yield
+    importlib.import_module("kvjax.attn._attention")._attention.clear_cache()
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+@pytest.mark.parametrize("max_chunk", [16, 1024])
+def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk):
+    """A batch decoding side by side: each column is one row's, and the owned step gives the dense answer.
+
+    Against the naive loop and the dense loop, with GQA, a bias per query head and token, softcap,
+    lse, chunks that are owned, shared (a ``seq_cp`` prefix two rows see) or skipped; that the
+    owned step runs shows by swapping it for one that adds 1000 to the output; gradients agree.
+    """
+    module = importlib.import_module("kvjax.attn._attention")
+    _retrace(monkeypatch, module, "MAX_CHUNK", max_chunk)
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 8)   # the 8 rows of this scene
+    cache, ub = _side_by_side(shared=shared)
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    mask = kvjax.kq_mask(cache, ub, 128)
+    viewers = np.sum(np.asarray(mask) > -np.inf, axis=0)
+    assert viewers.max() == (2 if shared else 1) and (viewers == 1).sum() >= 40
+    bias = jnp.asarray(rng.standard_normal((4, 8, 128)), jnp.float32)
+    cases = (dict(), dict(bias=bias), dict(bias=bias[:, :1]), dict(softcap=0.7), dict(scale=0.5))
+    owned = [kvjax.attention(q, cache, 0, mask, return_lse=True, **kw) for kw in cases]
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 9)   # the dense loop only
+    dense = [kvjax.attention(q, cache, 0, mask, return_lse=True, **kw) for kw in cases]
+    for kw, (out, lse), (dense_out, dense_lse) in zip(cases, owned, dense):
+        if "softcap" not in kw:
+            ref_out, ref_lse = naive_attention(q, cache, 0, mask, kw.get("scale", 0.25),
+                                               bias=None if "bias" not in kw else np.asarray(kw["bias"]))
+            np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(dense_out), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(dense_lse), rtol=1e-5, atol=1e-5)
+    loss = lambda q: jnp.sum(kvjax.attention(q, cache, 0, mask, bias=bias) ** 2)
+    dense_grad = jax.grad(loss)(q)
+    # the owned step is what ran: a marked one changes the rows it served, the dense ones not
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 8)
+    real = module._owned_step
+    _retrace(monkeypatch, module, "_owned_step",
+             lambda *a: (lambda m, l, o: (m, l, o + 1000.0 * l[..., None]))(*real(*a)))
+    marked = np.asarray(kvjax.attention(q, cache, 0, mask))
+    _retrace(monkeypatch, module, "_owned_step", real)
+    moved = np.any(np.abs(marked - np.asarray(owned[0][0])) > 100, axis=(1, 2))
+    # the rows that see a column of a chunk where no column has two viewers (128 cells in chunks of
+    # 16: the shared prefix's chunk runs dense; in one chunk of 128 with a shared prefix, nothing is owned)
+    chunk = min(max_chunk, 128)
+    sees = np.asarray(mask) > -np.inf
+    expected = np.zeros(8, bool)
+    for start in range(0, 128, chunk):
+        if viewers[start:start + chunk].max() == 1:
+            expected |= sees[:, start:start + chunk].any(axis=1)
+    assert expected.any() == (not (shared and max_chunk > 16))
+    np.testing.assert_array_equal(moved, expected)
+    # gradients through the owned chunks equal the dense loop's
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(q)), np.asarray(dense_grad), rtol=1e-4, atol=1e-5)
+
+
+def test_owned_chunks_non_finite_bytes(monkeypatch):
+    """As in the dense step: masked bytes never matter, a visible NaN K or V makes its row NaN."""
+    _retrace(monkeypatch, importlib.import_module("kvjax.attn._attention"), "OWNED_MIN_TOKENS", 8)
+    cache, ub = _side_by_side()
+    q = jnp.asarray(np.random.default_rng(13).standard_normal((8, 4, 16)), jnp.float32)
+    mask = kvjax.kq_mask(cache, ub, 128)
+    owner = np.argmax(np.asarray(mask) > -np.inf, axis=0)
+    visible = np.flatnonzero(np.any(np.asarray(mask) > -np.inf, axis=0))
+    hidden = np.setdiff1d(np.arange(128), visible)
+    base = np.asarray(kvjax.attention(q, cache, 0, mask))
+    for value in (np.nan, np.inf):
+        poisoned = kvjax.write(cache, 0, jnp.asarray(hidden), jnp.full((len(hidden), 2, 16), value),
+                               jnp.full((len(hidden), 2, 8), value))
+        np.testing.assert_array_equal(np.asarray(kvjax.attention(q, poisoned, 0, mask)), base)
+    cell = visible[len(visible) // 2]
+    k = np.asarray(cache.k[0][0, :, cell]).copy()
+    v = np.asarray(cache.v[0][0, :, cell]).copy()
+    v[0, 3] = np.nan
+    bad_v = kvjax.write(cache, 0, jnp.asarray([cell]), jnp.asarray(k)[None], jnp.asarray(v)[None])
+    out = np.asarray(kvjax.attention(q, bad_v, 0, mask))
+    row = owner[cell]
+    assert np.isnan(out[row, :2]).all() and np.isfinite(np.delete(out, row, axis=0)).all()
+    k[1, 0] = np.nan
+    bad_k = kvjax.write(cache, 0, jnp.asarray([cell]), jnp.asarray(k)[None], jnp.asarray(np.asarray(cache.v[0][0, :, cell]))[None])
+    out = np.asarray(kvjax.attention(q, bad_k, 0, mask))
+    assert np.isnan(out[row, 2:]).all() and np.isfinite(out[row, :2]).all()
+    assert np.isfinite(np.delete(out, row, axis=0)).all()

@@ -285,3 +285,24 @@ def test_defrag_threshold_schedules_and_the_next_decode_applies_it():
     logits = engine.decode([12], [101], [[1]])  # update applies the defrag first
     assert int(kvjax.cell_max(engine.cache)) == 102 and not bool(engine.cache.cells.defrag)
     np.testing.assert_allclose(np.asarray(logits[0]), uncached_last_logits(seq1 + [11, 12]), atol=1e-4)
+
+
+def test_sixteen_sequences_side_by_side_equal_uncached(monkeypatch):
+    """16 sequences decoding in one unified cache: their attention runs the owned chunks
+    (``kvjax.attn._attention._owned_step``: each cell meets only its own sequence's row), and each
+    sequence's greedy tokens are those of repeated uncached passes."""
+    from kvjax.attn import _attention
+
+    assert _attention.OWNED_MIN_TOKENS <= 16
+    traced = []
+    real = _attention._owned_step
+    monkeypatch.setattr(_attention, "_owned_step", lambda *a: traced.append(1) or real(*a))
+    _attention._attention.clear_cache()
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 48, size=int(rng.integers(2, 9))).tolist() for _ in range(16)]
+    engine = make_engine(size=512, n_seq_max=16)
+    out = generate(engine, prompts, max_new_tokens=12, key=jax.random.PRNGKey(0), sampling=GREEDY)
+    assert traced  # the owned step is part of the decode program
+    for prompt, got in zip(prompts, out.tokens):
+        assert got == reference_greedy(prompt, 12)
+    _attention._attention.clear_cache()
