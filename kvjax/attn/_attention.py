@@ -199,8 +199,8 @@ def _owned_step(qr, kc, vc, ac, bc, owner, group, softcap, carry):
     s = s + ac[own, cols]
     if bc is not None:
         bc = jnp.broadcast_to(bc, bc.shape[:-1] + ac.shape[-1:])
-        b = bc.reshape((bc.shape[0] // group if bc.shape[0] > 1 else 1, group if bc.shape[0] > 1 else 1)
-                       + bc.shape[1:])                             # [1 | H, 1 | G, 1 | T, chunk]
+        heads = (n_heads, group) if bc.shape[0] > 1 else (1, 1)
+        b = bc.reshape(heads + bc.shape[1:])                        # [1 | H, 1 | G, 1 | T, chunk]
         s = s + (b[:, :, 0] if b.shape[2] == 1 else b[:, :, own, cols])
     s = jnp.where(seen, s, _NEG_INF)
     by_owner = functools.partial(jnp.zeros, (n_heads, group, n_tok), jnp.float32)
