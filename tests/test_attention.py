@@ -278,14 +278,14 @@ def test_bad_input():
         kvjax.attention(q, cache.cells, 0, mask)
 
 
-def _side_by_side(n_seq=8, prompt=3, steps=5, shared=0):
+def _side_by_side(n_seq=8, prompt=3, steps=5, shared=0, **config):
     """``n_seq`` sequences decoding side by side in one unified cache, the ubatch of their next tokens.
 
     Each sequence's prompt is placed on its own, then ``steps`` ubatches of one token per sequence
     interleave their cells; with ``shared`` the first ``shared`` cells of sequence 0 are also
-    sequence 1's (``seq_cp``): columns two rows see.
+    sequence 1's (``seq_cp``): columns two rows see. ``config`` overrides :func:`_config`'s arguments.
     """
-    cfg = _config(size=128, n_seq_max=n_seq, layer_filter=[0, 1, 2])
+    cfg = _config(**{"size": 128, "n_seq_max": n_seq, "layer_filter": [0, 1, 2], **config})
     cache = kvjax.init(cfg)
     for s in range(n_seq):
         cache = fill(cache, list(range(prompt)), [[s]] * prompt)
@@ -400,3 +400,19 @@ def test_owned_chunks_non_finite_bytes(monkeypatch):
     out = np.asarray(kvjax.attention(q, bad_k, 0, mask))
     assert np.isnan(out[row, 2:]).all() and np.isfinite(out[row, :2]).all()
     assert np.isfinite(np.delete(out, row, axis=0)).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "q8_0"])
+def test_owned_chunks_read_stored_dtypes(monkeypatch, dtype):
+    """float16 and ggml-block K/V are widened chunk by chunk as in the dense step: the same answer."""
+    module = importlib.import_module("kvjax.attn._attention")
+    cache, ub = _side_by_side(head_dim=(32, 32, 32, 32), head_dim_v=(32, 32, 32, 32), k_dtype=dtype, v_dtype=dtype)
+    q = jnp.asarray(np.random.default_rng(14).standard_normal((8, 4, 32)), jnp.float32)
+    mask = kvjax.kq_mask(cache, ub, 128)
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 8)
+    owned = kvjax.attention(q, cache, 2, mask, return_lse=True)
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 9)
+    dense = kvjax.attention(q, cache, 2, mask, return_lse=True)
+    for a, b in zip(owned, dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(owned[0])).all() and np.abs(np.asarray(owned[0])).max() > 0.1
