@@ -351,8 +351,13 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk):
         np.testing.assert_allclose(np.asarray(lse), np.asarray(dense_lse), rtol=1e-5, atol=1e-5)
     loss = lambda q: jnp.sum(kvjax.attention(q, cache, 0, mask, bias=bias) ** 2)
     dense_grad = jax.grad(loss)(q)
-    # the owned step is what ran: a marked one changes the rows it served, the dense ones not
     _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 8)
+    # vmapped (each chunk's switch becomes a select over its branches): each query set's own answer
+    batched = jax.vmap(lambda q: kvjax.attention(q, cache, 0, mask))(jnp.stack([q, -q]))
+    np.testing.assert_allclose(np.asarray(batched[0]), np.asarray(owned[0][0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(kvjax.attention(-q, cache, 0, mask)),
+                               rtol=1e-5, atol=1e-5)
+    # the owned step is what ran: a marked one changes the rows it served, the dense ones not
     real = module._owned_step
     _retrace(monkeypatch, module, "_owned_step",
              lambda *a: (lambda m, l, o: (m, l, o + 1000.0 * l[..., None]))(*real(*a)))
