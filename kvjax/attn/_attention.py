@@ -17,9 +17,10 @@ no copy of K/V per query head); float32 accumulation; and the window is processe
 copied out. The values read are exactly those of ``kvjax.view(cache, layer, N)``. Only the chunks
 between the first and the last column the mask shows to some row do any work (:func:`chunk_range`),
 so a window bucket larger than the cells in use, or a sliding window's masked start, costs no dot.
-For a ubatch of many sequences decoding side by side (at least :data:`OWNED_MIN_TOKENS` tokens), a
-chunk whose every column one token sees runs :func:`_owned_step`: each cell meets only its own
-token's queries, so the cost follows the chunk's bytes instead of ``T`` times them.
+For a ubatch of many sequences decoding side by side (at least :data:`OWNED_MIN_TOKENS` tokens and
+at most ``n_seq_max``), a chunk whose every column is seen by at most one token runs
+:func:`_owned_step`: each cell meets only its own token's queries, so the cost follows the chunk's
+bytes instead of ``T`` times them.
 
 Example:
     >>> import jax.numpy as jnp, kvjax
@@ -64,10 +65,12 @@ SCORE_BLOCK_BYTES = 2 << 20
 MAX_CHUNK = 1024
 
 
-#: Fewest tokens in a ubatch for which :func:`_attend` checks each chunk for columns seen by one
-#: token only (:func:`_owned_step`). Measured on this CPU (4 layers of decode attention, sequences
-#: side by side in one cache, see docs/speed.md): 8 tokens 1.1x slower than the dense loop, 16
-#: tokens 1.3x faster, 32 tokens 1.6x; below the threshold the owned branch is not even compiled.
+#: Fewest tokens in a ubatch for which :func:`_attend` checks each chunk for columns seen by at
+#: most one token (:func:`_owned_step`); ``kvjax.attention`` also needs ``T <= n_seq_max`` (with
+#: more tokens than sequences some sequence has two rows, and its cells two viewers). Measured on
+#: this CPU (4 layers of decode attention, 32 query heads over 8 kv heads, sequences side by side
+#: in one cache, docs/speed.md section 12): 8 tokens 0.67x the dense loop's speed, 16 tokens 1.13x,
+#: 32 tokens 1.5-1.7x, 64 tokens 3x. Outside these bounds the owned branch is not compiled at all.
 OWNED_MIN_TOKENS = 16
 
 
@@ -179,7 +182,7 @@ def _owned_step(qr, kc, vc, ac, bc, owner, group, softcap, carry):
         qr: ``[H, G * T, D]`` scaled queries, rows ordered ``(g, t)``.
         kc, vc: ``[H, chunk, D]``, ``[H, chunk, Dv]`` the chunk's K and V (float32).
         ac: ``[T, chunk]`` additive mask of the chunk; ``bc`` None or its bias
-            ``[1 | H * G, 1 | T, chunk]``.
+            ``[1 | H * G, 1 | T, 1 | chunk]``.
         owner: ``i32[chunk]`` the token that sees each column, ``T`` for a column none sees.
         group: ``G``; ``softcap`` None or an f32 scalar.
         carry: ``(m, l, o)`` of the online softmax, ``[H, G * T]``, ``[H, G * T]``, ``[H, G * T, Dv]``.
@@ -251,8 +254,10 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     follows the cells in use, not the window bucket (up to twice the cells the seed reads). Exact:
     a chunk every row masks changes nothing in the online softmax. Skipped chunks cost a ``cond``
     each; the trip count stays static, so the loop can be differentiated and vmapped.
-    ``owned`` (unbatched calls only, with ``skip_masked``): a chunk whose every column is seen by
-    at most one token runs :func:`_owned_step` instead of the dense contractions (see there).
+    ``owned`` (unbatched calls only, with ``skip_masked``, without ``n_live``): each chunk is
+    classified by how many tokens see its columns: none (skipped, also inside the visible span),
+    at most one each (:func:`_owned_step`), or two somewhere (the dense step). Under ``vmap`` the
+    per-chunk ``switch`` is a select that runs all three, slower than the dense loop alone.
 
     Batched over slots: with ``qr [B, H, R, D]``, ``index i32[B]`` (slot ``b`` reads layer
     ``index[b]``), ``add [B, T, N]`` and ``bias`` None or ``[B, 1 | H * G, 1 | T, 1 | N]``, every
@@ -260,6 +265,8 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     (the per-slot results are those of ``B`` separate calls); the results gain the leading ``B``.
     """
     lead = qr.shape[:-3]  # () or (B,): slots side by side
+    if owned and (lead or not skip_masked or n_live is not None):
+        raise ValueError("owned chunks need an unbatched call that skips masked chunks, without n_live")
     nb = len(lead)
     n_heads, n_rows, _ = qr.shape[-3:]
     n_tok = n_rows // group
@@ -330,9 +337,6 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     else:
         body = step
         if owned:
-            if nb or not skip_masked:
-                raise ValueError("owned chunks need an unbatched call that skips masked chunks")
-            first, stop = chunk_range(add, chunk) if n_steps > 1 else (0, 1)
             viewers = jnp.sum(add > _NEG_INF, axis=0, dtype=jnp.int32)       # [N] rows that see a cell
             t_ids = jnp.arange(n_tok, dtype=jnp.int32)[:, None]
 
@@ -346,12 +350,14 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
                 return _owned_step(qr, block(k_all, start, k_type), block(v_all, start, v_type), ac, bc,
                                    owner, group, softcap, carry)
 
-            # per chunk: 0 skip (no row sees it), 1 owned (no column seen twice), 2 dense; a fixed
-            # trip count, as below
+            # per chunk, by the most tokens that see one of its columns: 0 skip, 1 owned, 2+ dense;
+            # a fixed trip count, as below
             def body(i, carry):
                 start = jnp.minimum(i * chunk, n_kv - chunk)
-                shared = jnp.max(jax.lax.dynamic_slice_in_dim(viewers, start, chunk)) > 1
-                kind = jnp.where((i >= first) & (i < stop), jnp.where(shared, 2, 1), 0)
+                seen_by = jax.lax.dynamic_slice_in_dim(viewers, start, chunk)
+                if n_kv % chunk:  # the clamped last chunk: only the columns no earlier step covered
+                    seen_by = jnp.where(start + jnp.arange(chunk) >= i * chunk, seen_by, 0)
+                kind = jnp.minimum(jnp.max(seen_by), 2)
                 return jax.lax.switch(kind, (lambda i, carry: carry, owned_step, step), i, carry)
         elif skip_masked and n_steps > 1:  # only the chunks between the first and last visible column
             first, stop = chunk_range(add, chunk)
