@@ -319,12 +319,13 @@ def _no_programs_traced_with_patched_constants():
 
 
 @pytest.mark.parametrize("shared", [0, 6])
-@pytest.mark.parametrize("max_chunk", [16, 1024])
-def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk):
+@pytest.mark.parametrize("max_chunk,n_kv", [(16, 128), (1024, 128), (32, 80)])
+def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk, n_kv):
     """A batch decoding side by side: each column is one row's, and the owned step gives the dense answer.
 
     Against the naive loop and the dense loop, with GQA, a bias per query head and token, softcap,
-    lse, chunks that are owned, shared (a ``seq_cp`` prefix two rows see) or skipped; that the
+    lse, chunks that are owned, shared (a ``seq_cp`` prefix two rows see) or skipped, and a last
+    chunk clamped onto the one before (80 cells in chunks of 32: cells 48-63 seen by two steps); that the
     owned step runs shows by swapping it for one that adds 1000 to the output; gradients agree.
     """
     module = importlib.import_module("kvjax.attn._attention")
@@ -333,10 +334,10 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk):
     cache, ub = _side_by_side(shared=shared)
     rng = np.random.default_rng(12)
     q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
-    mask = kvjax.kq_mask(cache, ub, 128)
+    mask = kvjax.kq_mask(cache, ub, n_kv)
     viewers = np.sum(np.asarray(mask) > -np.inf, axis=0)
     assert viewers.max() == (2 if shared else 1) and (viewers == 1).sum() >= 40
-    bias = jnp.asarray(rng.standard_normal((4, 8, 128)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((4, 8, n_kv)), jnp.float32)
     cases = (dict(), dict(bias=bias), dict(bias=bias[:, :1]), dict(softcap=0.7), dict(scale=0.5))
     owned = [kvjax.attention(q, cache, 0, mask, return_lse=True, **kw) for kw in cases]
     _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 9)   # the dense loop only
@@ -364,15 +365,16 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk):
     marked = np.asarray(kvjax.attention(q, cache, 0, mask))
     _retrace(monkeypatch, module, "_owned_step", real)
     moved = np.any(np.abs(marked - np.asarray(owned[0][0])) > 100, axis=(1, 2))
-    # the rows that see a column of a chunk where no column has two viewers (128 cells in chunks of
-    # 16: the shared prefix's chunk runs dense; in one chunk of 128 with a shared prefix, nothing is owned)
-    chunk = min(max_chunk, 128)
+    # the rows that see a column of a chunk where no column has two viewers (the shared prefix's
+    # chunk runs dense; in one chunk for the whole window with a shared prefix, nothing is owned; the
+    # clamped last step owns only the columns no earlier step covered)
+    chunk = min(max_chunk, n_kv)
     sees = np.asarray(mask) > -np.inf
     expected = np.zeros(8, bool)
-    for start in range(0, 128, chunk):
+    for start in range(0, n_kv, chunk):
         if viewers[start:start + chunk].max() == 1:
             expected |= sees[:, start:start + chunk].any(axis=1)
-    assert expected.any() == (not (shared and max_chunk > 16))
+    assert expected.any() == (not (shared and chunk == n_kv))
     np.testing.assert_array_equal(moved, expected)
     # gradients through the owned chunks equal the dense loop's
     np.testing.assert_allclose(np.asarray(jax.grad(loss)(q)), np.asarray(dense_grad), rtol=1e-4, atol=1e-5)
