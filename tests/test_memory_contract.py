@@ -175,7 +175,8 @@ ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 
 
 def random_program(seed: int, n_seq_max: int, n_ops: int = 24):
-    """Operations as tuples ``(name, *args)``; placements are runs of tokens of one or two sequences."""
+    """Operations as tuples ``(name, *args)``; placements are runs of tokens of one or two sequences,
+    and one ``clear`` two thirds of the way in."""
     rng = np.random.default_rng(seed)
     next_pos = [0] * n_seq_max
     ops = []
@@ -197,7 +198,8 @@ def random_program(seed: int, n_seq_max: int, n_ops: int = 24):
             ops.append(("seq_add", s, int(rng.integers(0, 6)), -1, int(rng.integers(-3, 4))))
         else:
             ops.append(("seq_div", s, int(rng.integers(0, 6)), -1, int(rng.integers(1, 3))))
-    return ops
+    # one clear two thirds of the way in, so that the memory is emptied and filled again
+    return ops[:2 * n_ops // 3] + [("clear",)] + ops[2 * n_ops // 3:]
 
 
 def _recurrent_slots(tokens):
@@ -244,7 +246,7 @@ def apply_ref(ref, op):
 
 
 _JIT = {name: jax.jit(getattr(kvjax, name)) for name in
-        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot", "commit")}
+        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "find_slot", "commit")}
 
 
 def leaves_equal(a, b):
