@@ -390,11 +390,19 @@ def on_metadata(fn=None, *, static_argnames=()):
 
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
+        from kvjax.shard._rules import reshard_like, spans_devices
+
         buffers, rest = self.split()
         out = compiled(rest, *args, **kwargs)
         kind = type(self)
-        return jax.tree.map(lambda x: x.join(buffers) if isinstance(x, kind) else x, out,
-                            is_leaf=lambda x: isinstance(x, kind))
+        placed = spans_devices(rest)
+
+        def back(x):
+            # outputs that do not depend on the inputs (a clear's fresh cells) come back with the
+            # program's default placement: on a mesh they go back where the memory's leaves were
+            return (reshard_like(x, rest) if placed else x).join(buffers)
+
+        return jax.tree.map(lambda x: back(x) if isinstance(x, kind) else x, out, is_leaf=lambda x: isinstance(x, kind))
     return method
 
 
