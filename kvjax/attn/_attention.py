@@ -181,10 +181,9 @@ def _owned_step(qr, kc, vc, ac, bc, owner, group, softcap, carry):
     Args:
         qr: ``[H, G * T, D]`` scaled queries, rows ordered ``(g, t)``.
         kc, vc: ``[H, chunk, D]``, ``[H, chunk, Dv]`` the chunk's K and V (float32).
-        ac: ``[T, chunk]`` additive mask of the chunk (read at each column's owner only); ``bc``
-            None or its bias ``[1 | H * G, 1 | T, 1 | chunk]``.
-        owner: ``i32[chunk]`` the token that sees each column, ``T`` for a column none sees (or
-            that another step covers).
+        ac: ``[T, chunk]`` additive mask of the chunk; ``bc`` None or its bias
+            ``[1 | H * G, 1 | T, 1 | chunk]``.
+        owner: ``i32[chunk]`` the token that sees each column, ``T`` for a column none sees.
         group: ``G``; ``softcap`` None or an f32 scalar.
         carry: ``(m, l, o)`` of the online softmax, ``[H, G * T]``, ``[H, G * T]``, ``[H, G * T, Dv]``.
     """
@@ -299,18 +298,13 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         heads = (1, 1) if x.ndim == nb + 2 or x.shape[nb] == 1 else (n_heads, group)
         return x.reshape(lead + heads + x.shape[-2:])
 
-    def span(i):
-        """Step ``i``'s first column and which of its ``chunk`` columns are its own: all of them,
-        except in the last step, clamped onto the window, for the columns an earlier step covered."""
-        start = jnp.minimum(i * chunk, n_kv - chunk)
-        return start, (start + jnp.arange(chunk) >= i * chunk) if n_kv % chunk else None
-
     def step(i, carry):
         m0, l0, o0 = carry
-        start, fresh = span(i)
+        start = jnp.minimum(i * chunk, n_kv - chunk)
         kc, vc = block(k_all, start, k_type), block(v_all, start, v_type)
         ac = cells_of(add, start)                                   # [.., T, chunk]
-        if fresh is not None:
+        if n_kv % chunk:
+            fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
         s = jax.lax.dot_general(qr, kc, qk_dims, preferred_element_type=jnp.float32)
         if softcap is not None:  # Gemma 2's logit soft-capping, on the scaled scores before the mask
@@ -343,28 +337,27 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     else:
         body = step
         if owned:
-            # who sees each column, once for the window: how many tokens, and the first of them
-            # (the owner, when it is the only one; n_tok when none)
-            sees = add > _NEG_INF                                            # [T, N]
-            viewers = jnp.sum(sees, axis=0, dtype=jnp.int32)
-            owners = jnp.min(jnp.where(sees, jnp.arange(n_tok, dtype=jnp.int32)[:, None], n_tok), axis=0)
-
-            def own_columns(x, i, outside):
-                """Step ``i``'s slice of a per-column array, ``outside`` for columns not its own."""
-                start, fresh = span(i)
-                x = jax.lax.dynamic_slice_in_dim(x, start, chunk)
-                return start, (x if fresh is None else jnp.where(fresh, x, outside))
+            viewers = jnp.sum(add > _NEG_INF, axis=0, dtype=jnp.int32)       # [N] rows that see a cell
+            t_ids = jnp.arange(n_tok, dtype=jnp.int32)[:, None]
 
             def owned_step(i, carry):
-                start, owner = own_columns(owners, i, n_tok)
+                start = jnp.minimum(i * chunk, n_kv - chunk)
+                ac = cells_of(add, start)
+                if n_kv % chunk:
+                    ac = jnp.where(start + jnp.arange(chunk) >= i * chunk, ac, _NEG_INF)
+                owner = jnp.min(jnp.where(ac > _NEG_INF, t_ids, n_tok), axis=0)  # [chunk], n_tok: unseen
                 bc = None if bias is None else cells_of(bias, start)
-                return _owned_step(qr, block(k_all, start, k_type), block(v_all, start, v_type),
-                                   cells_of(add, start), bc, owner, group, softcap, carry)
+                return _owned_step(qr, block(k_all, start, k_type), block(v_all, start, v_type), ac, bc,
+                                   owner, group, softcap, carry)
 
             # per chunk, by the most tokens that see one of its columns: 0 skip, 1 owned, 2+ dense;
             # a fixed trip count, as below
             def body(i, carry):
-                kind = jnp.minimum(jnp.max(own_columns(viewers, i, 0)[1]), 2)
+                start = jnp.minimum(i * chunk, n_kv - chunk)
+                seen_by = jax.lax.dynamic_slice_in_dim(viewers, start, chunk)
+                if n_kv % chunk:  # the clamped last chunk: only the columns no earlier step covered
+                    seen_by = jnp.where(start + jnp.arange(chunk) >= i * chunk, seen_by, 0)
+                kind = jnp.minimum(jnp.max(seen_by), 2)
                 return jax.lax.switch(kind, (lambda i, carry: carry, owned_step, step), i, carry)
         elif skip_masked and n_steps > 1:  # only the chunks between the first and last visible column
             first, stop = chunk_range(add, chunk)
