@@ -21,7 +21,8 @@ gguf = pytest.importorskip("gguf")
 
 import kvjax  # noqa: E402
 from kvjax.nn import Llama, LlamaConfig  # noqa: E402
-from kvjax.nn._gguf import from_gguf, gguf_config, gguf_tokenizer  # noqa: E402
+from kvjax.nn._gguf import from_gguf, gguf_config  # noqa: E402
+from kvjax.nn._gguf_vocab import gguf_tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TOKENS = [3, 17, 1, 90, 42, 5, 30, 2, 8, 64, 11, 4]
@@ -377,7 +378,7 @@ def test_not_a_gguf_file_and_bad_path(tmp_path):
 def _trained_bpe(pre: str):
     """A small byte-level BPE trained here, with the pre-tokenizer of ``tokenizer.ggml.pre`` = ``pre``."""
     tokenizers = pytest.importorskip("tokenizers")
-    from kvjax.nn._gguf import _SPLITS
+    from kvjax.nn._gguf_vocab import _SPLITS
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     if pre in _SPLITS:

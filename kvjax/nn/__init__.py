@@ -46,7 +46,8 @@ from kvjax.nn._step import Step, make_step, window_for, windows_for
 from kvjax.nn._hf import llama_config_from_hf, rope_from_hf
 from kvjax.nn._pretrained import from_pretrained, memory_config_for
 from kvjax.nn._tokenizer import Tokenizer
-from kvjax.nn._gguf import GGUFVocab, from_gguf, gguf_config, gguf_tokenizer
+from kvjax.nn._gguf import from_gguf, gguf_config
+from kvjax.nn._gguf_vocab import GGUFVocab, gguf_tokenizer
 from kvjax.nn._fuse import fuse_projections, is_fused
 
 __all__ = [

@@ -100,7 +100,7 @@ class Tokenizer:
         Raises:
             ValueError: not a GGUF file, no vocabulary, or a vocabulary kvjax does not build.
         """
-        from kvjax.nn._gguf import gguf_tokenizer
+        from kvjax.nn._gguf_vocab import gguf_tokenizer
 
         vocab = gguf_tokenizer(path)
         return cls(vocab.tokenizer, bos_id=vocab.bos_id, eos_ids=vocab.eos_ids, add_bos=vocab.add_bos)
