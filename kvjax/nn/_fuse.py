@@ -79,8 +79,32 @@ def split_gate_up(y):
     return y[..., 0], y[..., 1]
 
 
+def _same_blocks(*layers) -> bool:
+    """Whether ``layers`` are all :class:`GGMLLinear` of one type and input width (rows can be joined)."""
+    from kvjax.nn._ggml_linear import GGMLLinear
+
+    return all(isinstance(m, GGMLLinear) for m in layers) and \
+        len({(m.type_name, m.in_features) for m in layers}) == 1
+
+
+def _blocks_linear(raw, bias, like):
+    """A :class:`GGMLLinear` over the joined rows ``raw [N, row_bytes]``, of ``like``'s type."""
+    from kvjax.nn._ggml_linear import GGMLLinear
+
+    return GGMLLinear(raw, like.type_name, like.in_features, bias=bias)
+
+
 def _fuse_attention(attn) -> None:
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    if not isinstance(q, nnx.Linear):
+        # weights kept as ggml blocks: a row of blocks is one output column, so the rows regroup as
+        # the kernel's columns do; projections stored in different types stay separate
+        if _same_blocks(q, k, v):
+            raw = _group_qkv(q.blocks[...].T, k.blocks[...].T, v.blocks[...].T, attn.n_kv_heads).T
+            bias = None if q.bias is None else _group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
+            attn.qkv_proj = _blocks_linear(raw, bias, q)
+            attn.q_proj = attn.k_proj = attn.v_proj = None
+        return
     kernel = _group_qkv(q.kernel[...], k.kernel[...], v.kernel[...], attn.n_kv_heads)
     bias = None
     if q.bias is not None:
@@ -90,6 +114,12 @@ def _fuse_attention(attn) -> None:
 
 
 def _fuse_mlp(mlp) -> None:
+    if not isinstance(mlp.gate, nnx.Linear):
+        if _same_blocks(mlp.gate, mlp.up):
+            g, u = mlp.gate.blocks[...], mlp.up.blocks[...]
+            mlp.gate_up = _blocks_linear(jnp.stack([g, u], axis=1).reshape(2 * g.shape[0], -1), None, mlp.gate)
+            mlp.gate = mlp.up = None
+        return
     gate, up = mlp.gate.kernel[...], mlp.up.kernel[...]
     kernel = jnp.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
     mlp.gate_up = _linear(kernel, None, mlp.gate)
@@ -110,7 +140,10 @@ def fuse_projections(model):
     ``CachedAttention``, ``q_proj``/``k_proj``/``v_proj`` by one ``qkv_proj`` and, in each
     ``MLP``, ``gate``/``up`` by one ``gate_up`` (layouts in the module docstring). The model
     computes the same function (the products are the same; float sums are not reordered).
-    Layers already fused are left as they are, so fusing twice is harmless.
+    Layers already fused are left as they are, so fusing twice is harmless. Projections kept as
+    ggml blocks (:func:`kvjax.nn.from_gguf`'s compact load) fuse when they share one block type
+    (their rows are joined as bytes) and stay separate otherwise (a Q4_K_M file stores V in
+    another type than Q and K).
 
     Take ``nnx.state(model)`` again afterwards (an Engine or Step built before keeps the old
     parameters).

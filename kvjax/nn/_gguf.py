@@ -35,14 +35,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from kvjax.memory._config import RopeConfig
+from kvjax._ggml_blocks import WEIGHT_TYPES, check_type
 from kvjax.nn._gguf_file import _field, _gguf, _open
+from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
 from kvjax.nn._llama import Llama, LlamaConfig
 # the parameter dtypes a loader makes, checked as from_pretrained checks them (every tensor type
 # dequantizes to float32 first)
@@ -51,10 +53,19 @@ from kvjax.nn._pretrained import DTYPES, _check_dtype  # noqa: F401 (DTYPES: nam
 __all__ = ["from_gguf", "gguf_config", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
 
 #: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode.
-GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "gemma2": "neox", "gemma3": "neox"}
+GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox", "gemma2": "neox",
+                      "gemma3": "neox"}
 
-#: The tensor types :func:`from_gguf` dequantizes (ggml type names).
-GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+#: The tensor types :func:`from_gguf` loads (ggml type names): every type kvjax dequantizes in JAX.
+GGUF_TENSOR_TYPES = tuple(WEIGHT_TYPES)
+
+
+def check_tensor_type(name: str, kind: str) -> None:
+    """``ValueError`` naming the tensor, its type and why, unless kvjax loads that type."""
+    try:
+        check_type(kind)
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r} has type {kind}: {e}") from None
 
 
 def gguf_config(path) -> LlamaConfig:
@@ -88,7 +99,13 @@ def _config(reader, tensors) -> LlamaConfig:
     d_model = int(_field(reader, f"{arch}.embedding_length", required=True))
     d_ff = int(_field(reader, f"{arch}.feed_forward_length", required=True))
     n_heads = int(_field(reader, f"{arch}.attention.head_count", required=True))
-    n_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    n_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):  # llama.cpp allows one count per layer; the reference model has one for all
+        if len(set(n_kv_heads)) != 1 or len(n_kv_heads) != n_layer:
+            raise ValueError(f"{arch}.attention.head_count_kv={n_kv_heads} is out of range: allowed one count, or "
+                             f"{n_layer} equal counts (kvjax.nn.Llama has the same kv heads in every layer)")
+        n_kv_heads = n_kv_heads[0]
+    n_kv_heads = int(n_kv_heads)
     head_dim = int(_field(reader, f"{arch}.attention.key_length", d_model // max(n_heads, 1)))
     head_dim_v = int(_field(reader, f"{arch}.attention.value_length", head_dim))
     if head_dim_v != head_dim:
@@ -135,6 +152,8 @@ def _config(reader, tensors) -> LlamaConfig:
                 attention_bias=arch == "qwen2")
     if arch in ("gemma2", "gemma3"):
         args.update(_gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale))
+    if arch == "qwen3":  # Qwen3: per-head RMSNorm of q and k before RoPE, no projection biases
+        args["qk_norm"] = True
     try:
         return LlamaConfig(**args)
     except ValueError as e:
@@ -195,86 +214,116 @@ def _dequantize(t) -> np.ndarray:
     return out.reshape(_shape(t))
 
 
-def _plan(model: Llama, arch: str) -> List[Tuple[Any, str, bool]]:
-    """``(variable, tensor name, transpose)`` for every weight of the model."""
+def _plan(model: Llama) -> List[Tuple[Any, str, bool, Optional[Tuple[Any, str]]]]:
+    """``(variable, tensor name, transpose, slot)`` for every weight of the model.
+
+    ``slot`` is ``(parent, attribute)`` of the ``nnx.Linear`` / ``nnx.Embed`` a matrix belongs to
+    (a compact load puts a :class:`GGMLLinear` / :class:`GGMLEmbed` there instead), ``None`` for
+    vectors (norms, biases), which always load as floats.
+    """
     cfg = model.config
-    plan = [(model.embed.embedding, "token_embd.weight", False), (model.norm.scale, "output_norm.weight", False)]
+    plan = [(model.embed.embedding, "token_embd.weight", False, (model, "embed")),
+            (model.norm.scale, "output_norm.weight", False, None)]
     if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "output.weight", True))
+        plan.append((model.lm_head.kernel, "output.weight", True, (model, "lm_head")))
     for il, block in enumerate(model.layers):
-        p, a = f"blk.{il}.", block.attn
+        p, a, m = f"blk.{il}.", block.attn, block.mlp
         if cfg.sandwich_norms:  # Gemma: norms after attention and MLP too
-            plan += [(block.post_attn_norm.scale, p + "post_attention_norm.weight", False),
-                     (block.post_mlp_norm.scale, p + "post_ffw_norm.weight", False)]
+            plan += [(block.post_attn_norm.scale, p + "post_attention_norm.weight", False, None),
+                     (block.post_mlp_norm.scale, p + "post_ffw_norm.weight", False, None)]
         if cfg.qk_norm:
-            plan += [(a.q_norm.scale, p + "attn_q_norm.weight", False), (a.k_norm.scale, p + "attn_k_norm.weight", False)]
-        plan += [(block.attn_norm.scale, p + "attn_norm.weight", False),
-                 (a.q_proj.kernel, p + "attn_q.weight", True),
-                 (a.k_proj.kernel, p + "attn_k.weight", True),
-                 (a.v_proj.kernel, p + "attn_v.weight", True),
-                 (a.o_proj.kernel, p + "attn_output.weight", True),
-                 (block.mlp_norm.scale, p + "ffn_norm.weight", False),
-                 (block.mlp.gate.kernel, p + "ffn_gate.weight", True),
-                 (block.mlp.up.kernel, p + "ffn_up.weight", True),
-                 (block.mlp.down.kernel, p + "ffn_down.weight", True)]
+            plan += [(a.q_norm.scale, p + "attn_q_norm.weight", False, None),
+                     (a.k_norm.scale, p + "attn_k_norm.weight", False, None)]
+        plan += [(block.attn_norm.scale, p + "attn_norm.weight", False, None),
+                 (a.q_proj.kernel, p + "attn_q.weight", True, (a, "q_proj")),
+                 (a.k_proj.kernel, p + "attn_k.weight", True, (a, "k_proj")),
+                 (a.v_proj.kernel, p + "attn_v.weight", True, (a, "v_proj")),
+                 (a.o_proj.kernel, p + "attn_output.weight", True, (a, "o_proj")),
+                 (block.mlp_norm.scale, p + "ffn_norm.weight", False, None),
+                 (m.gate.kernel, p + "ffn_gate.weight", True, (m, "gate")),
+                 (m.up.kernel, p + "ffn_up.weight", True, (m, "up")),
+                 (m.down.kernel, p + "ffn_down.weight", True, (m, "down"))]
         if cfg.attention_bias:
-            plan += [(a.q_proj.bias, p + "attn_q.bias", False), (a.k_proj.bias, p + "attn_k.bias", False),
-                     (a.v_proj.bias, p + "attn_v.bias", False)]
+            plan += [(a.q_proj.bias, p + "attn_q.bias", False, None), (a.k_proj.bias, p + "attn_k.bias", False, None),
+                     (a.v_proj.bias, p + "attn_v.bias", False, None)]
     return plan
 
 
-def from_gguf(path, *, dtype=jnp.float32) -> Llama:
+def _compact(t) -> bool:
+    """Whether a compact load keeps tensor ``t`` in its file type (every matrix not stored as F32)."""
+    return len(t.shape) == 2 and _type_name(t) != "F32"
+
+
+def from_gguf(path, *, dtype=None) -> Llama:
     """Load a llama.cpp GGUF file into an NNX :class:`Llama` (see the module docstring).
 
     Args:
         path: a GGUF file (``general.architecture`` in :data:`GGUF_ARCHITECTURES`, tensors of the
             types in :data:`GGUF_TENSOR_TYPES`).
-
-        dtype: the parameters' dtype, one of :data:`DTYPES`.
+        dtype: ``None`` (the default) keeps every matrix in the file's own type, resident as the
+            file's bytes and dequantized inside each product (:class:`kvjax.nn.GGMLLinear`; about
+            the file's size in memory); or one of :data:`DTYPES` to dequantize every tensor to
+            that float dtype at load (fastest on CPU, 2-8x the file's size).
 
     Returns:
-        The model with parameters of ``dtype``; ``model.config`` is :func:`gguf_config`'s. Use it as
-        any :class:`Llama` (``kvjax.Engine(model, kvjax.init(model.config.cache_config(...)))``;
-        :func:`kvjax.nn.params_from_nnx` for the linen twin).
+        The model; ``model.config`` is :func:`gguf_config`'s. Norms and biases are float32 (or
+        ``dtype``). Use it as any :class:`Llama` (``kvjax.Engine(model, kvjax.init(...))``);
+        the linen twin (:func:`kvjax.nn.params_from_nnx`) needs a float ``dtype``.
 
     Raises:
         ValueError: not a GGUF file, a truncated file, an unsupported architecture, RoPE kind or
             tensor type, a missing or unexpected tensor, or a tensor whose shape does not fit the
             metadata, or a ``dtype`` outside :data:`DTYPES`. Everything is checked before any
-            tensor is dequantized.
+            tensor is read.
         ImportError: the ``gguf`` package is not installed.
     """
-    dt = _check_dtype(dtype)
+    dt = None if dtype is None else _check_dtype(dtype)
     reader = _open(path)
     tensors = _tensors(reader)
     cfg = _config(reader, tensors)
     arch = _field(reader, "general.architecture")
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # shapes only: no random init to throw away
-    plan = _plan(model, arch)
+    plan = _plan(model)
     what = f"a {arch} model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
-    missing = [name for _, name, _ in plan if name not in tensors]
+    missing = [name for _, name, _, _ in plan if name not in tensors]
     if missing:
         raise ValueError(f"GGUF file lacks tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed "
                          f"the tensors of {what}")
     # rope_freqs is read into the config; llama.cpp files may carry other non-weight tensors we do not use
-    unexpected = sorted(set(tensors) - {name for _, name, _ in plan} - {"rope_freqs.weight"})
+    unexpected = sorted(set(tensors) - {name for _, name, _, _ in plan} - {"rope_freqs.weight"})
     if unexpected:
         raise ValueError(f"GGUF file has unexpected tensors {unexpected[:4]}: allowed only the tensors of {what}")
-    for var, name, transpose in plan:
+    for var, name, transpose, _ in plan:
         t = tensors[name]
-        kind = _type_name(t)
-        if kind not in GGUF_TENSOR_TYPES:
-            raise ValueError(f"tensor {name!r} has type {kind}: allowed one of {list(GGUF_TENSOR_TYPES)}")
+        check_tensor_type(name, _type_name(t))
         shape = _shape(t)
         want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
         if shape != want:
             raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
     # one tensor at a time (host copy, device copy, freed): the model is new, so a failure here
     # leaves nothing behind that anyone holds
-    for var, name, transpose in plan:
-        w = _dequantize(tensors[name])
-        var.set_value(jnp.asarray(w.T if transpose else w, dt))
+    biases = {name: _dequantize(tensors[name]) for _, name, _, _ in plan if name.endswith(".bias")}
+    for var, name, transpose, slot in plan:
+        t = tensors[name]
+        if dt is None and slot is not None and _compact(t):
+            parent, attr = slot
+            rows, n_in = _shape(t)
+            raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+            if attr == "embed":
+                setattr(parent, attr, GGMLEmbed(raw, _type_name(t), n_in))
+            else:
+                bias = biases.get(name[:-len("weight")] + "bias")
+                setattr(parent, attr, GGMLLinear(raw, _type_name(t), n_in, bias=bias))
+            continue
+        if name.endswith(".bias") and dt is None and _compact(tensors[name[:-len("bias")] + "weight"]):
+            continue  # went into its GGMLLinear
+        w = _dequantize(t)
+        var.set_value(jnp.asarray(w.T if transpose else w, dt or jnp.float32))
     if cfg.attention_bias:  # qwen2 has no output-projection bias: the model's o bias is zero
         for block in model.layers:
-            block.attn.o_proj.bias.set_value(jnp.zeros(block.attn.o_proj.bias.shape, dt))
+            o = block.attn.o_proj
+            if isinstance(o, nnx.Linear):
+                o.bias.set_value(jnp.zeros(o.bias.shape, dt or jnp.float32))
+            else:
+                o.bias = nnx.Param(jnp.zeros((o.out_features,), jnp.float32))
     return model

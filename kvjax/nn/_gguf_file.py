@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kvjax._ggml_blocks import WEIGHT_TYPES
+
 
 def _gguf():
     try:
@@ -29,6 +31,10 @@ def _open(path) -> Any:
     try:
         reader = gguf.GGUFReader(path, "r")
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, MemoryError) as e:
+        if "GGMLQuantizationType" in str(e):  # a type id this gguf package (and so kvjax) does not know
+            raise ValueError(f"{os.fspath(path)!r} has a tensor of an unknown ggml type id ({e}): allowed the "
+                             f"types of ggml's enum ggml_type, of which kvjax loads "
+                             f"{', '.join(WEIGHT_TYPES)}") from None
         raise ValueError(f"{os.fspath(path)!r} is not a readable GGUF file (bad magic or version, or cut short: "
                          f"{type(e).__name__}: {e})") from None
     size = os.path.getsize(path)
