@@ -14,7 +14,8 @@
 - :func:`from_pretrained`: a local Hugging Face checkpoint folder (Llama, Qwen2, Mistral, Gemma 2/3,
   Mamba) to one of these models; :func:`memory_config_for` the memory it needs; :class:`Tokenizer`
   its ``tokenizer.json`` (see ``docs/checkpoints.md``); :func:`from_gguf` a llama.cpp GGUF file
-  (:func:`gguf_tokenizer` its vocabulary).
+  (:func:`gguf_tokenizer` its vocabulary; :class:`GGMLLinear` / :class:`GGMLEmbed` keep its
+  weights in the file's block types).
 - :func:`make_step`: one jitted program per (ubatch bucket, window bucket) that places a ubatch,
   runs the model and donates the memory's buffers; :func:`window_for` / :func:`windows_for` pick
   the windows.
@@ -47,6 +48,7 @@ from kvjax.nn._hf import llama_config_from_hf, rope_from_hf
 from kvjax.nn._pretrained import from_pretrained, memory_config_for
 from kvjax.nn._tokenizer import Tokenizer
 from kvjax.nn._gguf import from_gguf, gguf_config
+from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
 from kvjax.nn._gguf_vocab import GGUFVocab, gguf_tokenizer
 from kvjax.nn._fuse import fuse_projections, is_fused
 
@@ -58,5 +60,5 @@ __all__ = [
     "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
     "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
     "from_pretrained", "memory_config_for", "llama_config_from_hf", "rope_from_hf", "Tokenizer",
-    "from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "fuse_projections", "is_fused",
+    "from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "GGMLLinear", "GGMLEmbed", "fuse_projections", "is_fused",
 ]

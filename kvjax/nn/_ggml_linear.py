@@ -67,6 +67,16 @@ def _raw(name: str, raw, n_in: int) -> np.ndarray:
     return raw
 
 
+def _times_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [M, K] . w [N, K] -> [M, N]``, contracting both on their last axis.
+
+    Written as a ``dot_general`` on ``w``'s rows rather than ``x @ w.T``: XLA:CPU fused the
+    transpose of a freshly dequantized ``w`` into the product and ran 2-7x slower (a Q4_K
+    2048 x 1280 matrix: 18 ms against 4.5 ms).
+    """
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
 def ggml_matmul(x: jax.Array, raw: jax.Array, name: str, n_in: int) -> jax.Array:
     """``x @ W.T`` for ``W`` stored as ggml blocks.
 
@@ -83,10 +93,10 @@ def ggml_matmul(x: jax.Array, raw: jax.Array, name: str, n_in: int) -> jax.Array
     lead = x.shape[:-1]
     x2 = x.reshape(-1, n_in).astype(jnp.float32)
     if n_out * n_in <= CHUNK_ELEMENTS or n_out % CHUNK_ROWS:
-        y = x2 @ dequantize(raw, name).T
+        y = _times_rows(x2, dequantize(raw, name))
     else:
         chunks = raw.reshape(n_out // CHUNK_ROWS, CHUNK_ROWS, raw.shape[1])
-        y = jax.lax.map(lambda rows: x2 @ dequantize(rows, name).T, chunks)  # [n_chunks, M, CHUNK_ROWS]
+        y = jax.lax.map(lambda rows: _times_rows(x2, dequantize(rows, name)), chunks)  # [n_chunks, M, CHUNK_ROWS]
         y = jnp.moveaxis(y, 0, 1).reshape(x2.shape[0], n_out)
     return y.reshape(lead + (n_out,))
 

@@ -25,8 +25,18 @@ divisor per rotated pair: :attr:`kvjax.RopeConfig.freq_factors`); ``linear`` sca
 ``beta_slow`` from the file or 32 / 1, ``original_context_length``, magnitude ``1 + 0.1 ln
 factor``). Other scaling kinds (LongRoPE, YaRN with a log multiplier) are refused.
 
-**Tensor types.** F32, F16, BF16, Q8_0 and Q4_0, dequantized to float32 with the ``gguf``
-package's reference dequantizers (ggml's own arithmetic).
+**Tensor types.** Every ggml weight type real files use (:data:`GGUF_TENSOR_TYPES`: F32, F16,
+BF16, Q4_0 .. Q8_0, the K types, the IQ and TQ types, MXFP4, NVFP4; the few others are refused by
+name, with the reason). By default (``dtype=None``) every matrix stays in its file type, resident as
+the file's bytes, and the jitted step dequantizes it right before each product
+(:class:`kvjax.nn.GGMLLinear`, kvjax's JAX dequantizers, bit-exact with ggml's): resident weights
+are about the file's size. With ``dtype=jnp.float32`` / ``bfloat16`` / ``float16`` the tensors are
+dequantized once at load with the ``gguf`` package's numpy dequantizers: faster steps on CPU
+(``docs/speed.md``), 2-8x the memory. Norms, biases and F32 matrices are always float.
+
+**Architectures, further.** ``qwen3`` (per-head q/k norms, no biases); tied embeddings wherever a
+file has no ``output.weight`` (Llama 3.2, Gemma); ``head_count_kv`` given per layer is accepted when
+every layer has the same count. Any other ``general.architecture`` is refused by name.
 
 Example:
     >>> model = from_gguf("tinyllama-q8_0.gguf")                        # doctest: +SKIP
@@ -45,16 +55,18 @@ from kvjax.memory._config import RopeConfig
 from kvjax._ggml_blocks import WEIGHT_TYPES, check_type
 from kvjax.nn._gguf_file import _field, _gguf, _open
 from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
+from kvjax.nn._gguf_mamba import _neg_exp_inverse, mamba_config, mamba_plan
 from kvjax.nn._llama import Llama, LlamaConfig
+from kvjax.nn._mamba import Mamba
 # the parameter dtypes a loader makes, checked as from_pretrained checks them (every tensor type
 # dequantizes to float32 first)
 from kvjax.nn._pretrained import DTYPES, _check_dtype  # noqa: F401 (DTYPES: named in from_gguf's docs)
 
 __all__ = ["from_gguf", "gguf_config", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
 
-#: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode.
+#: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode (None: no attention).
 GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox", "gemma2": "neox",
-                      "gemma3": "neox"}
+                      "gemma3": "neox", "mamba": None}
 
 #: The tensor types :func:`from_gguf` loads (ggml type names): every type kvjax dequantizes in JAX.
 GGUF_TENSOR_TYPES = tuple(WEIGHT_TYPES)
@@ -68,8 +80,8 @@ def check_tensor_type(name: str, kind: str) -> None:
         raise ValueError(f"tensor {name!r} has type {kind}: {e}") from None
 
 
-def gguf_config(path) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a GGUF file's metadata (no tensor data is read).
+def gguf_config(path):
+    """The :class:`LlamaConfig` (a :class:`MambaConfig` for ``mamba``) of a GGUF file's metadata (no tensor data is read).
 
     Args:
         path: a GGUF file of an architecture in :data:`GGUF_ARCHITECTURES`.
@@ -83,6 +95,8 @@ def gguf_config(path) -> LlamaConfig:
             than none / linear / yarn, or missing or inconsistent sizes.
     """
     reader = _open(path)
+    if _field(reader, "general.architecture") == "mamba":
+        return mamba_config(reader, _tensors(reader))
     return _config(reader, _tensors(reader))
 
 
@@ -92,7 +106,7 @@ def _tensors(reader) -> Dict[str, Any]:
 
 def _config(reader, tensors) -> LlamaConfig:
     arch = _field(reader, "general.architecture", required=True)
-    if arch not in GGUF_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES or arch == "mamba":   # mamba's config is mamba_config's
         raise ValueError(f"general.architecture={arch!r} is out of range: allowed one of "
                          f"{sorted(GGUF_ARCHITECTURES)}")
     n_layer = int(_field(reader, f"{arch}.block_count", required=True))
@@ -254,7 +268,54 @@ def _compact(t) -> bool:
     return len(t.shape) == 2 and _type_name(t) != "F32"
 
 
-def from_gguf(path, *, dtype=None) -> Llama:
+def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> None:
+    """Check every tensor of ``plan`` (presence, type, shape), then fill ``model`` with them.
+
+    ``plan`` is ``(variable, tensor name, transpose, slot)`` (see :func:`_plan`); ``convert`` maps
+    a tensor name's last part (``"ssm_a"``) to a function applied to its float values.
+    Everything is checked before the first tensor is read, and the model is new: a failure
+    leaves nothing behind that anyone holds.
+    """
+    convert = convert or {}
+    missing = [name for _, name, _, _ in plan if name not in tensors]
+    if missing:
+        raise ValueError(f"GGUF file lacks tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed "
+                         f"the tensors of {what}")
+    unexpected = sorted(set(tensors) - {name for _, name, _, _ in plan} - set(ignore))
+    if unexpected:
+        raise ValueError(f"GGUF file has unexpected tensors {unexpected[:4]}: allowed only the tensors of {what}")
+    for var, name, transpose, _ in plan:
+        t = tensors[name]
+        check_tensor_type(name, _type_name(t))
+        shape = _shape(t)
+        want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
+        if shape != want:
+            raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
+    # matrices kept in their file type (dtype None): their biases go inside their GGMLLinear
+    compact = {name for _, name, _, slot in plan if dt is None and slot is not None and _compact(tensors[name])}
+    biases = {name: _dequantize(tensors[name]) for _, name, _, _ in plan
+              if name.endswith(".bias") and name[:-len("bias")] + "weight" in compact}
+    for var, name, transpose, slot in plan:   # one tensor at a time: host copy, device copy, freed
+        t = tensors[name]
+        if name in compact:
+            parent, attr = slot
+            rows, n_in = _shape(t)
+            raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+            if attr == "embed":
+                setattr(parent, attr, GGMLEmbed(raw, _type_name(t), n_in))
+            else:
+                bias = biases.get(name[:-len("weight")] + "bias")
+                setattr(parent, attr, GGMLLinear(raw, _type_name(t), n_in, bias=bias))
+            continue
+        if name in biases:
+            continue  # went into its GGMLLinear
+        w = _dequantize(t)
+        fn = convert.get(name.split(".")[-1])
+        w = fn(w, name) if fn is not None else w
+        var.set_value(jnp.asarray(w.T if transpose else w, dt or jnp.float32))
+
+
+def from_gguf(path, *, dtype=None):
     """Load a llama.cpp GGUF file into an NNX :class:`Llama` (see the module docstring).
 
     Args:
@@ -280,45 +341,18 @@ def from_gguf(path, *, dtype=None) -> Llama:
     dt = None if dtype is None else _check_dtype(dtype)
     reader = _open(path)
     tensors = _tensors(reader)
+    if _field(reader, "general.architecture") == "mamba":
+        cfg = mamba_config(reader, tensors, dt)
+        model = nnx.eval_shape(lambda: Mamba(cfg, rngs=nnx.Rngs(0)))
+        what = f"a mamba model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
+        _load(model, mamba_plan(model), tensors, dt, what, convert={"ssm_a": _neg_exp_inverse})
+        return model
     cfg = _config(reader, tensors)
     arch = _field(reader, "general.architecture")
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))  # shapes only: no random init to throw away
-    plan = _plan(model)
     what = f"a {arch} model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
-    missing = [name for _, name, _, _ in plan if name not in tensors]
-    if missing:
-        raise ValueError(f"GGUF file lacks tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed "
-                         f"the tensors of {what}")
-    # rope_freqs is read into the config; llama.cpp files may carry other non-weight tensors we do not use
-    unexpected = sorted(set(tensors) - {name for _, name, _, _ in plan} - {"rope_freqs.weight"})
-    if unexpected:
-        raise ValueError(f"GGUF file has unexpected tensors {unexpected[:4]}: allowed only the tensors of {what}")
-    for var, name, transpose, _ in plan:
-        t = tensors[name]
-        check_tensor_type(name, _type_name(t))
-        shape = _shape(t)
-        want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
-        if shape != want:
-            raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
-    # one tensor at a time (host copy, device copy, freed): the model is new, so a failure here
-    # leaves nothing behind that anyone holds
-    biases = {name: _dequantize(tensors[name]) for _, name, _, _ in plan if name.endswith(".bias")}
-    for var, name, transpose, slot in plan:
-        t = tensors[name]
-        if dt is None and slot is not None and _compact(t):
-            parent, attr = slot
-            rows, n_in = _shape(t)
-            raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
-            if attr == "embed":
-                setattr(parent, attr, GGMLEmbed(raw, _type_name(t), n_in))
-            else:
-                bias = biases.get(name[:-len("weight")] + "bias")
-                setattr(parent, attr, GGMLLinear(raw, _type_name(t), n_in, bias=bias))
-            continue
-        if name.endswith(".bias") and dt is None and _compact(tensors[name[:-len("bias")] + "weight"]):
-            continue  # went into its GGMLLinear
-        w = _dequantize(t)
-        var.set_value(jnp.asarray(w.T if transpose else w, dt or jnp.float32))
+    # rope_freqs is read into the config, not a weight
+    _load(model, _plan(model), tensors, dt, what, ignore=("rope_freqs.weight",))
     if cfg.attention_bias:  # qwen2 has no output-projection bias: the model's o bias is zero
         for block in model.layers:
             o = block.attn.o_proj
