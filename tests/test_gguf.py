@@ -363,8 +363,33 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_unknown_tensor_type_id(tmp_path):
     path = _patch_type(_good(tmp_path, types={"blk.0.ffn_down.weight": Q.F32}), "blk.0.ffn_down.weight", 99)
-    with pytest.raises(ValueError, match=r"has a tensor of an unknown ggml type id \(.*99.*\): allowed .*Q4_K"):
+    with pytest.raises(ValueError, match=r"has tensor 'blk.0.ffn_down.weight' of an unknown ggml type id 99: "
+                                         r"allowed .*Q4_K"):
         from_gguf(path)
+
+
+def test_rows_that_do_not_hold_whole_blocks(tmp_path):
+    # Q4_0 blocks are 32 values: a tensor whose rows claim 64 values of Q2_K (256-value blocks) cannot exist
+    path = _patch_type(_good(tmp_path, types={"blk.0.ffn_down.weight": Q.F32}), "blk.0.ffn_down.weight", int(Q.Q2_K))
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_down.weight' with rows of \d+ values: allowed a "
+                                         r"multiple of Q2_K's block of 256 values"):
+        from_gguf(path)
+
+
+def test_the_reader_sees_what_the_gguf_package_sees(tmp_path):
+    """kvjax's one-pass reader against gguf.GGUFReader on the same file: every key, every tensor's bytes."""
+    from kvjax.nn._gguf_file import _open
+
+    path = _good(tmp_path, types={"blk.0.ffn_down.weight": Q.Q8_0, "blk.1.attn_q.weight": Q.F16})
+    ours, theirs = _open(path), gguf.GGUFReader(path, "r")
+    assert {k: v for k, v in ours.fields.items()} == {k: f.contents() for k, f in theirs.fields.items()
+                                                       if not k.startswith("GGUF.")}
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.shape, a.tensor_type, a.data_offset, a.n_bytes) == (tuple(int(d) for d in b.shape),
+                                                                        int(b.tensor_type), b.data_offset, b.n_bytes)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        np.testing.assert_array_equal(a.data, b.data)
 
 
 def test_linear_rope_scaling_is_read(tmp_path):

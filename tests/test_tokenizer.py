@@ -3,7 +3,9 @@
 Tiny tokenizers are trained here with the ``tokenizers`` library (a byte-level BPE whose
 multi-byte characters split over several tokens, a Metaspace character BPE that fits a 100-token
 model): round trips, BOS/EOS ids from the folder's JSON files, incremental decoding equal to the
-full decode with no broken character ever printed, bad inputs.
+full decode with no broken character ever printed, bad inputs; special-token texts parsed only with
+``special=True``, chat templates from the folder, and a folder with only a sentencepiece
+``tokenizer.model``. (GGUF vocabularies: ``tests/test_gguf_vocab.py``.)
 """
 
 from __future__ import annotations
@@ -169,3 +171,74 @@ def test_equals_transformers_fast_tokenizer(tmp_path, byte_bpe):
     for text in CORPUS[:3]:
         assert tok.encode(text, add_bos=False) == theirs.encode(text, add_special_tokens=False)
         assert tok.decode(tok.encode(text)) == theirs.decode(theirs.encode(text, add_special_tokens=False))
+
+
+# -- special tokens, chat templates, sentencepiece folders -------------------------------------
+
+
+def test_special_tokens_parsed_only_when_asked(byte_bpe):
+    tok = Tokenizer(byte_bpe, bos_id=0, eos_ids=(1,))
+    parsed = tok.encode("fox</s>", special=True)
+    assert parsed[-1] == 1 and 1 not in tok.encode("fox</s>")        # the default: plain text
+    assert tok.decode(tok.encode("fox</s>")) == "fox</s>"
+    assert byte_bpe.encode_special_tokens is False                    # the backend's own setting is kept
+    assert tok.encode("fox", add_eos=True)[-1] == 1 and Tokenizer(byte_bpe, eos_ids=(1,), add_eos=True).encode(
+        "fox")[-1] == 1
+    with pytest.raises(ValueError, match=r"add_eos=True is out of range without eos_ids"):
+        Tokenizer(byte_bpe, add_eos=True)
+    with pytest.raises(ValueError, match=r"special='yes' is out of range: allowed a bool"):
+        tok.encode("fox", special="yes")
+
+
+def test_chat_template_from_the_folder(tmp_path, byte_bpe):
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    folder = write_tokenizer_folder(tmp_path / "a", byte_bpe, config={"bos_token_id": 0, "eos_token_id": 1},
+                                    tokenizer_config={"chat_template": template, "bos_token": "<s>"})
+    tok = Tokenizer.from_pretrained(folder)
+    assert tok.chat_template == template
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>user: hi</s>"
+    # a list of named templates: the default one; a chat_template.jinja file wins over both
+    folder = write_tokenizer_folder(tmp_path / "b", byte_bpe, tokenizer_config={"chat_template": [
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]})
+    assert Tokenizer.from_pretrained(folder).chat_template == "plain"
+    (folder / "chat_template.jinja").write_text("from the file")
+    assert Tokenizer.from_pretrained(folder).chat_template == "from the file"
+    tok = Tokenizer.from_pretrained(write_tokenizer_folder(tmp_path / "c", byte_bpe))
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match=r"no chat template: pass one \(--chat-template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match=r"chat_template must be a str or None, got int"):
+        Tokenizer(byte_bpe, chat_template=3)
+
+
+def test_a_sentencepiece_folder(tmp_path, monkeypatch):
+    (tmp_path / "tokenizer.model").write_bytes(b"not a model")
+    # without the package: an ImportError naming it
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)
+    with pytest.raises(ImportError, match=r"needs the 'sentencepiece' package"):
+        Tokenizer.from_pretrained(tmp_path)
+    monkeypatch.undo()
+    spm = pytest.importorskip("sentencepiece")
+    with pytest.raises(ValueError, match=r"tokenizer.model is not a sentencepiece model"):
+        Tokenizer.from_pretrained(tmp_path)
+    import io
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=340,
+                                   hard_vocab_limit=False, model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   user_defined_symbols=["<mask>"], minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (sp.bos_id(), (sp.eos_id(),), True)
+    for text in CORPUS[:3] + ["unseen ÿ ø Ω 🦊", "a<mask>b"]:
+        assert tok.encode(text) == [sp.bos_id()] + sp.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.decode([sp.bos_id()] + sp.encode("fox"), skip_special=False) == "<s>fox"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    stream = tok.stream()
+    ids = tok.encode("🦊 naïve")
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == "🦊 naïve"

@@ -212,7 +212,7 @@ def _shape(t) -> Tuple[int, ...]:
 
 
 def _type_name(t) -> str:
-    return _gguf().GGMLQuantizationType(int(t.tensor_type)).name
+    return t.type_name
 
 
 def _dequantize(t) -> np.ndarray:
