@@ -6,6 +6,10 @@ Loads a Hugging Face folder (:func:`kvjax.nn.from_pretrained`) or a ``.gguf`` fi
 ``--n-parallel`` above 1 a stream per sequence, :class:`kvjax.StreamsConfig`, as llama.cpp does
 unless ``--kv-unified``; attention windows from ``--padding`` cells) and prints sequence 0's
 text as its tokens come (the other ``--n-parallel`` sequences at the end).
+With ``--chat`` the prompt is the user's turn of a conversation (``--system`` a system message
+before it), rendered by the model's chat template (``--chat-template`` a built-in name or a Jinja
+file for a model that has none; ``docs/chat_templates.md``) and only the reply is printed;
+``--interactive`` goes on with each line of standard input as the next user turn.
 Generation stops at the model's EOS tokens or ``--max-new-tokens``; a sequence that reaches
 ``--ctx`` positions shifts its context (llama.cpp's rule).
 
@@ -18,17 +22,20 @@ second run compiles almost nothing.
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import sys
 import time
-from dataclasses import dataclass
-from typing import List, TextIO
+from dataclasses import dataclass, field
+from typing import List, Optional, TextIO
 
 # jax and kvjax are imported inside the functions: ``python -m kvjax`` builds this parser for every
 # subcommand and should not pay for them there
 
 CACHE_TYPES = ("float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 DTYPES = ("float32", "bfloat16", "float16")
+#: the --dtype values: a float dtype, or "file" for a GGUF's own block types (kept compact)
+WEIGHT_DTYPES = DTYPES + ("file",)
 #: the smallest attention window in cells (windows double from it; llama.cpp pads its window to 256
 #: cells with flash attention): every window bucket is one more program to compile, and for a real
 #: model a compile takes seconds to minutes while attending over up to 255 more cells costs a small
@@ -47,6 +54,13 @@ class Report:
     compile_seconds: float
     prompt_tokens_per_second: float
     tokens_per_second: float
+    #: the text the model was given (with ``--chat``: the rendered conversation) and its token ids
+    prompt_text: str = ""
+    prompt_ids: List[int] = field(default_factory=list)
+    #: with ``--chat``: the conversation at the end (system, user and assistant messages) and each
+    #: turn's reply (one turn, or several with ``--interactive``; the speeds above are the first's)
+    conversation: List[dict] = field(default_factory=list)
+    replies: List[str] = field(default_factory=list)
 
 
 def load(path, dtype: str = "float32"):
@@ -58,13 +72,16 @@ def load(path, dtype: str = "float32"):
     from kvjax.nn._tokenizer import Tokenizer
 
     p = pathlib.Path(path)
+    if dtype == "file" and p.suffix != ".gguf":
+        raise ValueError(f"--dtype 'file' keeps a .gguf file's block types: allowed for a .gguf --model, not "
+                         f"{str(path)!r} (a folder loads as one of {list(DTYPES)})")
     if not p.exists():
         raise ValueError(f"--model {str(path)!r} does not exist: allowed a Hugging Face checkpoint folder or a "
                          f".gguf file")
     if p.suffix == ".gguf":
         from kvjax.nn._gguf import from_gguf
 
-        return from_gguf(str(p), dtype=dtype), Tokenizer.from_gguf(p)
+        return from_gguf(str(p), dtype=None if dtype == "file" else dtype), Tokenizer.from_gguf(p)
     if not p.is_dir():
         raise ValueError(f"--model {str(path)!r} is a file: allowed a Hugging Face checkpoint folder or a .gguf file")
     from kvjax.nn._pretrained import from_pretrained
@@ -77,11 +94,143 @@ def _check(name, value, ok, allowed):
         raise ValueError(f"{name} {value!r} is out of range: allowed {allowed}")
 
 
+def resolve_chat_template(tok, chat_template: Optional[str] = None) -> str:
+    """The Jinja text ``--chat`` renders: ``chat_template`` (a built-in name or a Jinja file), else the
+    tokenizer's own (``tok.chat_template``, read from the model file).
+
+    A built-in name wins over a file of the same name (llama.cpp's ``--chat-template`` takes names
+    too).
+
+    Raises:
+        ValueError: an unknown name and no such file, an unreadable file, or no template at all.
+    """
+    from kvjax.nn._chat_template import BUILTIN_TEMPLATES
+
+    names = sorted(BUILTIN_TEMPLATES)
+    if chat_template is not None:
+        if not isinstance(chat_template, str) or not chat_template:
+            raise ValueError(f"--chat-template {chat_template!r} is out of range: allowed one of {names} or the path "
+                             f"of a Jinja file")
+        if chat_template in BUILTIN_TEMPLATES:
+            return BUILTIN_TEMPLATES[chat_template]
+        path = pathlib.Path(chat_template)
+        if not path.is_file():
+            raise ValueError(f"--chat-template {chat_template!r} is neither a built-in template nor a file: allowed "
+                             f"one of {names} or the path of a Jinja file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {chat_template!r} cannot be read ({e}): allowed a UTF-8 Jinja "
+                             f"file") from None
+        if not text.strip():
+            raise ValueError(f"--chat-template {chat_template!r} is an empty file: allowed a Jinja chat template")
+        return text
+    own = getattr(tok, "chat_template", None)
+    # tokenizer_config.json may hold several named templates ([{"name", "template"}, ...]);
+    # transformers renders the one named "default" when no tools are given
+    if isinstance(own, (list, tuple)):
+        own = {t.get("name"): t.get("template") for t in own if isinstance(t, dict)}
+    if isinstance(own, dict):
+        own = own.get("default")
+    if not isinstance(own, str) or not own.strip():
+        raise ValueError(f"--chat needs a chat template and the model file has none: allowed --chat-template with "
+                         f"one of {names} or the path of a Jinja file")
+    return own
+
+
+#: the token that ends the assistant's turn in each built-in template: with ``--chat-template NAME``
+#: generation stops there too (a file without a template often lists no end-of-turn id among its
+#: EOS ids; llama.cpp likewise stops at the template's end of turn)
+TURN_ENDS = {"chatml": "<|im_end|>", "gemma": "<end_of_turn>", "llama3": "<|eot_id|>", "mistral": None}
+
+
+def chat_stop_ids(tok, chat_template: Optional[str]) -> List[int]:
+    """The EOS ids plus, for a built-in ``chat_template``, its end-of-turn token's id when the
+    vocabulary has it as one token."""
+    ids = list(tok.eos_ids)
+    text = TURN_ENDS.get(chat_template) if isinstance(chat_template, str) else None
+    if text is not None:
+        try:
+            i = tok.backend.token_to_id(text)
+        except Exception:   # a backend without token_to_id: no extra stop
+            i = None
+        if isinstance(i, int) and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def _special_text(tok, attr: str, ids) -> str:
+    """A special token's text as templates write it (``<s>``, ``<bos>``); ``""`` when unknown.
+
+    The tokenizer's own text first (``tokenizer_config.json``'s ``bos_token`` / ``eos_token``,
+    which :meth:`kvjax.nn.Tokenizer.apply_chat_template` uses too), else the id's text.
+    """
+    for name in (f"_{attr.split('_')[0]}_text", attr):   # _bos_text, bos_token
+        text = getattr(tok, name, None)
+        if isinstance(text, str) and text:
+            return text
+    backend = getattr(tok, "backend", None)
+    for i in ids:
+        try:
+            text = backend.id_to_token(int(i))
+        except Exception:   # a backend without id_to_token, or an id it does not know
+            text = None
+        if isinstance(text, str):
+            return text
+    return ""
+
+
+def encode_chat_text(tok, text: str, add_bos: Optional[bool] = None) -> List[int]:
+    """The ids of rendered chat text, its special-token texts (``<start_of_turn>``) read as those
+    tokens, as llama.cpp (``parse_special``) and transformers tokenize a chat prompt.
+
+    A tokenizer whose ``encode`` takes ``special`` is asked for it; an older one matches its
+    added tokens in the text by default.
+    """
+    try:
+        takes_special = "special" in inspect.signature(tok.encode).parameters
+    except (TypeError, ValueError):   # a builtin or C-level encode: no signature to read
+        takes_special = False
+    if takes_special:
+        return tok.encode(text, add_bos=add_bos, special=True)
+    return tok.encode(text, add_bos=add_bos)
+
+
+def chat_prompt(tok, messages, template: str):
+    """``(text, ids)`` of a conversation rendered with ``template``, ready to generate the reply.
+
+    The text is rendered with the generation prompt and tokenized with its special-token texts
+    (:func:`encode_chat_text`). BOS is not doubled, by llama.cpp's rule: when the tokenizer adds
+    BOS and the text starts with the BOS text (the template wrote it), that text is cut and the
+    tokenizer's BOS id put first, once; a template without BOS gets the tokenizer's, as any prompt.
+
+    Raises:
+        ValueError: bad messages, or the template's own error (see :func:`render_chat_template`).
+    """
+    from kvjax.nn._chat_template import render_chat_template
+
+    bos_id = getattr(tok, "bos_id", None)
+    bos = _special_text(tok, "bos_token", [] if bos_id is None else [bos_id])
+    eos = _special_text(tok, "eos_token", list(getattr(tok, "eos_ids", ()))[:1])
+    text = render_chat_template(template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+    if tok.add_bos and bos and text.startswith(bos):
+        return text, encode_chat_text(tok, text[len(bos):], add_bos=True)
+    return text, encode_chat_text(tok, text)
+
+
 def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 64, temperature: float = 0.0,
         cache_type: str = "float32", ctx: int = 512, seed: int = 0, dtype: str = "float32", n_ubatch: int = 64,
-        padding: int = DEFAULT_PADDING, kv_unified: bool = False, out: TextIO = sys.stdout,
-        err: TextIO = sys.stderr) -> Report:
+        padding: int = DEFAULT_PADDING, kv_unified: bool = False, chat: bool = False, system: Optional[str] = None,
+        chat_template: Optional[str] = None, interactive: bool = False, max_turns: int = 16,
+        out: TextIO = sys.stdout, err: TextIO = sys.stderr, inp: TextIO = sys.stdin) -> Report:
     """Load, generate with streaming to ``out``, report to ``err``; the measured :class:`Report`.
+
+    With ``chat`` the prompt is the user's turn (after a ``system`` message when given), rendered
+    by the chat template (``chat_template``: a built-in name or a Jinja file, else the model
+    file's own) with the assistant's turn opened; ``out`` then gets the reply only. With
+    ``interactive`` each further line of ``inp`` is the user's next turn (after a ``> `` prompt on
+    ``out``), answered with the whole conversation as the prompt, until the end of ``inp``, an
+    empty line or ``max_turns`` user turns in all.
 
     Raises:
         ValueError: a bad argument (named with its allowed values) or a bad checkpoint.
@@ -92,7 +241,7 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     _check("--temperature", temperature, isinstance(temperature, (int, float)) and temperature >= 0,
            "a number >= 0 (0 is greedy)")
     _check("--cache-type", cache_type, cache_type in CACHE_TYPES, f"one of {list(CACHE_TYPES)}")
-    _check("--dtype", dtype, dtype in DTYPES, f"one of {list(DTYPES)}")
+    _check("--dtype", dtype, dtype in WEIGHT_DTYPES, f"one of {list(WEIGHT_DTYPES)}")
     _check("--ctx", ctx, isinstance(ctx, int) and ctx >= 2, "an integer >= 2")
     _check("--ubatch", n_ubatch, isinstance(n_ubatch, int) and n_ubatch >= 1, "an integer >= 1")
     _check("--kv-unified", kv_unified, isinstance(kv_unified, bool), "True or False")
@@ -100,6 +249,21 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
            "an integer >= 1")
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"--prompt {prompt!r} is out of range: allowed a non-empty text")
+    _check("--chat", chat, isinstance(chat, bool), "True or False")
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"--system {system!r} is out of range: allowed a text")
+    for flag, value in (("--system", system), ("--chat-template", chat_template)):
+        if value is not None and not chat:
+            raise ValueError(f"{flag} is out of range without --chat: allowed together with --chat")
+    _check("--interactive", interactive, isinstance(interactive, bool), "True or False")
+    if interactive and not chat:
+        raise ValueError("--interactive is out of range without --chat: allowed together with --chat")
+    if interactive and n_parallel != 1:
+        raise ValueError(f"--n-parallel {n_parallel} is out of range with --interactive: allowed 1")
+    _check("--max-turns", max_turns, isinstance(max_turns, int) and not isinstance(max_turns, bool) and max_turns >= 1,
+           "an integer >= 1")
+    # a bad --chat-template fails before the model loads (the model's own is read with its tokenizer)
+    template = resolve_chat_template(None, chat_template) if chat_template is not None else None
 
     import jax
     from flax import nnx
@@ -114,7 +278,15 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     kvjax.nn.fuse_projections(model)
     jax.block_until_ready(jax.tree.leaves(nnx.state(model)))   # the weights are on the device: load time
     load_seconds = time.perf_counter() - t0
-    ids = tok.encode(prompt)
+    messages = []
+    if chat:
+        template = template if template is not None else resolve_chat_template(tok)
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": prompt}]
+        text, ids = chat_prompt(tok, messages, template)
+    else:
+        text, ids = prompt, tok.encode(prompt)
+    shown = "" if chat else prompt   # what the output starts with: a chat prints the reply only
     if not ids:
         raise ValueError(f"--prompt {prompt!r} gives no tokens: allowed a text the tokenizer encodes")
     vocab = model.config.vocab_size
@@ -138,36 +310,65 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
         # llama.cpp's default for several sequences: a stream of ctx cells per sequence, so each
         # sequence attends over its own cells only (the prompt is evaluated once and its stream copied)
         mem_cfg = kvjax.StreamsConfig(memory_config_for(model, size=ctx, n_seq_max=n_parallel, **overrides))
-    stop = [i for i in tok.eos_ids if i < vocab]
-    options = dict(n_parallel=n_parallel, stop_tokens=stop, n_ctx=ctx, n_keep=min(len(ids), ctx // 4),
+    stop = [i for i in (chat_stop_ids(tok, chat_template) if chat else tok.eos_ids) if i < vocab]
+    options = dict(n_parallel=n_parallel, stop_tokens=stop, n_ctx=ctx,
                    sampling=kvjax.SamplingConfig(temperature=float(temperature)))
     # warm-up on a memory of its own: the prompt's programs and the first decode step compile here,
     # so the timed run below measures evaluation (new window buckets later are counted apart)
     warm = generate(Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch), [ids], max_new_tokens=min(2, max_new_tokens),
-                    key=jax.random.PRNGKey(seed), **options)
+                    key=jax.random.PRNGKey(seed), n_keep=min(len(ids), ctx // 4), **options)
     engine = Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch)
-    streamer = tok.stream()
+    streamer = [tok.stream()]   # one per turn
 
     def on_token(seq, token):
         if seq == 0:
-            out.write(streamer.push(token))
+            out.write(streamer[0].push(token))
             out.flush()
 
-    out.write(prompt)
+    out.write(shown)
     out.flush()
     result = generate(engine, [ids], max_new_tokens=max_new_tokens, key=jax.random.PRNGKey(seed), on_token=on_token,
-                      **options)
-    out.write(streamer.flush() + "\n")
+                      n_keep=min(len(ids), ctx // 4), **options)
+    out.write(streamer[0].flush() + "\n")
     texts = [tok.decode(t) for t in result.tokens]
     for i in range(1, len(texts)):
-        out.write(f"\n[{i}] {prompt}{texts[i]}\n")
+        out.write(f"\n[{i}] {shown}{texts[i]}\n")
     out.flush()
+    replies = [texts[0]] if chat else []
+    if chat:
+        messages.append({"role": "assistant", "content": texts[0]})
+    for turn in range(2, max_turns + 1) if interactive else ():
+        # the next user turn; the whole conversation is the prompt of a fresh memory (the programs
+        # compiled above are cached across engines and reused; a longer conversation may add a
+        # larger window bucket's)
+        out.write("> ")
+        out.flush()
+        line = inp.readline()
+        if not line.strip():   # the end of the input, or an empty line: the chat is over
+            if not line:       # the input ended after the prompt (no newline was typed)
+                out.write("\n")
+                out.flush()
+            break
+        messages.append({"role": "user", "content": line.rstrip("\r\n")})
+        _, turn_ids = chat_prompt(tok, messages, template)
+        if len(turn_ids) >= ctx:
+            raise ValueError(f"--ctx {ctx} is out of range for the conversation of {len(turn_ids)} tokens at turn "
+                             f"{turn}: allowed > {len(turn_ids)}")
+        streamer[0] = tok.stream()
+        answer = generate(Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch), [turn_ids],
+                          max_new_tokens=max_new_tokens, key=jax.random.fold_in(jax.random.PRNGKey(seed), turn),
+                          on_token=on_token, n_keep=min(len(turn_ids), ctx // 4), **options)
+        out.write(streamer[0].flush() + "\n")
+        out.flush()
+        replies.append(tok.decode(answer.tokens[0]))
+        messages.append({"role": "assistant", "content": replies[-1]})
 
     compile_seconds = warm.compile_seconds + result.compile_seconds
     prompt_tps = result.prompt_tokens / max(result.time_to_first_token, 1e-9)
     n_gen = sum(len(t) for t in result.tokens)
     report = Report(texts, result.tokens, result.prompt_tokens, load_seconds, compile_seconds, prompt_tps,
-                    result.steady_tokens_per_second)
+                    result.steady_tokens_per_second, prompt_text=text, prompt_ids=list(ids), conversation=messages,
+                    replies=replies)
     cfg = model.config
     n_shift = result.context_shifts
     shifts = f"; {n_shift} context shift{'s' if n_shift != 1 else ''}" if n_shift else ""
@@ -190,7 +391,9 @@ def main(argv_args) -> int:
     try:
         run(a.model, a.prompt, n_parallel=a.n_parallel, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
             cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch, padding=a.padding,
-            kv_unified=a.kv_unified)
+            kv_unified=a.kv_unified, chat=getattr(a, "chat", False), system=getattr(a, "system", None),
+            chat_template=getattr(a, "chat_template", None), interactive=getattr(a, "interactive", False),
+            max_turns=getattr(a, "max_turns", 16))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -202,12 +405,26 @@ def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a checkpoint folder (or .gguf), streamed, with the speed")
     g.add_argument("--model", required=True, help="a Hugging Face checkpoint folder (config.json, *.safetensors, "
                                                   "tokenizer.json) or a .gguf file")
-    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
+    g.add_argument("--chat", action="store_true",
+                   help="chat: the prompt is the user's turn, rendered with the model's chat template and the "
+                        "assistant's turn opened; only the reply is printed")
+    g.add_argument("--system", default=None, help="with --chat, a system message before the user's turn")
+    g.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
+                   help="with --chat, the template to use instead of the model file's (needed when it has none): "
+                        "a built-in (chatml, gemma, llama3, mistral) or the path of a Jinja file")
+    g.add_argument("--interactive", action="store_true",
+                   help="with --chat, go on chatting: each line of standard input is the next user turn (an empty "
+                        "line or the end of the input ends the chat)")
+    g.add_argument("--max-turns", type=int, default=16,
+                   help="with --interactive, the most user turns in all, the --prompt one included (default 16)")
     g.add_argument("--n-parallel", type=int, default=1, help="continuations sampled in parallel (default 1)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated per sequence (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 is greedy (default 0)")
     g.add_argument("--cache-type", default="float32", choices=CACHE_TYPES, help="K/V storage type (default float32)")
-    g.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    g.add_argument("--dtype", default="float32", choices=WEIGHT_DTYPES,
+                   help="weights' dtype (default float32, the fastest on CPU); 'file' keeps a .gguf file's own "
+                        "block types resident (Q4_K, Q8_0, ...: about the file's size in memory)")
     g.add_argument("--ctx", type=int, default=512, help="positions per sequence before a context shift (default 512)")
     g.add_argument("--ubatch", type=int, default=64, help="most tokens per ubatch (default 64)")
     g.add_argument("--padding", type=int, default=DEFAULT_PADDING,
