@@ -202,3 +202,31 @@ def test_bad_rows_are_refused():
         GGMLLinear(np.zeros((4, 34), np.uint8), "Q9_9", 32)
     with pytest.raises(ValueError, match="raw must be a 2-d array"):
         GGMLEmbed(np.zeros((34,), np.uint8), "Q8_0", 32)
+
+
+def test_the_linen_twin_refuses_a_compact_model(tmp_path):
+    from kvjax.nn import params_from_nnx
+
+    model = from_gguf(_write(tmp_path / "m.gguf", _model(), "Q8_0"))
+    with pytest.raises(ValueError, match=r"weights kept as ggml blocks \(embed, .*from_gguf\(path, dtype=jnp.float32\)"):
+        params_from_nnx(model)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q6_K"])
+def test_a_compact_layer_eager_and_jitted(name):
+    """GGMLLinear equals ``x @ W.T + b`` with gguf's dequantized W, eagerly and jitted; new inputs do not recompile."""
+    rng = np.random.default_rng(0)
+    t = WEIGHT_TYPES[name]
+    raw = (gguf.quants.quantize(rng.standard_normal((8, 256)).astype(np.float32), Q[name]) if _quantizable(name)
+           else _random_blocks(name, 8, 256, rng))
+    bias = rng.standard_normal(8).astype(np.float32)
+    lin = GGMLLinear(raw, name, 256, bias=bias)
+    assert lin.blocks[...].shape == (8, 256 // t.block * t.type_size)
+    w = gguf.quants.dequantize(raw, Q[name])
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(lin(jnp.asarray(x))), x @ w.T + bias, atol=1e-4, rtol=1e-5)
+    run = nnx.jit(lambda layer, v: layer(v))
+    np.testing.assert_allclose(np.asarray(run(lin, jnp.asarray(x))), x @ w.T + bias, atol=1e-4, rtol=1e-5)
+    with CompileCounter() as again:
+        run(lin, jnp.asarray(x + 1))
+    assert again.count == 0

@@ -131,6 +131,14 @@ def params_from_nnx(model: Llama) -> dict:
     """
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
+    from kvjax.nn._ggml_linear import GGMLBlocks
+
+    compact = nnx.state(model, GGMLBlocks)
+    if jax.tree.leaves(compact):   # the linen twin has float kernels only: it would drop these weights
+        names = [".".join(str(k) for k in path[:-1]) for path, _ in nnx.to_flat_state(compact)]
+        more = " ..." if len(names) > 3 else ""
+        raise ValueError(f"model has weights kept as ggml blocks ({', '.join(names[:3])}{more}): allowed a model "
+                         f"with float weights; load it with from_gguf(path, dtype=jnp.float32)")
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     layers = pure.pop("layers")
     for il, block in layers.items():
