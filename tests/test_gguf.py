@@ -353,26 +353,18 @@ def _patch_type(path, name: str, type_id: int):
     return path
 
 
-def test_unsupported_tensor_type(tmp_path):
+@pytest.mark.parametrize("type_id, message", [
     # Q8_1 rows take fewer bytes than the F32 rows written, so only the type is wrong
-    path = _patch_type(_good(tmp_path, types={"blk.0.ffn_down.weight": Q.F32}), "blk.0.ffn_down.weight", int(Q.Q8_1))
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_down.weight' has type Q8_1: ggml type 'Q8_1' is not "
-                                         r"supported \(an intermediate type .*\): allowed one of"):
-        from_gguf(path)
-
-
-def test_unknown_tensor_type_id(tmp_path):
-    path = _patch_type(_good(tmp_path, types={"blk.0.ffn_down.weight": Q.F32}), "blk.0.ffn_down.weight", 99)
-    with pytest.raises(ValueError, match=r"has tensor 'blk.0.ffn_down.weight' of an unknown ggml type id 99: "
-                                         r"allowed .*Q4_K"):
-        from_gguf(path)
-
-
-def test_rows_that_do_not_hold_whole_blocks(tmp_path):
-    # Q4_0 blocks are 32 values: a tensor whose rows claim 64 values of Q2_K (256-value blocks) cannot exist
-    path = _patch_type(_good(tmp_path, types={"blk.0.ffn_down.weight": Q.F32}), "blk.0.ffn_down.weight", int(Q.Q2_K))
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_down.weight' with rows of \d+ values: allowed a "
-                                         r"multiple of Q2_K's block of 256 values"):
+    (int(Q.Q8_1), r"tensor 'blk.0.ffn_down.weight' has type Q8_1: ggml type 'Q8_1' is not supported \(an "
+                  r"intermediate type .*\): allowed one of"),
+    (99, r"has tensor 'blk.0.ffn_down.weight' of an unknown ggml type id 99: allowed .*Q4_K"),
+    # rows of 64 values cannot hold Q2_K's 256-value blocks
+    (int(Q.Q2_K), r"tensor 'blk.0.ffn_down.weight' with rows of \d+ values: allowed a multiple of Q2_K's block of "
+                  r"256 values"),
+])
+def test_tensor_types_refused(tmp_path, type_id, message):
+    path = _patch_type(_good(tmp_path, types={"blk.0.ffn_down.weight": Q.F32}), "blk.0.ffn_down.weight", type_id)
+    with pytest.raises(ValueError, match=message):
         from_gguf(path)
 
 

@@ -64,18 +64,9 @@ def write_mamba_gguf(path, model, qtype=Q.F32, *, dt_b_c_rms=False, edit=None, v
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_ssm_dt_b_c_rms(dt_b_c_rms)
     if vocab:   # the SentencePiece fixture vocabulary, so that llama.cpp loads the file
-        from tests.vocab_fixtures import spm_vocab
+        from tests.vocab_fixtures import add_spm_vocab
 
-        tokens, scores, types = spm_vocab()
-        assert len(tokens) == cfg.vocab_size
-        w.add_tokenizer_model("llama")
-        w.add_tokenizer_pre("default")
-        w.add_token_list(tokens)
-        w.add_token_scores(scores)
-        w.add_token_types(types)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
+        assert add_spm_vocab(w) == cfg.vocab_size
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.MAMBA, cfg.n_layer)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     for key, value in hf_state_dict(model).items():

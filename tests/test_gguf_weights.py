@@ -13,6 +13,8 @@ real Q4_K_M file's K types against the float weights and llama.cpp are in ``test
 
 from __future__ import annotations
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +50,26 @@ def _quantizable(name: str) -> bool:
 #: their spread), with a third of headroom. The ternary types cannot represent a random float model.
 REL_TOL = {"F16": 0.002, "BF16": 0.01, "Q8_0": 0.025, "Q5_1": 0.18, "Q5_0": 0.22, "Q4_1": 0.35, "Q4_0": 0.4,
            "MXFP4": 0.53, "TQ2_0": None, "TQ1_0": None}
+
+
+#: the types only llama.cpp quantizes, fixture files by llama_model_quantize (type -> its LLAMA_FTYPE_MOSTLY_*)
+LLAMA_CPP_TYPES = {"Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K",
+                   "IQ3_S": "IQ3_S", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+#: where scripts/make_quantized_fixtures.py keeps them
+QUANTIZED = pathlib.Path(__file__).parent / "data" / "quantized"
+
+
+def fixture_model() -> Llama:
+    """The float model llama.cpp quantized (one layer of width 256: rows of whole 256-value super-blocks)."""
+    cfg = LlamaConfig(vocab_size=96, d_model=256, n_layer=1, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=256,
+                      norm_eps=1e-5, rope=kvjax.RopeConfig(n_rot=128, mode="neox", freq_base=10000.0))
+    return Llama(cfg, rngs=nnx.Rngs(11))
+
+
+def write_fixture_f32(path, model: Llama):
+    """``model`` as a float32 ``llama`` GGUF (the input of llama.cpp's quantizer)."""
+    return write_gguf(path, "llama", _kvjax_sd(model), n_layer=1, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0,
+                      head_dim=128)
 
 
 def _model(scale: float = 1.0, qk_norm: bool = False) -> Llama:
@@ -230,3 +252,27 @@ def test_a_compact_layer_eager_and_jitted(name):
     with CompileCounter() as again:
         run(lin, jnp.asarray(x + 1))
     assert again.count == 0
+
+
+#: RMS logit difference against the float model, as a fraction of its logits' std, for the files
+#: llama.cpp quantized: measured Q6_K 0.054, Q5_K 0.116, Q4_K 0.231, IQ4_NL 0.238, IQ4_XS 0.240,
+#: Q3_K 0.442, IQ3_S 0.494, Q2_K 0.795 (the order of their bits per weight), with a third of headroom
+LLAMA_CPP_TOL = {"Q6_K": 0.072, "Q5_K": 0.155, "Q4_K": 0.31, "IQ4_NL": 0.32, "IQ4_XS": 0.32, "Q3_K": 0.59,
+                 "IQ3_S": 0.66, "Q2_K": 1.06}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CPP_TYPES))
+def test_files_llama_cpp_quantized_stay_near_the_float_model(name):
+    """Blocks with the scales llama.cpp's own quantizer chose (scripts/make_quantized_fixtures.py)."""
+    path = QUANTIZED / f"tiny-{name}.gguf"
+    if not path.exists():
+        pytest.skip(f"{path.name} missing: run scripts/make_quantized_fixtures.py (needs llama-cpp-python)")
+    compact, full = from_gguf(path), from_gguf(path, dtype=jnp.float32)
+    assert {compact.layers[0].attn.q_proj.type_name, compact.layers[0].mlp.down.type_name,
+            compact.embed.type_name} == {name}
+    tokens = jnp.asarray(TOKENS)
+    got, loaded = np.asarray(compact.forward(tokens)), np.asarray(full.forward(tokens))
+    np.testing.assert_allclose(got, loaded, atol=1e-5 * max(1.0, np.abs(loaded).max()), rtol=1e-5)
+    want = np.asarray(fixture_model().forward(tokens))
+    rel = float(np.sqrt(np.mean((got - want) ** 2)) / want.std())
+    assert rel < LLAMA_CPP_TOL[name], f"{name}: {rel:.4f} of the logits' std"

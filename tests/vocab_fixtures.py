@@ -221,10 +221,9 @@ def _close(w):
     w.close()
 
 
-def write_spm(path, *, add_space_prefix: bool = True, add_eos: bool = False):
-    """Write the SentencePiece fixture vocabulary to ``path`` (a GGUF file without tensors)."""
+def add_spm_vocab(w, *, add_eos: bool = False):
+    """Add the SentencePiece fixture vocabulary's keys to the ``gguf.GGUFWriter`` ``w``."""
     tokens, scores, types = spm_vocab()
-    w = _writer(path)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -235,6 +234,13 @@ def write_spm(path, *, add_space_prefix: bool = True, add_eos: bool = False):
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(add_eos)
+    return len(tokens)
+
+
+def write_spm(path, *, add_space_prefix: bool = True, add_eos: bool = False):
+    """Write the SentencePiece fixture vocabulary to ``path`` (a GGUF file without tensors)."""
+    w = _writer(path)
+    add_spm_vocab(w, add_eos=add_eos)
     if not add_space_prefix:   # absent means True, as llama.cpp reads it
         w.add_add_space_prefix(False)
     w.add_chat_template("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"

@@ -33,32 +33,25 @@ Example:
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Dict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax._ggml_blocks import WEIGHT_TYPES, BlockType
+
 #: elements per block (QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0 = 32 in ggml)
 BLOCK = 32
 
 
-class QuantType(NamedTuple):
-    """One block type: its ggml type id, elements per block and bytes per block."""
+#: one block type: its ggml type id, elements per block and bytes per block (the weight types' record)
+QuantType = BlockType
 
-    ggml_id: int
-    block: int
-    type_size: int
-
-
-#: ggml types kvjax stores K/V in, by name (the ids are ``enum ggml_type``).
-QUANT_TYPES: Dict[str, QuantType] = {
-    "q4_0": QuantType(2, BLOCK, 18),
-    "q4_1": QuantType(3, BLOCK, 20),
-    "q5_0": QuantType(6, BLOCK, 22),
-    "q5_1": QuantType(7, BLOCK, 24),
-    "q8_0": QuantType(8, BLOCK, 34),
-}
+#: ggml types kvjax stores K/V in, by name (the ids are ``enum ggml_type``): the weight types' own entries
+QUANT_TYPES: Dict[str, QuantType] = {name: WEIGHT_TYPES[name.upper()]
+                                     for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")}
+assert all(t.block == BLOCK for t in QUANT_TYPES.values())
 
 
 def is_quantized(name: str) -> bool:
