@@ -128,11 +128,15 @@ def test_bad_model_paths(tmp_path):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="GGUF"):
         _generate.load(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=r"--dtype 'file' keeps a .gguf file's block types: allowed for a .gguf"):
+        _generate.load(tmp_path, "file")
 
 
-def test_a_gguf_file_generates_like_its_weights(tmp_path):
+@pytest.mark.parametrize("qtype, dtype", [("F32", "float32"), ("Q8_0", "file")])
+def test_a_gguf_file_generates_like_its_weights(tmp_path, qtype, dtype):
     """A GGUF file holding a kvjax model's weights and a byte-level BPE vocabulary: the command's
-    greedy continuation is the model's own (llama.cpp's RoPE convention inside the file)."""
+    greedy continuation is the model's own (llama.cpp's RoPE convention inside the file), with the
+    weights converted at load or kept in the file's blocks (``--dtype file``)."""
     gguf = pytest.importorskip("gguf")
     from tests.test_gguf import _kvjax_model, _kvjax_sd, _trained_bpe, write_gguf
 
@@ -150,10 +154,12 @@ def test_a_gguf_file_generates_like_its_weights(tmp_path):
                                 "add_token_list": vocab, "add_token_merges": merges,
                                 "add_token_types": [3 if t in ("<|begin|>", "<|end|>") else 1 for t in vocab],
                                 "add_bos_token_id": vocab.index("<|begin|>"),
-                                "add_eos_token_id": vocab.index("<|end|>"), "add_add_bos_token": True})
-    out = io.StringIO()
-    report = _generate.run(path, "The quick brown", max_new_tokens=5, ctx=64, out=out, err=io.StringIO())
-    loaded = kvjax.nn.from_gguf(path)
+                                "add_eos_token_id": vocab.index("<|end|>"), "add_add_bos_token": True},
+                      qtype=gguf.GGMLQuantizationType[qtype])
+    out, err = io.StringIO(), io.StringIO()
+    report = _generate.run(path, "The quick brown", max_new_tokens=5, ctx=64, out=out, err=err, dtype=dtype)
+    assert ("weights in the file's Q8_0;" in err.getvalue()) == (dtype == "file")
+    loaded = kvjax.nn.from_gguf(path, dtype=None if dtype == "file" else jnp.float32)
     ids = Tokenizer.from_gguf(path).encode("The quick brown")
     assert ids[0] == vocab.index("<|begin|>") and report.prompt_tokens == len(ids)
     want = _greedy(loaded, ids, 5)

@@ -89,6 +89,16 @@ def load(path, dtype: str = "float32"):
     return from_pretrained(p, dtype=dtype), Tokenizer.from_pretrained(p)
 
 
+def _weights_label(model, dtype: str) -> str:
+    """``dtype``, or for ``"file"`` the block types the model keeps (``"weights in Q4_K, Q6_K, Q8_0"``)."""
+    if dtype != "file":
+        return dtype
+    from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
+
+    kinds = sorted({m.type_name for _, m in model.iter_modules() if isinstance(m, (GGMLLinear, GGMLEmbed))})
+    return f"weights in the file's {', '.join(kinds)}" if kinds else "float32 weights (the file's own)"
+
+
 def _check(name, value, ok, allowed):
     if not ok:
         raise ValueError(f"{name} {value!r} is out of range: allowed {allowed}")
@@ -374,7 +384,7 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     shifts = f"; {n_shift} context shift{'s' if n_shift != 1 else ''}" if n_shift else ""
     windows = f", windows from {padding} cells" if "padding" in overrides else ""
     err.write(f"model: {type(model).__name__} {cfg.n_layer} layers, width {cfg.d_model}, vocab {vocab}, "
-              f"{dtype}; memory: {type(mem_cfg).__name__} ({cache_type} K/V, {ctx} positions x {n_parallel} "
+              f"{_weights_label(model, dtype)}; memory: {type(mem_cfg).__name__} ({cache_type} K/V, {ctx} positions x {n_parallel} "
               f"sequences{windows})\n")
     err.write(f"load {load_seconds:.2f} s; compile {compile_seconds:.2f} s ({warm.compiles + result.compiles} "
               f"programs, in a warm-up run and apart from the speeds)\n")
