@@ -188,7 +188,7 @@ def _kvjax_model(arch: str, tie: bool = False, scale: float = 2.0) -> Llama:
     return model
 
 
-@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen2", True),
+@pytest.mark.parametrize("arch, tie", [("llama", False), ("qwen2", True), ("llama", True),   # Llama 3.2: tied
                                        pytest.param("mistral", False, marks=pytest.mark.slow)])
 def test_a_gguf_of_a_kvjax_models_weights_gives_its_logits(tmp_path, arch, tie):
     model = _kvjax_model(arch, tie)
