@@ -175,10 +175,6 @@ def _f32(b):
     return jax.lax.bitcast_convert_type(_u32(b), jnp.float32)
 
 
-def _f16_type(b):
-    return _f16(b)
-
-
 def _bf16(b):
     return jax.lax.bitcast_convert_type(_u16(b).astype(jnp.uint32) << 16, jnp.float32)
 
@@ -453,7 +449,7 @@ def _iq1_m(b):
 
 
 _DEQUANTIZERS: Dict[str, Callable[[jax.Array], jax.Array]] = {
-    "F32": _f32, "F16": _f16_type, "BF16": _bf16,
+    "F32": _f32, "F16": _f16, "BF16": _bf16,
     "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
     "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4, "NVFP4": _nvfp4,

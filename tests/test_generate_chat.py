@@ -122,8 +122,7 @@ def test_builtin_templates_stop_at_their_end_of_turn(folder):
 @pytest.fixture
 def own_template(monkeypatch):
     """The model file's own template on the tokenizer (``Tokenizer.chat_template``), and its
-    ``add_bos`` when given: the loader is wrapped so this works before and after the tokenizer
-    reads templates from files itself."""
+    ``add_bos`` when given, set on the tokenizer the loader returns."""
     real_load = _generate.load
 
     def use(template, add_bos=None):
@@ -152,7 +151,7 @@ def test_the_model_files_own_template(folder, own_template):
 
 def test_the_template_in_tokenizer_config(folder, tmp_path):
     """A folder whose tokenizer_config.json has a chat_template: ``--chat`` alone renders it, the
-    same text as the tokenizer's own ``apply_chat_template`` (where the tokenizer reads templates)."""
+    same text as the tokenizer's own ``apply_chat_template``."""
     import json
     import shutil
 
@@ -162,8 +161,7 @@ def test_the_template_in_tokenizer_config(folder, tmp_path):
     config["chat_template"] = chat_template_by_name("gemma")
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     tok = Tokenizer.from_pretrained(other)
-    if getattr(tok, "chat_template", None) is None:
-        pytest.skip("this kvjax's Tokenizer does not read chat templates from tokenizer_config.json")
+    assert tok.chat_template == config["chat_template"]
     report, _ = _run(other, "fox", system="sys")
     assert report.prompt_text == "<s><start_of_turn>user\nsys\n\nfox<end_of_turn>\n<start_of_turn>model\n"
     assert report.prompt_text == tok.apply_chat_template(report.conversation[:2])
@@ -179,10 +177,18 @@ def test_a_tokenizer_that_adds_no_bos_reads_the_templates(folder, own_template):
     assert report.prompt_ids[0] == 0 and report.prompt_ids.count(0) == 1
 
 
-def test_several_named_templates_pick_default(folder, own_template):
-    own_template([{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
-                  {"name": "default", "template": chat_template_by_name("chatml")}])
-    report, _ = _run(folder, "fox")
+def test_several_named_templates_pick_default(folder, tmp_path):
+    """tokenizer_config.json's list of named templates: the one named "default" (transformers' choice without tools)."""
+    import json
+    import shutil
+
+    other = tmp_path / "named"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+                               {"name": "default", "template": chat_template_by_name("chatml")}]
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    report, _ = _run(other, "fox")
     assert report.prompt_text == "<|im_start|>user\nfox<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -283,10 +289,7 @@ def test_the_real_gemma_vocabulary(real_gemma_gguf):
     template: BOS once, the turn markers as their single control tokens (<start_of_turn> 105,
     <end_of_turn> 106; "user" 2364, "model" 4368, "\\n" 107, as Gemma 3's instruct prompts), and
     generation stops at <end_of_turn>. Skips without the real-model extra."""
-    try:
-        tok = Tokenizer.from_gguf(real_gemma_gguf)
-    except ValueError as e:   # a kvjax whose GGUF reader builds no SentencePiece vocabulary
-        pytest.skip(f"this GGUF vocabulary is not read here: {e}")
+    tok = Tokenizer.from_gguf(real_gemma_gguf)
     with pytest.raises(ValueError, match="--chat needs a chat template and the model file has none"):
         _generate.resolve_chat_template(tok)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}]

@@ -147,7 +147,6 @@ def test_bad_mamba_files_are_refused(tmp_path):
         from_gguf(short)
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason="no llama.cpp fixture: run scripts/make_mamba_gguf_fixture.py")
 def test_logits_equal_llama_cpp_on_the_same_file(tmp_path):
     """kvjax's Mamba from the file against llama.cpp's logits for it (one batch, and token by token)."""
     data = json.loads(FIXTURE.read_text())

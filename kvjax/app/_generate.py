@@ -22,7 +22,6 @@ second run compiles almost nothing.
 
 from __future__ import annotations
 
-import inspect
 import pathlib
 import sys
 import time
@@ -135,14 +134,8 @@ def resolve_chat_template(tok, chat_template: Optional[str] = None) -> str:
         if not text.strip():
             raise ValueError(f"--chat-template {chat_template!r} is an empty file: allowed a Jinja chat template")
         return text
-    own = getattr(tok, "chat_template", None)
-    # tokenizer_config.json may hold several named templates ([{"name", "template"}, ...]);
-    # transformers renders the one named "default" when no tools are given
-    if isinstance(own, (list, tuple)):
-        own = {t.get("name"): t.get("template") for t in own if isinstance(t, dict)}
-    if isinstance(own, dict):
-        own = own.get("default")
-    if not isinstance(own, str) or not own.strip():
+    own = tok.chat_template   # a folder's named templates are already resolved to one (its "default")
+    if not own or not own.strip():
         raise ValueError(f"--chat needs a chat template and the model file has none: allowed --chat-template with "
                          f"one of {names} or the path of a Jinja file")
     return own
@@ -160,50 +153,16 @@ def chat_stop_ids(tok, chat_template: Optional[str]) -> List[int]:
     ids = list(tok.eos_ids)
     text = TURN_ENDS.get(chat_template) if isinstance(chat_template, str) else None
     if text is not None:
-        try:
-            i = tok.backend.token_to_id(text)
-        except Exception:   # a backend without token_to_id: no extra stop
-            i = None
-        if isinstance(i, int) and i not in ids:
+        i = tok.backend.token_to_id(text)
+        if i is not None and i not in ids:
             ids.append(i)
     return ids
 
 
-def _special_text(tok, attr: str, ids) -> str:
-    """A special token's text as templates write it (``<s>``, ``<bos>``); ``""`` when unknown.
-
-    The tokenizer's own text first (``tokenizer_config.json``'s ``bos_token`` / ``eos_token``,
-    which :meth:`kvjax.nn.Tokenizer.apply_chat_template` uses too), else the id's text.
-    """
-    for name in (f"_{attr.split('_')[0]}_text", attr):   # _bos_text, bos_token
-        text = getattr(tok, name, None)
-        if isinstance(text, str) and text:
-            return text
-    backend = getattr(tok, "backend", None)
-    for i in ids:
-        try:
-            text = backend.id_to_token(int(i))
-        except Exception:   # a backend without id_to_token, or an id it does not know
-            text = None
-        if isinstance(text, str):
-            return text
-    return ""
-
-
 def encode_chat_text(tok, text: str, add_bos: Optional[bool] = None) -> List[int]:
     """The ids of rendered chat text, its special-token texts (``<start_of_turn>``) read as those
-    tokens, as llama.cpp (``parse_special``) and transformers tokenize a chat prompt.
-
-    A tokenizer whose ``encode`` takes ``special`` is asked for it; an older one matches its
-    added tokens in the text by default.
-    """
-    try:
-        takes_special = "special" in inspect.signature(tok.encode).parameters
-    except (TypeError, ValueError):   # a builtin or C-level encode: no signature to read
-        takes_special = False
-    if takes_special:
-        return tok.encode(text, add_bos=add_bos, special=True)
-    return tok.encode(text, add_bos=add_bos)
+    tokens, as llama.cpp (``parse_special``) and transformers tokenize a chat prompt."""
+    return tok.encode(text, add_bos=add_bos, special=True)
 
 
 def chat_prompt(tok, messages, template: str):
@@ -215,14 +174,10 @@ def chat_prompt(tok, messages, template: str):
     tokenizer's BOS id put first, once; a template without BOS gets the tokenizer's, as any prompt.
 
     Raises:
-        ValueError: bad messages, or the template's own error (see :func:`render_chat_template`).
+        ValueError: bad messages, or the template's own error (see :func:`kvjax.nn._chat_template.render_chat_template`).
     """
-    from kvjax.nn._chat_template import render_chat_template
-
-    bos_id = getattr(tok, "bos_id", None)
-    bos = _special_text(tok, "bos_token", [] if bos_id is None else [bos_id])
-    eos = _special_text(tok, "eos_token", list(getattr(tok, "eos_ids", ()))[:1])
-    text = render_chat_template(template, messages, add_generation_prompt=True, bos_token=bos, eos_token=eos)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+    bos = tok.special_texts()[0]
     if tok.add_bos and bos and text.startswith(bos):
         return text, encode_chat_text(tok, text[len(bos):], add_bos=True)
     return text, encode_chat_text(tok, text)
@@ -401,9 +356,8 @@ def main(argv_args) -> int:
     try:
         run(a.model, a.prompt, n_parallel=a.n_parallel, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
             cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch, padding=a.padding,
-            kv_unified=a.kv_unified, chat=getattr(a, "chat", False), system=getattr(a, "system", None),
-            chat_template=getattr(a, "chat_template", None), interactive=getattr(a, "interactive", False),
-            max_turns=getattr(a, "max_turns", 16))
+            kv_unified=a.kv_unified, chat=a.chat, system=a.system, chat_template=a.chat_template,
+            interactive=a.interactive, max_turns=a.max_turns)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

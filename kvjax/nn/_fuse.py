@@ -38,6 +38,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.nn._ggml_linear import GGMLLinear
+
 __all__ = ["fuse_projections", "is_fused"]
 
 
@@ -81,16 +83,12 @@ def split_gate_up(y):
 
 def _same_blocks(*layers) -> bool:
     """Whether ``layers`` are all :class:`GGMLLinear` of one type and input width (rows can be joined)."""
-    from kvjax.nn._ggml_linear import GGMLLinear
-
     return all(isinstance(m, GGMLLinear) for m in layers) and \
         len({(m.type_name, m.in_features) for m in layers}) == 1
 
 
 def _blocks_linear(raw, bias, like):
     """A :class:`GGMLLinear` over the joined rows ``raw [N, row_bytes]``, of ``like``'s type."""
-    from kvjax.nn._ggml_linear import GGMLLinear
-
     return GGMLLinear(raw, like.type_name, like.in_features, bias=bias)
 
 

@@ -212,10 +212,6 @@ def _shape(t) -> Tuple[int, ...]:
     return tuple(int(d) for d in reversed(list(t.shape)))
 
 
-def _type_name(t) -> str:
-    return t.type_name
-
-
 def _dequantize(t) -> np.ndarray:
     """A tensor as float32 in numpy order (``[out, in]`` for a matrix)."""
     gguf = _gguf()
@@ -266,7 +262,7 @@ def _plan(model: Llama) -> List[Tuple[Any, str, bool, Optional[Tuple[Any, str]]]
 
 def _compact(t) -> bool:
     """Whether a compact load keeps tensor ``t`` in its file type (every matrix not stored as F32)."""
-    return len(t.shape) == 2 and _type_name(t) != "F32"
+    return len(t.shape) == 2 and t.type_name != "F32"
 
 
 def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> None:
@@ -287,7 +283,7 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
         raise ValueError(f"GGUF file has unexpected tensors {unexpected[:4]}: allowed only the tensors of {what}")
     for var, name, transpose, _ in plan:
         t = tensors[name]
-        check_tensor_type(name, _type_name(t))
+        check_tensor_type(name, t.type_name)
         shape = _shape(t)
         want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
         if shape != want:
@@ -303,10 +299,10 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
             rows, n_in = _shape(t)
             raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
             if attr == "embed":
-                setattr(parent, attr, GGMLEmbed(raw, _type_name(t), n_in))
+                setattr(parent, attr, GGMLEmbed(raw, t.type_name, n_in))
             else:
                 bias = biases.get(name[:-len("weight")] + "bias")
-                setattr(parent, attr, GGMLLinear(raw, _type_name(t), n_in, bias=bias))
+                setattr(parent, attr, GGMLLinear(raw, t.type_name, n_in, bias=bias))
             continue
         if name in biases:
             continue  # went into its GGMLLinear

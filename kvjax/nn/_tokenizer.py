@@ -281,12 +281,23 @@ class Tokenizer:
         text = self.backend.id_to_token(i) if hasattr(self.backend, "id_to_token") else None
         return text if isinstance(text, str) else ""
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, **extra) -> str:
+    def special_texts(self) -> Tuple[str, str]:
+        """``(bos_text, eos_text)`` as chat templates write them (``"<bos>"``, ``"<eos>"``).
+
+        ``tokenizer_config.json``'s ``bos_token`` / ``eos_token`` where a folder gave them, else
+        the texts of the BOS id and the first EOS id (``""`` where there is none).
+        """
+        return (self._bos_text or self.token_text(self.bos_id),
+                self._eos_text or self.token_text(self.eos_ids[0] if self.eos_ids else None))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
+                            chat_template: Optional[str] = None, **extra) -> str:
         """A conversation as the prompt text of :attr:`chat_template` (tokenize it with ``special=True``).
 
         Args:
             messages: ``[{"role": ..., "content": ...}, ...]``.
             add_generation_prompt: end with the opening of the assistant's turn.
+            chat_template: a template to use instead of the tokenizer's own.
             **extra: more template variables (``tools``, ``enable_thinking``, ...).
 
         Raises:
@@ -302,14 +313,14 @@ class Tokenizer:
             >>> tok.apply_chat_template([{"role": "user", "content": "hi"}])
             '<s>[user] hi'
         """
-        if self.chat_template is None:
+        template = self.chat_template if chat_template is None else chat_template
+        if template is None:
             raise ValueError("this tokenizer has no chat template: pass one (--chat-template NAME or FILE, or "
                              "kvjax.nn._chat_template.chat_template_by_name(...)) or use a model file that has one")
         from kvjax.nn._chat_template import render_chat_template
 
-        bos = self._bos_text or self.token_text(self.bos_id)
-        eos = self._eos_text or self.token_text(self.eos_ids[0] if self.eos_ids else None)
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        bos, eos = self.special_texts()
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=bos, eos_token=eos, **extra)
 
 
