@@ -100,13 +100,25 @@ def save(path, cache: KVCache, seq_id: int = -1, tokens: Optional[Sequence[int]]
     seq_id = _check_seq(seq_id, cfg)
     toks = _tokens_array(tokens)
     blob = state_write(cache, seq_id)
+    head = _HEAD.pack(MAGIC, FORMAT_VERSION, seq_id, layout_fingerprint(cfg), toks.size)
+    write_atomic(path, (head, toks.tobytes(), _LEN.pack(len(blob)), blob))
+
+
+def write_atomic(path, pieces: Sequence[bytes]) -> None:
+    """Write ``pieces`` one after the other to ``path`` so that a crash leaves the old file or the new one.
+
+    A temporary file (mode 0600) in the destination folder is written, flushed and fsynced, then
+    renamed over ``path``, and the folder is fsynced.
+
+    Raises:
+        OSError: the file cannot be written (nothing is left under ``path`` then).
+    """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, seq_id, layout_fingerprint(cfg), toks.size)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            for piece in (head, toks.tobytes(), _LEN.pack(len(blob)), blob):
+            for piece in pieces:
                 f.write(piece)
             f.flush()
             os.fsync(f.fileno())
