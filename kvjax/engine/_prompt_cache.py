@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import List, Sequence, Tuple
 
 import jax
@@ -45,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-import kvjax
 from kvjax._errors import CacheFullError
 from kvjax._typing import Array, Int
 from kvjax._validate import check_count
@@ -194,9 +192,18 @@ class PromptCache:
         # a prompt that extends everything a parked sequence holds continues that sequence in place
         seq_ids = [None] * n
         for i, (src, m) in enumerate(matches):
-            whole = src >= 0 and m > 0 and m == self._lengths[src] == int(memory.seq_pos_max(np.int32(src))) + 1
-            if whole and src not in seq_ids:
-                seq_ids[i] = src
+            if src < 0 or m == 0 or src in seq_ids or self._lengths[src] != int(memory.seq_pos_max(np.int32(src))) + 1:
+                continue
+            if m == self._lengths[src] - 1 == len(prompts[i]) - 1:
+                # the prompt is exactly what the sequence holds (a session loaded from a file): its
+                # last token is evaluated again for the logits, so that position is removed first
+                cut, ok = memory.seq_rm(np.int32(src), np.int32(m), np.int32(-1))
+                if not bool(ok):     # a recurrent state that cannot step back: lend the prefix instead
+                    continue
+                memory = cut
+            elif m != self._lengths[src]:
+                continue
+            seq_ids[i] = src
         protected = {src for src, m in matches if src >= 0 and m > 0}
         parked = set(self.parked())
         free = [s for s in range(self.n_seq_max) if s not in parked and int(memory.seq_pos_max(np.int32(s))) < 0]

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax._errors import StateError
 from kvjax.attn._mask import is_masked_swa
 from kvjax.memory import _seqbits
 from kvjax.memory._cells import Cells, is_used
@@ -125,6 +124,17 @@ class IswaConfig:
     @property
     def n_seq_max(self) -> int:
         return self.base.n_seq_max
+
+    def first_visible(self, n: int) -> int:
+        """The oldest position a token at position ``n`` sees in a window layer (may be negative).
+
+        Example:
+            >>> base = CacheConfig(size=64, n_seq_max=1, n_layer=2, n_kv_heads=1, head_dim=2)
+            >>> IswaConfig(base, swa_layers=(0,), n_swa=8).first_visible(20)
+            13
+        """
+        return {"standard": n - self.n_swa + 1, "chunked": (n // self.n_swa) * self.n_swa,
+                "symmetric": n - self.n_swa // 2}[self.swa_type.value]
 
     @property
     def size_swa(self) -> int:
@@ -304,11 +314,8 @@ class IswaCache(Memory):
         # the window cache must still hold the oldest position a token at n can see (pruned ones are gone)
         if not self.base.prefix_visible(seq_id, n):
             return False
-        cfg = self.config
-        first = {"standard": n - cfg.n_swa + 1, "chunked": (n // cfg.n_swa) * cfg.n_swa,
-                 "symmetric": n - cfg.n_swa // 2}[cfg.swa_type.value]
         held = int(self.swa.seq_pos_min(np.int32(seq_id)))
-        return held >= 0 and held <= max(0, first)
+        return held >= 0 and held <= max(0, self.config.first_visible(n))
 
     @property
     def rollback_depth(self):
