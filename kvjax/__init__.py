@@ -41,8 +41,8 @@ from kvjax.memory._update import update
 from kvjax.io._state import state_read, state_write
 from kvjax.io._session import load, save
 from kvjax.io._checkpoint import checkpoint_restore, checkpoint_save
-from kvjax.io._llama_state import (LlamaSession, seq_file_read, seq_file_write, session_read, session_write,
-                                   stream_state_read, stream_state_write)
+from kvjax.io._llama_state import (LlamaSession, seq_file_read, seq_file_write, seq_save_file, session_read,
+                                   session_save_file, session_write, stream_state_read, stream_state_write)
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax._compiles import CompileCounter
 
@@ -86,7 +86,7 @@ __all__ = [
     "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",
     # today's llama.cpp state layout (stream counts; 'ggsn' session and 'ggsq' sequence files)
     "stream_state_write", "stream_state_read", "session_write", "session_read", "seq_file_write",
-    "seq_file_read", "LlamaSession",
+    "seq_file_read", "session_save_file", "seq_save_file", "LlamaSession",
     # generation: the decode driver, sampling
     "Engine", "generate", "generate_stream", "GenerationResult", "PromptCache", "SamplingConfig", "sample",
     "CompileCounter",

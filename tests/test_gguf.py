@@ -498,7 +498,7 @@ def test_a_gguf_model_continues_from_a_llama_cpp_session_file(tmp_path):
     eng = kvjax.Engine(model, kvjax.init(cfg), n_ubatch=8)
     prompt = TOKENS[:-1]
     last = np.asarray(eng.decode(prompt, range(len(prompt)), [[0]] * len(prompt), outputs="last"))
-    data = session_write(eng.cache, prompt, arch="llama", logits=last, output_rows=[len(prompt) - 1])
+    data = session_write(eng.cache, prompt, arch="llama", logits=last, output_rows=[len(prompt) - 1], version=9)
     want = np.asarray(eng.decode(TOKENS[-1:], [len(prompt)], [[0]]))
     sess = session_read(kvjax.init(cfg), data)
     assert sess.tokens.tolist() == prompt and np.array_equal(sess.logits, last)

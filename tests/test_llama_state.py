@@ -119,7 +119,7 @@ def test_session_file_round_trip_with_tokens_and_logits(tmp_path):
     cfg = CONFIGS["plain"]
     cache = _filled(cfg)
     logits = np.arange(12, dtype=np.float32).reshape(2, 6)
-    data = session_write(cache, [5, 6, 7], arch="llama", logits=logits, output_rows=[3, 9])
+    data = session_write(cache, [5, 6, 7], arch="llama", logits=logits, output_rows=[3, 9], version=9)
     assert struct.unpack_from("<II", data) == (SESSION_MAGIC, 9) and data[:4] == b"nsgg"
     path = tmp_path / "s.bin"
     path.write_bytes(data)
@@ -128,16 +128,54 @@ def test_session_file_round_trip_with_tokens_and_logits(tmp_path):
     assert got.output_rows.tolist() == [3, 9] and np.array_equal(got.logits, logits)
     assert got.embeddings.size == 0
     _seed_equal(got.cache, cache)
+    assert got.version == 9
+
+
+def test_a_version_10_session_has_no_output_buffers():
+    """Today's llama.cpp: magic, version 10, tokens, the architecture name, then the memory section."""
+    cfg = CONFIGS["llama.cpp default"]
+    cache = _filled(cfg)
+    data = session_write(cache, [5, 6, 7], arch="gemma3")
+    assert struct.unpack_from("<III", data) == (SESSION_MAGIC, 10, 3)
+    assert data[24:34] == struct.pack("<I", 6) + b"gemma3"
+    assert data[34:] == kvjax.io._llama_state.memory_state_write(cache)
+    got = session_read(kvjax.init(cfg), data, arch="gemma3")
+    assert got.version == 10 and got.logits.shape == (0, 0) and got.output_rows.size == 0
+    _seed_equal(got.cache, cache)
+    with pytest.raises(StateError, match="session file arch: expected 'llama'.*found 'gemma3'"):
+        session_read(kvjax.init(cfg), data, arch="llama")
+    with pytest.raises(ValueError, match="out of range for session version 10"):
+        session_write(cache, [1], arch="llama", logits=np.zeros((1, 4)))
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_either_v_layout_is_read_and_written(written):
+    """The flag chooses the bytes only: a file of either layout reads into a memory of either."""
+    cache = _filled(CONFIGS["plain"])
+    data = session_write(cache, [1, 2], arch="llama", v_trans=written)
+    n, head = int(kvjax.used_cells(cache)), 12 + 4 * 2 + 4 + len("llama")
+    _, _, _, meta, _ = _split(data[head:], n)
+    assert struct.unpack_from("<I", data, head + 8 + meta)[0] == int(written)
+    for reader in ("plain", "v_trans"):
+        got = session_read(kvjax.init(CONFIGS[reader]), data)
+        assert got.cache.config == CONFIGS[reader]          # the memory keeps its own config
+        _seed_equal(got.cache.replace(config=CONFIGS["plain"]), cache)
+    with pytest.raises(ValueError, match="v_trans=1 is out of range"):
+        session_write(cache, [1], arch="llama", v_trans=1)
 
 
 def test_sequence_file_round_trip():
     cfg = CONFIGS["v_trans"]
     cache = _filled(cfg)
     data = seq_file_write(cache, 1, [1, 2, 3, 4])
-    assert struct.unpack_from("<II", data) == (SEQ_MAGIC, 2) and data[:4] == b"qsgg"
+    assert struct.unpack_from("<II", data) == (SEQ_MAGIC, 3) and data[:4] == b"qsgg"
     out, tokens = seq_file_read(kvjax.init(cfg), data, 0)
     assert tokens.tolist() == [1, 2, 3, 4]
     assert kvjax.state_write(out, 0) == kvjax.state_write(cache, 1)
+    # version 2: the same cells (kvjax's models have no per-cell records)
+    old = seq_file_write(cache, 1, [1, 2, 3, 4], version=2)
+    assert struct.unpack_from("<I", old, 4)[0] == 2 and old[8:] == data[8:]
+    assert kvjax.state_write(seq_file_read(kvjax.init(cfg), old, 2)[0], 2) == kvjax.state_write(cache, 1)
 
 
 def _corrupt_cases():
@@ -149,10 +187,10 @@ def _corrupt_cases():
     two = stream_state_write(cache, 1)
     return cfg, {
         "magic": (lambda c: seq_file_read(c, b"abcd" + seq[4:], 0), "sequence file magic: expected 0x67677371"),
-        "version": (lambda c: seq_file_read(c, seq[:4] + struct.pack("<I", 3) + seq[8:], 0),
-                    "sequence file version: expected 2 .*found 3"),
+        "version": (lambda c: seq_file_read(c, seq[:4] + struct.pack("<I", 4) + seq[8:], 0),
+                    r"sequence file version: expected one of \[2, 3\].*found 4"),
         "session version": (lambda c: session_read(c, sess[:4] + struct.pack("<I", 8) + sess[8:]),
-                            "session file version: expected 9"),
+                            r"session file version: expected one of \[9, 10\]"),
         "truncated": (lambda c: stream_state_read(c, blob[:-3], 0), "truncated blob"),
         "trailing": (lambda c: stream_state_read(c, blob + b"\0", 0), "1 trailing bytes"),
         "seed-style cell": (lambda c: stream_state_read(c, blob[:12] + struct.pack("<I", 0) + blob[16:], 0),
@@ -190,4 +228,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="data must be bytes or a file path"):
         seq_file_read(cache, 12, 0)
     with pytest.raises(ValueError, match="output_rows has shape"):
-        session_write(cache, [1], arch="llama", logits=np.zeros((2, 3)), output_rows=[1])
+        session_write(cache, [1], arch="llama", logits=np.zeros((2, 3)), output_rows=[1], version=9)
+    with pytest.raises(ValueError, match=r"version=11 is out of range for a session file: allowed one of \[9, 10\]"):
+        session_write(cache, [1], arch="llama", version=11)
+    with pytest.raises(ValueError, match=r"version=1 is out of range for a sequence file: allowed one of \[2, 3\]"):
+        seq_file_write(cache, 0, [1], version=1)
+    with pytest.raises(ValueError, match="memory must be a kvjax.KVCache, IswaCache or StreamCache"):
+        session_write(kvjax.init(kvjax.RecurrentConfig(size=1, n_seq_max=1, n_layer=1, k_shape=(2,), v_shape=(2,))),
+                      [1], arch="mamba")

@@ -10,33 +10,58 @@ its per-sequence streams (``llama_kv_cache`` with ``n_stream``, 2025) writes, li
         data                             # v_trans, n_layer, K rows, V rows: the seed's, unchanged
 
 with one difference in the cells of a **single-sequence** blob: each names its sequence
-(``n_seq_id = 1`` and the id) where the seed wrote ``n_seq_id = 0``. Around the memory blob:
+(``n_seq_id = 1`` and the id) where the seed wrote ``n_seq_id = 0``.
 
-- a **session file** (``llama_state_save_file``; magic ``'ggsn'`` = ``0x6767736e``, version 9)::
+**The memory section** (``llama_memory_i::state_write``) is that blob for a unified cache, the
+base cache's blob then the window cache's for the iSWA pair (``llama_kv_cache_iswa``: Gemma 2/3),
+and the streams of a :class:`kvjax.StreamCache`. llama.cpp's iSWA window cache keeps masked cells
+until they are overwritten (kvjax frees them at commit): a whole-memory file of llama.cpp's may hold
+more window cells than kvjax's of the same tokens; both read either. llama.cpp's one-sequence
+section of the window cache leaves out the cells the sequence's last token can no longer see
+(kvjax's window cache has freed them already).
+
+**V layout.** ``v_trans = 1`` (V transposed) is what llama.cpp writes and reads without flash
+attention, ``0`` with it; llama.cpp refuses a file of the other layout. kvjax stores K/V the same
+way either way, so it reads both and writes either (``v_trans=`` of the writers; default the
+memory's ``config.v_trans``).
+
+Around the memory section:
+
+- a **session file** (``llama_state_save_file``; magic ``'ggsn'`` = ``0x6767736e``)::
 
       u32 magic, u32 version, u32 n_tokens, n_tokens x i32 token,
-      u32 len, len bytes arch name,              # "llama", "qwen2", ...
-      i32 n_outputs, n_outputs x i32 batch row,  # the rows whose logits follow (output ids)
-      u64 n_logits, n_logits x f32,               # n_outputs x n_vocab
-      u64 n_embd, n_embd x f32,                   # embeddings (0 unless asked for)
-      memory blob (whole cache)
+      u32 len, len bytes arch name,              # "llama", "gemma3", ...
+      version 9 only:
+          i32 n_outputs, n_outputs x i32 batch row,  # the rows whose logits follow (output ids)
+          u64 n_logits, n_logits x f32,               # n_outputs x n_vocab
+          u64 n_embd, n_embd x f32,                   # embeddings (0 unless asked for)
+      memory section (whole memory)
 
-- a **sequence file** (``llama_state_seq_save_file``; magic ``'ggsq'`` = ``0x67677371``,
-  version 2)::
+  Version 10 (today's llama.cpp) no longer saves the output buffers: a program continuing from it
+  evaluates the last token again (``seq_rm`` of its position, then decode it), as llama.cpp's own
+  tools do; kvjax's :class:`kvjax.PromptCache` does the same with a session parked in it.
 
-      u32 magic, u32 version, u32 n_tokens, n_tokens x i32 token, memory blob (one sequence)
+- a **sequence file** (``llama_state_seq_save_file``; magic ``'ggsq'`` = ``0x67677371``)::
 
-Versions: session version 9 and sequence version 2 are read and written; anything else is refused
-naming the version found (sequence version 3 adds per-cell records after the sequence ids, for
-multi-position RoPE; not read here). The memory blob is converted to the seed's and read by
-:func:`kvjax.state_read`, so every K/V check of that reader applies, and a failed read leaves the
-cache as it was.
+      u32 magic, u32 version, u32 n_tokens, n_tokens x i32 token, memory section (one sequence)
 
-A kvjax cache is one stream. Reading a blob of ``n_stream > 1`` (llama.cpp without
-``kv_unified``): a single-sequence blob has at most one stream with cells and is read from it; a
-whole-cache blob's streams hold disjoint sequences and are merged into the one cache (cell order:
-stream 0's cells, then stream 1's, ...). Where kvjax differs from llama.cpp: a blob without any
-cell empties the cache (whole) or removes the sequence (one sequence), where llama.cpp leaves
+  Version 3 adds a per-cell record (2-D position, token) after each cell's sequence count only
+  for models with M-RoPE or per-layer token embeddings, none of which kvjax runs: for every other
+  model its bytes are version 2's but for the version field.
+
+Versions read and written: sessions 9 and 10 (default 10), sequence files 2 and 3 (default 3);
+llama.cpp reads only its own version, so write the one of the llama.cpp that will read the file
+(``llama.h``'s ``LLAMA_SESSION_VERSION`` / ``LLAMA_STATE_SEQ_VERSION``). The memory section is
+converted to the seed's blob and read by :func:`kvjax.state_read`, so every K/V check of that
+reader applies (layer count, head sizes as row sizes, K/V types), and a failed read leaves the
+memory as it was. What llama.cpp writes besides the memory is kept: the tokens, the architecture
+name (checked when ``arch=`` is given), and version 9's output rows, logits and embeddings.
+
+A kvjax unified cache is one stream. Reading a blob of ``n_stream > 1`` (llama.cpp without
+``kv_unified``) into it: a single-sequence blob has at most one stream with cells and is read from
+it; a whole-cache blob's streams hold disjoint sequences and are merged into the one cache (cell
+order: stream 0's cells, then stream 1's, ...). Where kvjax differs from llama.cpp: a blob without
+any cell empties the cache (whole) or removes the sequence (one sequence), where llama.cpp leaves
 them as they were.
 
 Example:
@@ -64,13 +89,16 @@ from kvjax._errors import StateError
 from kvjax.io._state import state_read, state_write
 from kvjax.memory._unified import KVCache
 
-__all__ = ["stream_state_write", "stream_state_read", "session_write", "session_read", "seq_file_write",
-           "seq_file_read", "LlamaSession", "SESSION_MAGIC", "SESSION_VERSION", "SEQ_MAGIC", "SEQ_VERSION"]
+__all__ = ["stream_state_write", "stream_state_read", "memory_state_write", "memory_state_read", "session_write",
+           "session_read", "seq_file_write", "seq_file_read", "session_save_file", "seq_save_file", "LlamaSession", "SESSION_MAGIC", "SESSION_VERSION",
+           "SESSION_VERSIONS", "SEQ_MAGIC", "SEQ_VERSION", "SEQ_VERSIONS"]
 
 SESSION_MAGIC = 0x6767736E   # 'ggsn'
-SESSION_VERSION = 9
+SESSION_VERSION = 10         # what is written by default: today's llama.cpp
+SESSION_VERSIONS = (9, 10)   # what is read and can be written
 SEQ_MAGIC = 0x67677371       # 'ggsq'
-SEQ_VERSION = 2
+SEQ_VERSION = 3
+SEQ_VERSIONS = (2, 3)
 
 
 class _Reader:
@@ -110,11 +138,11 @@ def _require_cache(cache) -> KVCache:
     return cache
 
 
-def _seq_arg(seq_id, cache: KVCache) -> int:
+def _seq_arg(seq_id, memory) -> int:
     if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) \
-            or not -1 <= seq_id < cache.config.n_seq_max:
-        raise ValueError(f"seq_id={seq_id!r} is out of range: allowed -1 (whole cache) or [0, "
-                         f"{cache.config.n_seq_max})")
+            or not -1 <= seq_id < memory.n_seq_max:
+        raise ValueError(f"seq_id={seq_id!r} is out of range: allowed -1 (whole memory) or [0, "
+                         f"{memory.n_seq_max})")
     return int(seq_id)
 
 
@@ -297,11 +325,6 @@ def _to_seed(streams: List[_Stream], seq_id: int, cache: KVCache) -> bytes:
     return struct.pack("<I", n) + b"".join(meta) + _merge_data(streams)
 
 
-def _read_memory(r: _Reader, cache: KVCache, seq_id: int, options) -> KVCache:
-    streams = _parse_streams(r, single=seq_id >= 0)
-    return state_read(cache, _to_seed(streams, seq_id, cache), seq_id, **options)
-
-
 def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
     """A cache restored from a memory blob of today's llama.cpp (the cache passed in is unchanged).
 
@@ -322,8 +345,171 @@ def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
     cache = _require_cache(cache)
     seq_id = _seq_arg(seq_id, cache)
     r = _Reader(data)
-    out = _read_memory(r, cache, seq_id, options)
+    out = _read_unified_part(cache, r, seq_id, "")(options)
     r.finish("blob")
+    return out
+
+
+# -- the memories llama.cpp writes as K/V cells ---------------------------------------------------
+
+
+def _memory_kinds():
+    from kvjax.memory._iswa import IswaCache
+    from kvjax.memory._streams import StreamCache
+
+    return IswaCache, StreamCache
+
+
+def _require_kv_memory(memory):
+    """The memory, if llama.cpp writes its state as K/V cells (a unified cache, the iSWA pair, streams)."""
+    IswaCache, StreamCache = _memory_kinds()
+    if not isinstance(memory, (KVCache, IswaCache, StreamCache)):
+        raise ValueError(f"memory must be a kvjax.KVCache, IswaCache or StreamCache (the memories llama.cpp saves "
+                         f"as K/V cells: llama_kv_cache, llama_kv_cache_iswa), got {type(memory).__name__}")
+    return memory
+
+
+def _unified_parts(memory) -> List[KVCache]:
+    """The unified caches of a memory in llama.cpp's write order (the iSWA pair: base, then window)."""
+    IswaCache, _ = _memory_kinds()
+    return [memory.base, memory.swa] if isinstance(memory, IswaCache) else [memory]
+
+
+def _with_v_trans(memory, v_trans, like=None):
+    """``memory`` whose state format stores V transposed (``v_trans``) or as rows.
+
+    kvjax stores K/V the same way either way: the flag only chooses the layout of the state bytes,
+    so a file of either layout is read, and either layout written, by changing the flag alone.
+    ``like``: put back the configs of that memory (after a read with another flag).
+    """
+    IswaCache, StreamCache = _memory_kinds()
+    if v_trans is None and like is None:
+        return memory
+
+    def one(cache: KVCache, old: KVCache = None) -> KVCache:
+        cfg = old.config if old is not None else cache.config
+        if old is None and cfg.v_trans != v_trans:
+            cfg = dataclasses.replace(cfg, v_trans=bool(v_trans))
+        return cache if cfg is cache.config else cache.replace(config=cfg)
+
+    if isinstance(memory, IswaCache):
+        return memory.replace(base=one(memory.base, None if like is None else like.base),
+                              swa=one(memory.swa, None if like is None else like.swa))
+    if isinstance(memory, StreamCache):
+        inner = one(memory.cache, None if like is None else like.cache)
+        return memory.replace(cache=inner, config=like.config if like is not None
+                              else dataclasses.replace(memory.config, base=inner.config))
+    return one(memory, like)
+
+
+def _v_trans_arg(v_trans):
+    if v_trans is not None and not isinstance(v_trans, (bool, np.bool_)):
+        raise ValueError(f"v_trans={v_trans!r} is out of range: allowed None (the memory's config.v_trans), True "
+                         f"(V transposed: llama.cpp without flash attention) or False (V rows: with flash attention)")
+    return None if v_trans is None else bool(v_trans)
+
+
+def memory_state_write(memory, seq_id: int = -1, *, v_trans=None) -> bytes:
+    """The memory section of today's llama.cpp state (``llama_memory_i::state_write``).
+
+    Args:
+        memory: a :class:`kvjax.KVCache` (one stream), :class:`kvjax.IswaCache` (the base cache's
+            section, then the window cache's, as ``llama_kv_cache_iswa`` writes them) or
+            :class:`kvjax.StreamCache` (its streams), without pending work.
+        seq_id: -1 for the whole memory, else one sequence.
+        v_trans: the V layout of the bytes: None (the memory's ``config.v_trans``), True
+            (transposed: what llama.cpp reads without flash attention) or False (rows: with it).
+
+    Returns:
+        The bytes (``llama_state_get_data`` writes the architecture name before them).
+
+    Raises:
+        ValueError: another kind of memory, ``seq_id`` out of range, or ``v_trans=True`` with a
+            block-quantized V.
+        kvjax.StateError: a pending K-shift or stream copy (apply :func:`kvjax.update` first).
+    """
+    _, StreamCache = _memory_kinds()
+    memory = _with_v_trans(_require_kv_memory(memory), _v_trans_arg(v_trans))
+    if isinstance(memory, StreamCache):
+        from kvjax.io._streams_state import write_streams
+
+        return write_streams(memory, seq_id)
+    parts = _unified_parts(memory)
+    if len(parts) == 2 and seq_id >= 0:
+        # llama.cpp leaves out of one sequence's window section the cells its last token no longer
+        # sees (a whole-memory section keeps them): the same bytes as llama.cpp, read back or not
+        last = int(parts[1].seq_pos_max(np.int32(seq_id)))
+        if last >= 0:
+            parts[1], _ = parts[1].seq_rm(np.int32(seq_id), np.int32(0), np.int32(max(0, memory.config.first_visible(last))))
+    return b"".join(stream_state_write(part, seq_id) for part in parts)
+
+
+def _blob_v_trans(streams: List[_Stream]):
+    """The ``v_trans`` flag of the first stream with cells (None: no cells)."""
+    return struct.unpack_from("<I", streams[0].data)[0] if streams else None
+
+
+def _read_unified_part(part: KVCache, r: _Reader, seq_id: int, label: str):
+    """Parse one unified cache's section; return a function that restores it (nothing is read yet)."""
+    try:
+        streams = _parse_streams(r, single=seq_id >= 0)
+    except StateError as e:
+        raise StateError(f"{label}{e}") from None
+    flag = _blob_v_trans(streams)
+    if flag is not None and flag not in (0, 1):
+        raise StateError(f"{label}v_trans: expected 0 or 1, found {flag}")
+    try:
+        as_file = _with_v_trans(part, None if flag is None else bool(flag))
+    except ValueError as e:
+        raise StateError(f"{label}v_trans: found {flag}, which this memory cannot take ({e})") from None
+
+    def restore(options):
+        try:
+            out = state_read(as_file, _to_seed(streams, seq_id, as_file), seq_id, **options)
+        except StateError as e:
+            raise StateError(f"{label}{e}") from None
+        return _with_v_trans(out, None, like=part)
+
+    return restore
+
+
+def _read_memory_section(memory, r: _Reader, seq_id: int, options):
+    """Read a memory section off ``r`` (every part is parsed and checked before any is kept)."""
+    IswaCache, StreamCache = _memory_kinds()
+    if isinstance(memory, StreamCache):
+        from kvjax.io._streams_state import read_streams
+
+        rest = bytes(r.take(len(r.buf) - r.off, "memory"))
+        streams = _parse_streams(_Reader(rest), single=seq_id >= 0)
+        flag = _blob_v_trans(streams)
+        out = read_streams(_with_v_trans(memory, None if flag is None else bool(flag)), rest, seq_id,
+                           **{k: v for k, v in options.items() if k == "contiguous"})
+        return _with_v_trans(out, None, like=memory)
+    if isinstance(memory, IswaCache):
+        base = _read_unified_part(memory.base, r, seq_id, "base cache (full layers): ")
+        swa = _read_unified_part(memory.swa, r, seq_id, "window cache (sliding-window layers): ")
+        # nothing may be donated: the base is read before the window part is known to fit
+        options = {k: v for k, v in options.items() if k != "donate"}
+        return memory.replace(base=base(options), swa=swa(options))
+    return _read_unified_part(memory, r, seq_id, "")(options)
+
+
+def memory_state_read(memory, data, seq_id: int = -1, **options):
+    """A memory restored from :func:`memory_state_write`'s bytes (or llama.cpp's); ``memory`` is unchanged.
+
+    A section of either V layout is read (see :func:`memory_state_write`); a one-sequence section
+    goes into sequence ``seq_id``, whatever sequence it was written for.
+
+    Raises:
+        ValueError: another kind of memory, or ``seq_id`` out of range.
+        kvjax.StateError: a malformed section, or one of another model (layer count, head sizes,
+            K/V types, more cells than the memory has); nothing changed.
+    """
+    memory = _require_kv_memory(memory)
+    _seq_arg(seq_id, memory)
+    r = _Reader(data)
+    out = _read_memory_section(memory, r, int(seq_id), options)
+    r.finish("memory section")
     return out
 
 
@@ -335,20 +521,22 @@ class LlamaSession:
     """What a llama.cpp session file holds besides the memory.
 
     Attributes:
-        cache: the restored cache.
+        cache: the restored memory (of the kind passed to :func:`session_read`).
         tokens: the prompt tokens the file names (``i32[n]``).
-        arch: the model architecture name llama.cpp wrote (``"llama"``, ``"qwen2"``, ...).
-        output_rows: ``i32[R]`` the batch rows of the last decode whose logits follow.
-        logits: ``f32[R, V]`` (``[0, 0]`` when the file holds none).
+        arch: the model architecture name llama.cpp wrote (``"llama"``, ``"gemma3"``, ...).
+        output_rows: ``i32[R]`` the batch rows of the last decode whose logits follow (version 9).
+        logits: ``f32[R, V]`` (``[0, 0]`` when the file holds none: always with version 10).
         embeddings: ``f32[...]`` flat, as written (usually empty).
+        version: the file's session version (9 or 10).
     """
 
-    cache: KVCache
+    cache: object
     tokens: np.ndarray
     arch: str
     output_rows: np.ndarray
     logits: np.ndarray
     embeddings: np.ndarray
+    version: int = SESSION_VERSION
 
 
 def _tokens_arg(tokens) -> np.ndarray:
@@ -360,16 +548,25 @@ def _tokens_arg(tokens) -> np.ndarray:
     return arr.astype("<i4")
 
 
-def _header(r: _Reader, magic: int, version: int, what: str) -> np.ndarray:
+def _version_arg(version, allowed: Tuple[int, ...], what: str) -> int:
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or int(version) not in allowed:
+        raise ValueError(f"version={version!r} is out of range for a {what}: allowed one of {list(allowed)} (the "
+                         f"version the llama.cpp that reads it knows: llama.h's LLAMA_"
+                         f"{'SESSION' if what == 'session file' else 'STATE_SEQ'}_VERSION)")
+    return int(version)
+
+
+def _header(r: _Reader, magic: int, versions: Tuple[int, ...], what: str) -> Tuple[int, np.ndarray]:
     found_magic = r.u32(f"{what} magic")
     if found_magic != magic:
         raise StateError(f"{what} magic: expected {magic:#010x} ({struct.pack('>I', magic).decode()!r}), found "
                          f"{found_magic:#010x}")
-    found_version = r.u32(f"{what} version")
-    if found_version != version:
-        raise StateError(f"{what} version: expected {version} (the layout this reader knows), found {found_version}")
+    version = r.u32(f"{what} version")
+    if version not in versions:
+        raise StateError(f"{what} version: expected one of {list(versions)} (the layouts this reader knows), found "
+                         f"{version}")
     n = r.u32("n_token_count")
-    return np.frombuffer(r.take(4 * n, "tokens"), "<i4").copy()
+    return version, np.frombuffer(r.take(4 * n, "tokens"), "<i4").copy()
 
 
 def _bytes_of(data_or_path) -> bytes:
@@ -381,23 +578,37 @@ def _bytes_of(data_or_path) -> bytes:
     raise ValueError(f"data must be bytes or a file path, got {type(data_or_path).__name__}")
 
 
-def session_write(cache, tokens: Sequence[int], *, arch: str, logits=None, output_rows=None) -> bytes:
-    """A llama.cpp session file (``'ggsn'`` version 9) of the whole cache.
+def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SESSION_VERSION, v_trans=None,
+                  logits=None, output_rows=None) -> bytes:
+    """A llama.cpp session file (``'ggsn'``, what ``llama_state_save_file`` writes) of the whole memory.
 
     Args:
-        cache: the :class:`kvjax.KVCache`.
-        tokens: the prompt tokens to record.
-        arch: the model architecture name llama.cpp checks on load (``"llama"``, ``"qwen2"``, ...).
-        logits: optional ``f32[R, V]`` logits of the last decode's output rows.
+        cache: the memory (:class:`kvjax.KVCache`, :class:`kvjax.IswaCache` or
+            :class:`kvjax.StreamCache`) without pending work.
+        tokens: the prompt tokens to record (what the memory holds).
+        arch: the model architecture name llama.cpp checks on load (``"llama"``, ``"gemma3"``, ...:
+            the GGUF's ``general.architecture``).
+        version: 10 (today's llama.cpp) or 9 (before it, with output buffers).
+        v_trans: V layout (see :func:`memory_state_write`): the llama.cpp context that loads the
+            file must use the same (True without flash attention, False with it).
+        logits: version 9 only: optional ``f32[R, V]`` logits of the last decode's output rows.
         output_rows: their batch rows (default ``0..R-1``).
 
     Returns:
         The file's bytes.
+
+    Raises:
+        ValueError: a bad argument (nothing is written).
+        kvjax.StateError: pending work in the memory (apply :func:`kvjax.update` first).
     """
-    cache = _require_cache(cache)
+    cache = _require_kv_memory(cache)
     toks = _tokens_arg(tokens)
-    if not isinstance(arch, str) or not arch:
+    version = _version_arg(version, SESSION_VERSIONS, "session file")
+    if not isinstance(arch, str) or not arch or len(arch.encode()) > 256:
         raise ValueError(f"arch={arch!r} is out of range: allowed a non-empty architecture name such as 'llama'")
+    if version >= 10 and (logits is not None or output_rows is not None):
+        raise ValueError("logits / output_rows are out of range for session version 10 (it has no output buffers): "
+                         "allowed None, or version=9")
     lg = np.zeros((0, 0), "<f4") if logits is None else np.asarray(logits, "<f4")
     if lg.ndim != 2:
         raise ValueError(f"logits has shape {lg.shape}: allowed [R, V]")
@@ -405,81 +616,124 @@ def session_write(cache, tokens: Sequence[int], *, arch: str, logits=None, outpu
     if rows.shape != (lg.shape[0],):
         raise ValueError(f"output_rows has shape {rows.shape}: allowed ({lg.shape[0]},), one per logits row")
     name = arch.encode()
-    head = struct.pack("<III", SESSION_MAGIC, SESSION_VERSION, len(toks)) + toks.tobytes()
-    ctx = (struct.pack("<I", len(name)) + name + struct.pack("<i", len(rows)) + rows.tobytes()
-           + struct.pack("<Q", lg.size) + lg.tobytes() + struct.pack("<Q", 0))
-    return head + ctx + stream_state_write(cache)
+    head = struct.pack("<III", SESSION_MAGIC, version, len(toks)) + toks.tobytes() + struct.pack("<I", len(name)) + name
+    if version == 9:
+        head += (struct.pack("<i", len(rows)) + rows.tobytes() + struct.pack("<Q", lg.size) + lg.tobytes()
+                 + struct.pack("<Q", 0))
+    return head + memory_state_write(cache, -1, v_trans=v_trans)
 
 
-def session_read(cache, data, **options) -> LlamaSession:
-    """Read a llama.cpp session file (``'ggsn'`` version 9) into ``cache``'s layout.
+def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
+    """Read a llama.cpp session file (``'ggsn'`` version 9 or 10) into ``cache``'s layout.
 
     Args:
-        cache: a :class:`kvjax.KVCache` of the model (unchanged; the result holds the new one).
+        cache: a memory of the model (unchanged; the result holds the new one): a
+            :class:`kvjax.KVCache`, :class:`kvjax.IswaCache` (Gemma 2/3) or :class:`kvjax.StreamCache`.
         data: the file's bytes or its path.
+        arch: when given, the architecture the file must name (llama.cpp refuses another).
         **options: :func:`kvjax.state_read`'s.
 
     Returns:
         A :class:`LlamaSession`.
 
     Raises:
-        kvjax.StateError: another magic or version, a truncated or over-long file, or a memory
-            blob that does not fit the cache.
+        kvjax.StateError: another magic, version or architecture, a truncated or over-long file, or
+            a memory section that does not fit the memory (layers, heads, K/V types, cells); the
+            memory passed in is unchanged.
     """
-    cache = _require_cache(cache)
+    cache = _require_kv_memory(cache)
     r = _Reader(_bytes_of(data))
-    tokens = _header(r, SESSION_MAGIC, SESSION_VERSION, "session file")
+    version, tokens = _header(r, SESSION_MAGIC, SESSION_VERSIONS, "session file")
     n_name = r.u32("arch name length")
     if n_name > 256:
         raise StateError(f"arch name length: expected at most 256, found {n_name}")
-    arch = bytes(r.take(n_name, "arch name")).decode("utf-8", "replace")
-    n_out = r.i32("n_outputs")
-    if n_out < 0:
-        raise StateError(f"n_outputs: expected >= 0, found {n_out}")
-    rows = np.frombuffer(r.take(4 * n_out, "output ids"), "<i4").copy()
-    n_logits = r.u64("logits size")
-    logits = np.frombuffer(r.take(4 * n_logits, "logits"), "<f4").copy()
-    if n_out and n_logits % n_out:
-        raise StateError(f"logits size: expected a multiple of n_outputs={n_out}, found {n_logits}")
-    logits = logits.reshape(n_out, -1) if n_out else logits.reshape(0, 0)
-    n_embd = r.u64("embeddings size")
-    embd = np.frombuffer(r.take(4 * n_embd, "embeddings"), "<f4").copy()
-    restored = _read_memory(r, cache, -1, options)
+    found = bytes(r.take(n_name, "arch name")).decode("utf-8", "replace")
+    if arch is not None and found != arch:
+        raise StateError(f"session file arch: expected {arch!r} (this model's), found {found!r}: the session of "
+                         f"another model (llama.cpp refuses it too)")
+    rows, logits, embd = np.zeros(0, "<i4"), np.zeros((0, 0), "<f4"), np.zeros(0, "<f4")
+    if version == 9:
+        n_out = r.i32("n_outputs")
+        if n_out < 0:
+            raise StateError(f"n_outputs: expected >= 0, found {n_out}")
+        rows = np.frombuffer(r.take(4 * n_out, "output ids"), "<i4").copy()
+        n_logits = r.u64("logits size")
+        logits = np.frombuffer(r.take(4 * n_logits, "logits"), "<f4").copy()
+        if n_out and n_logits % n_out:
+            raise StateError(f"logits size: expected a multiple of n_outputs={n_out}, found {n_logits}")
+        logits = logits.reshape(n_out, -1) if n_out else logits.reshape(0, 0)
+        n_embd = r.u64("embeddings size")
+        embd = np.frombuffer(r.take(4 * n_embd, "embeddings"), "<f4").copy()
+    restored = _read_memory_section(cache, r, -1, options)
     r.finish("session file")
-    return LlamaSession(restored, tokens, arch, rows, logits, embd)
+    return LlamaSession(restored, tokens, found, rows, logits, embd, version)
 
 
-def seq_file_write(cache, seq_id: int, tokens: Sequence[int]) -> bytes:
-    """A llama.cpp sequence file (``'ggsq'`` version 2) of one sequence.
+def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = SEQ_VERSION, v_trans=None) -> bytes:
+    """A llama.cpp sequence file (``'ggsq'``, what ``llama_state_seq_save_file`` writes) of one sequence.
+
+    Args:
+        cache: the memory (as :func:`session_write`).
+        seq_id: the sequence, in ``[0, n_seq_max)``.
+        tokens: its tokens.
+        version: 3 (today's llama.cpp) or 2; the cells are the same for every model kvjax runs
+            (version 3 adds per-cell records only for M-RoPE and per-layer-embedding models).
+        v_trans: V layout (see :func:`memory_state_write`).
 
     Returns:
-        The file's bytes (``llama_state_seq_load_file`` reads them).
+        The file's bytes (``llama_state_seq_load_file`` reads them into any sequence id).
     """
-    cache = _require_cache(cache)
+    cache = _require_kv_memory(cache)
     seq_id = _seq_arg(seq_id, cache)
     if seq_id < 0:
         raise ValueError("seq_id=-1 is out of range for a sequence file: allowed [0, n_seq_max)")
     toks = _tokens_arg(tokens)
-    return struct.pack("<III", SEQ_MAGIC, SEQ_VERSION, len(toks)) + toks.tobytes() + stream_state_write(cache, seq_id)
+    version = _version_arg(version, SEQ_VERSIONS, "sequence file")
+    return (struct.pack("<III", SEQ_MAGIC, version, len(toks)) + toks.tobytes()
+            + memory_state_write(cache, seq_id, v_trans=v_trans))
 
 
-def seq_file_read(cache, data, seq_id: int, **options) -> Tuple[KVCache, np.ndarray]:
-    """Read a llama.cpp sequence file (``'ggsq'`` version 2) into sequence ``seq_id``.
+def seq_file_read(cache, data, seq_id: int, **options) -> Tuple[object, np.ndarray]:
+    """Read a llama.cpp sequence file (``'ggsq'`` version 2 or 3) into sequence ``seq_id``.
+
+    The sequence's cells are replaced (as ``llama_state_seq_load_file`` does); the other sequences
+    of the memory are untouched.
 
     Returns:
-        ``(cache, tokens)``: the restored cache (the one passed in is unchanged) and the file's tokens.
+        ``(cache, tokens)``: the restored memory (the one passed in is unchanged) and the file's tokens.
 
     Raises:
         ValueError: ``seq_id`` out of range.
         kvjax.StateError: another magic or version, a truncated or over-long file, or cells that
-            do not fit.
+            do not fit (nothing changed).
     """
-    cache = _require_cache(cache)
+    cache = _require_kv_memory(cache)
     seq_id = _seq_arg(seq_id, cache)
     if seq_id < 0:
         raise ValueError("seq_id=-1 is out of range for a sequence file: allowed [0, n_seq_max)")
     r = _Reader(_bytes_of(data))
-    tokens = _header(r, SEQ_MAGIC, SEQ_VERSION, "sequence file")
-    out = _read_memory(r, cache, seq_id, options)
+    _, tokens = _header(r, SEQ_MAGIC, SEQ_VERSIONS, "sequence file")
+    out = _read_memory_section(cache, r, seq_id, options)
     r.finish("sequence file")
     return out, tokens
+
+
+def session_save_file(path, cache, tokens: Sequence[int], **options) -> None:
+    """Write :func:`session_write`'s bytes to ``path`` atomically (llama.cpp's ``llama_state_save_file``).
+
+    Args:
+        path: the file (replaced if it exists; a crash leaves the old file or the new one).
+        cache: the memory.
+        tokens: its tokens.
+        **options: :func:`session_write`'s (``arch`` is required).
+    """
+    from kvjax.io._session import write_atomic
+
+    write_atomic(path, (session_write(cache, tokens, **options),))
+
+
+def seq_save_file(path, cache, seq_id: int, tokens: Sequence[int], **options) -> None:
+    """Write :func:`seq_file_write`'s bytes to ``path`` atomically (``llama_state_seq_save_file``)."""
+    from kvjax.io._session import write_atomic
+
+    write_atomic(path, (seq_file_write(cache, seq_id, tokens, **options),))
