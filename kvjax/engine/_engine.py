@@ -336,6 +336,101 @@ class Engine:
         self.cache = kvjax.seq_add(self.cache, seq_id, n_keep + n_discard, n_past, -n_discard)
         return n_past - n_discard
 
+    # -- llama.cpp session and sequence files ---------------------------------------------------
+
+    def _arch(self, arch: Optional[str]) -> str:
+        found = getattr(self.model, "gguf_architecture", None)
+        if arch is None and found is None:
+            raise ValueError("arch=None is out of range for a model that was not loaded from a GGUF file: allowed "
+                             "the llama.cpp architecture name the file must carry (e.g. 'llama', 'gemma3')")
+        return found if arch is None else arch
+
+    def _settled(self):
+        """The memory with pending work (a K-shift, a stream copy) applied: what a state file can hold."""
+        if bool(self.cache.pending()):
+            self.cache = self.cache.update(donate=True)
+        return self.cache
+
+    def save_session(self, path, tokens: Sequence[int], *, arch: Optional[str] = None,
+                     version: Optional[int] = None, v_trans: Optional[bool] = None) -> None:
+        """Write the whole memory as a llama.cpp session file (``llama_state_load_file`` reads it), atomically.
+
+        A pending K-shift (after :meth:`context_shift`) is applied first: the file holds the
+        rotated K, as llama.cpp's does after its own shift.
+
+        Args:
+            path: the file (replaced if it exists).
+            tokens: the tokens the memory holds (llama.cpp keeps them as the session's prompt).
+            arch: the architecture name llama.cpp checks; default the GGUF's (``from_gguf``'s model).
+            version: the session version of the llama.cpp that reads it (default 10, today's; or 9).
+            v_trans: V layout of the file: True for a llama.cpp context without flash attention,
+                False with it (default the memory's ``config.v_trans``).
+
+        Raises:
+            ValueError: a bad argument, or a memory llama.cpp does not save as K/V cells.
+            OSError: the file cannot be written (nothing is left under ``path``).
+        """
+        options = {} if version is None else {"version": version}
+        kvjax.session_save_file(path, self._settled(), tokens, arch=self._arch(arch), v_trans=v_trans, **options)
+
+    def load_session(self, path, *, arch: Optional[str] = None, prompt_cache: Optional[PromptCache] = None,
+                     seq_id: int = 0) -> np.ndarray:
+        """Replace the memory with a llama.cpp session file's (``llama_state_save_file``'s) and return its tokens.
+
+        The memory keeps its config (the file must fit it: same layers, heads, K/V types, no more
+        cells; either V layout is read). Nothing changes when the file is refused.
+
+        Args:
+            path: the file (or its bytes).
+            arch: the architecture the file must name; default the GGUF's, when the model has one.
+            prompt_cache: park the session's tokens as sequence ``seq_id`` in this
+                :class:`kvjax.PromptCache`, so that :func:`generate` with a prompt that starts with
+                them evaluates only the rest (or the last token again: a version 10 file holds no logits).
+            seq_id: the sequence the tokens belong to, for ``prompt_cache``.
+
+        Returns:
+            ``i32[n]`` the session's tokens.
+
+        Raises:
+            kvjax.StateError: another architecture, a malformed file, or one that does not fit the memory.
+        """
+        if arch is None:
+            arch = getattr(self.model, "gguf_architecture", None)
+        session = kvjax.session_read(self.cache, path, arch=arch)
+        self.cache = session.cache
+        if prompt_cache is not None:
+            prompt_cache.park(seq_id, session.tokens.tolist())
+        return session.tokens
+
+    def save_sequence(self, path, seq_id: int, tokens: Sequence[int], *, version: Optional[int] = None,
+                      v_trans: Optional[bool] = None) -> None:
+        """Write one sequence as a llama.cpp sequence file (``llama_state_seq_load_file`` reads it), atomically.
+
+        Args:
+            path: the file.
+            seq_id: the sequence.
+            tokens: its tokens.
+            version: the sequence-file version of the llama.cpp that reads it (default 3, today's; or 2).
+            v_trans: V layout (as :meth:`save_session`).
+        """
+        options = {} if version is None else {"version": version}
+        kvjax.seq_save_file(path, self._settled(), seq_id, tokens, v_trans=v_trans, **options)
+
+    def load_sequence(self, path, seq_id: int, *, prompt_cache: Optional[PromptCache] = None) -> np.ndarray:
+        """Read a llama.cpp sequence file into sequence ``seq_id`` (its cells replaced, the others kept).
+
+        Returns:
+            ``i32[n]`` the file's tokens (parked in ``prompt_cache`` as ``seq_id`` when given).
+
+        Raises:
+            ValueError: ``seq_id`` out of range.
+            kvjax.StateError: a malformed file, or cells that do not fit; nothing changed.
+        """
+        self.cache, tokens = kvjax.seq_file_read(self.cache, path, seq_id)
+        if prompt_cache is not None:
+            prompt_cache.park(seq_id, tokens.tolist())
+        return tokens
+
 
 # -- generation ---------------------------------------------------------------------------------
 

@@ -324,7 +324,8 @@ def from_gguf(path, *, dtype=None):
             that float dtype at load (fastest on CPU, 2-8x the file's size).
 
     Returns:
-        The model; ``model.config`` is :func:`gguf_config`'s. Norms and biases are float32 (or
+        The model; ``model.config`` is :func:`gguf_config`'s, ``model.gguf_architecture`` the
+        file's ``general.architecture`` (what llama.cpp's session files name). Norms and biases are float32 (or
         ``dtype``). Use it as any :class:`Llama` (``kvjax.Engine(model, kvjax.init(...))``);
         the linen twin (:func:`kvjax.nn.params_from_nnx`) needs a float ``dtype``.
 
@@ -343,6 +344,7 @@ def from_gguf(path, *, dtype=None):
         model = nnx.eval_shape(lambda: Mamba(cfg, rngs=nnx.Rngs(0)))
         what = f"a mamba model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
         _load(model, mamba_plan(model), tensors, dt, what, convert={"ssm_a": _neg_exp_inverse})
+        model.gguf_architecture = "mamba"
         return model
     cfg = _config(reader, tensors)
     arch = _field(reader, "general.architecture")
@@ -357,4 +359,6 @@ def from_gguf(path, *, dtype=None):
                 o.bias.set_value(jnp.zeros(o.bias.shape, dt or jnp.float32))
             else:
                 o.bias = nnx.Param(jnp.zeros((o.out_features,), jnp.float32))
+    # the name llama.cpp writes into (and checks in) its session files: Engine.save_session uses it
+    model.gguf_architecture = arch
     return model
