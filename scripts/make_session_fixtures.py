@@ -1,0 +1,180 @@
+"""Record llama.cpp's session and sequence files for two tiny models, for tests/test_session_handover.py.
+
+Run once in the benchmark environment (``pip install -e ".[test,llamacpp]"``), never in CI:
+
+    python scripts/make_session_fixtures.py
+
+It writes ``tests/data/sessions/``:
+
+- ``tiny-llama.gguf`` (2 layers, width 64, 4 query / 2 K/V heads of 32) and ``tiny-gemma3.gguf``
+  (3 layers: two with an 8-token sliding window, one full; tied embeddings): random weights,
+  a 256-token byte vocabulary, F16 matrices, so that llama.cpp loads them (a few hundred KB);
+- for each case of :data:`CASES`, the file llama.cpp saved after evaluating the prompts
+  (``llama_state_save_file``: ``<case>.session``; and for the ``seq`` cases the one-sequence file
+  ``llama_state_seq_save_file`` wrote, ``<case>.seq``);
+- ``cases.json``: each case's llama.cpp options, the tokens every sequence holds, and the greedy
+  tokens llama.cpp chose after loading the file into a fresh context (its last token evaluated
+  again: a session file holds no logits), with the logit gap between the best and the second-best
+  token at every step (so that a test can tell a near tie from a divergence). A ``seq`` case loads
+  the sequence file into sequence ``dest`` of a context that first evaluated another prompt in
+  sequence 0, as a user moving one conversation into a busy server would.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DATA = ROOT / "tests" / "data" / "sessions"
+N_NEW = 64
+N_CTX = 256
+
+_rng = np.random.default_rng(2026)
+PROMPT = [int(t) for t in _rng.integers(0, 256, 20)]
+PREFIX = [int(t) for t in _rng.integers(0, 256, 12)]
+SUFFIXES = [[int(t) for t in _rng.integers(0, 256, n)] for n in (5, 9, 3)]
+OTHER = [int(t) for t in _rng.integers(0, 256, 7)]
+
+#: name -> llama.cpp context options and what is evaluated. ``shared``: the prompts' common
+#: prefix is evaluated once in sequence 0 and copied to the others (``seq_cp``: shared cells).
+CASES = {
+    "llama-f16-vtrans": dict(model="llama", kv_type="f16", flash_attn=False, prompts=[PROMPT]),
+    "llama-f16-rows": dict(model="llama", kv_type="f16", flash_attn=True, prompts=[PROMPT]),
+    "llama-q8_0": dict(model="llama", kv_type="q8_0", flash_attn=True, prompts=[PROMPT]),
+    "llama-shared": dict(model="llama", kv_type="f16", flash_attn=False, n_seq=3, shared=len(PREFIX),
+                         prompts=[PREFIX + s for s in SUFFIXES], seq=dict(src=1, dest=2)),
+    "llama-streams": dict(model="llama", kv_type="f16", flash_attn=False, n_seq=2, kv_unified=False,
+                          prompts=[PROMPT, PREFIX + SUFFIXES[0]]),
+    "gemma3-f16-vtrans": dict(model="gemma3", kv_type="f16", flash_attn=False, prompts=[PROMPT]),
+    "gemma3-q8_0": dict(model="gemma3", kv_type="q8_0", flash_attn=True, prompts=[PROMPT]),
+    "gemma3-shared": dict(model="gemma3", kv_type="f16", flash_attn=True, n_seq=3, shared=len(PREFIX),
+                          prompts=[PREFIX + s for s in SUFFIXES], seq=dict(src=1, dest=2)),
+}
+
+
+def _byte_vocab_kv() -> dict:
+    """GGUF writer calls for a 256-token byte-level BPE vocabulary (llama.cpp needs one to load)."""
+    from benchmarks.bench_llamacpp import _byte_tokens
+
+    toks = _byte_tokens()
+    return {"add_tokenizer_model": "gpt2", "add_tokenizer_pre": "default", "add_token_list": (toks,),
+            "add_token_types": ([1] * 256,), "add_token_merges": ([f"{toks[1]} {toks[2]}"],),
+            "add_bos_token_id": 0, "add_eos_token_id": 0, "add_add_bos_token": False}
+
+
+def _random_sd(n_layer: int, gemma: bool, rng) -> dict:
+    """HF-named random weights (torch layout) of a width-64 model with 4 query / 2 K/V heads of 32.
+
+    The Gemma has unit-norm embedding rows, wide norms and larger matrices: with the initialiser's
+    scale its scaled embedding dominates the residual and the greedy tokens are one repeated token.
+    """
+    d, hd, ff, vocab = 64, 32, 128, 256
+    w_std, norm_std = (1.0, 0.6) if gemma else (0.25, 0.3)
+    shapes = {"self_attn.q_proj.weight": (4 * hd, d), "self_attn.k_proj.weight": (2 * hd, d),
+              "self_attn.v_proj.weight": (2 * hd, d), "self_attn.o_proj.weight": (d, 4 * hd),
+              "mlp.gate_proj.weight": (ff, d), "mlp.up_proj.weight": (ff, d), "mlp.down_proj.weight": (d, ff)}
+    norms = {"input_layernorm.weight": d, "post_attention_layernorm.weight": d}
+    if gemma:
+        norms.update({"pre_feedforward_layernorm.weight": d, "post_feedforward_layernorm.weight": d,
+                      "self_attn.q_norm.weight": hd, "self_attn.k_norm.weight": hd})
+    embed = rng.standard_normal((vocab, d)).astype(np.float32)
+    if gemma:
+        embed /= np.linalg.norm(embed, axis=1, keepdims=True)
+    # gemma's norms are 1 + w (write_gguf adds the 1); llama's are w
+    offset = 0.0 if gemma else 1.0
+    sd = {"model.embed_tokens.weight": embed,
+          "model.norm.weight": (norm_std * rng.standard_normal(d) + offset).astype(np.float32)}
+    if not gemma:
+        sd["lm_head.weight"] = (0.25 * rng.standard_normal((vocab, d))).astype(np.float32)
+    for il in range(n_layer):
+        for name, shape in shapes.items():
+            sd[f"model.layers.{il}.{name}"] = (w_std * rng.standard_normal(shape)).astype(np.float32)
+        for name, n in norms.items():
+            sd[f"model.layers.{il}.{name}"] = (norm_std * rng.standard_normal(n) + offset).astype(np.float32)
+    return sd
+
+
+def write_models(folder: pathlib.Path) -> dict:
+    """The two tiny GGUF files; ``{model name: path}``."""
+    import gguf
+
+    from tests.test_gguf import write_gguf
+
+    rng = np.random.default_rng(7)
+    llama = write_gguf(folder / "tiny-llama.gguf", "llama", _random_sd(2, False, rng), n_layer=2, n_heads=4,
+                       n_kv_heads=2, eps=1e-5, theta=10000.0, qtype=gguf.GGMLQuantizationType.F16,
+                       extra_kv=_byte_vocab_kv(), head_dim=32)
+    gemma_kv = dict(_byte_vocab_kv(), add_sliding_window=8, add_sliding_window_pattern=([True, True, False],),
+                    add_rope_freq_base_swa=10000.0)
+    gemma = write_gguf(folder / "tiny-gemma3.gguf", "gemma3", _random_sd(3, True, rng), n_layer=3, n_heads=4,
+                       n_kv_heads=2, eps=1e-6, theta=1e6, qtype=gguf.GGMLQuantizationType.F16, extra_kv=gemma_kv,
+                       head_dim=32)
+    return {"llama": llama, "gemma3": gemma}
+
+
+def context_options(case: dict) -> dict:
+    return dict(n_ctx=N_CTX, n_seq=case.get("n_seq", 1), kv_type=case["kv_type"], flash_attn=case["flash_attn"],
+                kv_unified=case.get("kv_unified", True))
+
+
+def evaluate(ctx, case: dict) -> None:
+    """Evaluate the case's prompts in sequences 0..n-1 (a shared prefix once, then copied)."""
+    prompts, shared = case["prompts"], case.get("shared", 0)
+    if shared:
+        ctx.decode(prompts[0][:shared], list(range(shared)), [[0]] * shared)
+        for s in range(1, len(prompts)):
+            ctx.seq_cp(0, s)
+    toks, pos, seqs = [], [], []
+    for s, p in enumerate(prompts):
+        toks += p[shared:]
+        pos += range(shared, len(p))
+        seqs += [[s]] * (len(p) - shared)
+    ctx.decode(toks, pos, seqs)
+
+
+def main() -> int:
+    from benchmarks.llamacpp_context import LlamaCppContext
+
+    DATA.mkdir(parents=True, exist_ok=True)
+    models = write_models(DATA)
+    record = {"llama_cpp_python": __import__("llama_cpp").__version__, "n_new": N_NEW, "cases": {}}
+    for name, case in CASES.items():
+        path = str(models[case["model"]])
+        opts = context_options(case)
+        ctx = LlamaCppContext(path, **opts)
+        evaluate(ctx, case)
+        ctx.save_session(DATA / f"{name}.session", case["prompts"][0])
+        if "seq" in case:
+            src = case["seq"]["src"]
+            ctx.save_sequence(DATA / f"{name}.seq", src, case["prompts"][src])
+        ctx.close()
+        again = LlamaCppContext(path, **opts)
+        loaded = again.load_session(DATA / f"{name}.session")
+        assert loaded == case["prompts"][0]
+        seqs = list(range(len(case["prompts"])))
+        tokens, gaps = again.continue_greedy(case["prompts"], seqs, N_NEW)
+        again.close()
+        entry = dict(case, options=opts, session=dict(tokens=tokens, gaps=gaps))
+        if "seq" in case:
+            busy = LlamaCppContext(path, **opts)
+            busy.decode(OTHER, list(range(len(OTHER))), [[0]] * len(OTHER))
+            dest = case["seq"]["dest"]
+            held = busy.load_sequence(DATA / f"{name}.seq", dest)
+            assert held == case["prompts"][case["seq"]["src"]]
+            tokens, gaps = busy.continue_greedy([held], [dest], N_NEW)
+            busy.close()
+            entry["seq"] = dict(case["seq"], other=OTHER, tokens=tokens[0], gaps=gaps[0])
+        record["cases"][name] = entry
+        size = (DATA / f"{name}.session").stat().st_size
+        print(f"{name}: session {size / 1024:.1f} KiB; first tokens {[t[:6] for t in entry['session']['tokens']]}")
+    (DATA / "cases.json").write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
