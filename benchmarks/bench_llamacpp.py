@@ -17,7 +17,6 @@ benchmark says so and returns without it. Never part of the test suite.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import statistics
@@ -33,13 +32,13 @@ from tqdm import tqdm
 
 import kvjax
 from benchmarks.common import table
+from benchmarks.llamacpp_context import LlamaCppContext
 from kvjax.engine._engine import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 
 GREEDY = kvjax.SamplingConfig(temperature=0)
 N_THREADS = 2
 #: ggml's type ids of the K/V storage dtypes compared (llama.cpp's default is float16)
-GGML_TYPES = {"float32": 0, "float16": 1}
 #: (K/V dtype, unified) per compared layout, for batches above 1 (batch 1 runs the unified ones)
 LAYOUTS = (("float16", True), ("float32", True), ("float16", False), ("float32", False))
 #: Fresh processes the comparison runs in, one after another. On this shared machine a process keeps
@@ -123,54 +122,25 @@ def _write_gguf(path, model: Llama) -> None:
     w.close()
 
 
-class _LlamaCpp:
+class _LlamaCpp(LlamaCppContext):
     """A llama.cpp context over the GGUF file, driven with ``llama_batch`` (the low-level API)."""
 
     def __init__(self, path: str, n_seq: int, n_ctx: int, kv_dtype: str = "float16", unified: bool = True):
-        import llama_cpp as lc
-
-        self.lc = lc
-        lc.llama_backend_init()
-        try:   # llama.cpp logs every graph build to stderr at this level: that would be timed too
-            self._quiet = lc.llama_log_callback(lambda level, text, data: None)
-            lc.llama_log_set(self._quiet, ctypes.c_void_p())
-        except AttributeError:
-            pass
-        mparams = lc.llama_model_default_params()
-        self.model = lc.llama_model_load_from_file(path.encode(), mparams)
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = cparams.n_ubatch = max(512, n_seq)
-        cparams.n_seq_max = n_seq
-        cparams.n_threads = cparams.n_threads_batch = N_THREADS
-        cparams.type_k = cparams.type_v = GGML_TYPES[kv_dtype]
-        # True: one K/V buffer for every sequence (kvjax's unified cache); False: one stream per
-        # sequence (llama.cpp's default for several sequences; kvjax's StreamCache)
-        cparams.kv_unified = unified
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        self.batch = lc.llama_batch_init(max(512, n_seq * 64), 0, n_seq)
+        # unified True: one K/V buffer for every sequence (kvjax's unified cache); False: one
+        # stream per sequence (llama.cpp's default for several sequences; kvjax's StreamCache)
+        super().__init__(path, n_ctx=n_ctx, n_seq=n_seq, kv_type=kv_dtype, kv_unified=unified,
+                         n_batch=max(512, n_seq * 64), n_threads=N_THREADS)
 
     def decode(self, tokens, pos, seqs) -> np.ndarray:
         """One ``llama_decode`` of rows ``(token, pos, seq)``; the greedy token of every row."""
-        b = self.batch
-        b.n_tokens = len(tokens)
-        for i, (t, p, s) in enumerate(zip(tokens, pos, seqs)):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, True
-            b.seq_id[i][0] = s
-        if self.lc.llama_decode(self.ctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-        out = np.empty(len(tokens), np.int32)
-        for i in range(len(tokens)):
-            row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
-            out[i] = int(np.argmax(row))
-        return out
+        super().decode(tokens, pos, [[s] for s in seqs], outputs=range(len(tokens)))
+        return np.array([int(np.argmax(self.logits(i))) for i in range(len(tokens))], np.int32)
 
     def generate(self, prompts, n_new):
         """Greedy: the prompts in one batch, then ``n_new - 1`` steps of one token per sequence.
 
         Returns ``(tokens [B][n_new], decode seconds)``."""
-        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self.clear()
         toks, pos, seqs, last = [], [], [], []
         for s, p in enumerate(prompts):
             toks += p
@@ -185,11 +155,6 @@ class _LlamaCpp:
             for s, t in enumerate(nxt):
                 out[s].append(int(t))
         return out, time.perf_counter() - t0
-
-    def close(self):
-        self.lc.llama_batch_free(self.batch)
-        self.lc.llama_free(self.ctx)
-        self.lc.llama_model_free(self.model)
 
 
 def _plan(quick: bool):

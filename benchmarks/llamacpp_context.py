@@ -32,7 +32,8 @@ class LlamaCppContext:
         n_ctx: cells of the context (every sequence's, with ``kv_unified``).
         n_seq: sequence ids (``n_seq_max``).
         kv_type: K and V storage (``"f16"``: llama.cpp's default, ``"f32"``, ``"q8_0"``, ...).
-        flash_attn: flash attention (V stored as rows; without it V is transposed).
+        flash_attn: flash attention (V stored as rows; without it V is transposed); None:
+            llama.cpp's default ("auto": on where the backend has it).
         kv_unified: one K/V buffer for every sequence (kvjax's unified cache); False: one stream
             per sequence (kvjax's StreamCache).
         swa_full: a full-size window cache for sliding-window layers.
@@ -41,7 +42,7 @@ class LlamaCppContext:
     """
 
     def __init__(self, path: str, *, n_ctx: int = 512, n_seq: int = 1, kv_type: str = "f16",
-                 flash_attn: bool = False, kv_unified: bool = True, swa_full: bool = False, n_batch: int = 512,
+                 flash_attn: Optional[bool] = None, kv_unified: bool = True, swa_full: bool = False, n_batch: int = 512,
                  n_threads: int = 2):
         import llama_cpp as lc
 
@@ -61,7 +62,8 @@ class LlamaCppContext:
         cparams.n_seq_max = n_seq
         cparams.n_threads = cparams.n_threads_batch = n_threads
         cparams.type_k = cparams.type_v = GGML_KV_TYPES[kv_type]
-        cparams.flash_attn_type = 1 if flash_attn else 0     # enabled / disabled (not "auto")
+        if flash_attn is not None:
+            cparams.flash_attn_type = 1 if flash_attn else 0     # enabled / disabled (not "auto")
         cparams.kv_unified = kv_unified
         cparams.swa_full = swa_full
         self.ctx = lc.llama_init_from_model(self.model, cparams)
