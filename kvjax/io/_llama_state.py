@@ -86,6 +86,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from kvjax._errors import StateError
+from kvjax.io._attn_rot import rotate_section, rotate_streams
 from kvjax.io._state import state_read, state_write
 from kvjax.memory._unified import KVCache
 
@@ -165,12 +166,33 @@ def _split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes
     return n, pos, meta, blob[4 + len(meta):]
 
 
-def stream_state_write(cache, seq_id: int = -1) -> bytes:
+def _stream_blob(cache: KVCache, seq_id: int) -> bytes:
+    """The one-stream blob of ``cache``'s bytes as kvjax stores them (no rotation)."""
+    n, pos, meta, data = _split_seed(state_write(cache, seq_id), seq_id)
+    if n == 0:  # an empty stream is its count alone
+        return struct.pack("<II", 1, 0)
+    if seq_id >= 0:
+        rec = np.empty((n, 3), "<i4")
+        rec[:, 0], rec[:, 1], rec[:, 2] = pos, 1, seq_id
+        meta = rec.tobytes()
+    return struct.pack("<II", 1, n) + meta + data
+
+
+def _attn_rot_arg(attn_rot) -> bool:
+    if not isinstance(attn_rot, (bool, np.bool_)):
+        raise ValueError(f"attn_rot={attn_rot!r} is out of range: allowed True (llama.cpp's rotated quantized K/V: "
+                         f"its default) or False (bytes as they are: LLAMA_ATTN_ROT_DISABLE=1)")
+    return bool(attn_rot)
+
+
+def stream_state_write(cache, seq_id: int = -1, *, attn_rot: bool = True) -> bytes:
     """The memory blob of today's llama.cpp (one stream) for the whole cache or one sequence.
 
     Args:
         cache: a :class:`kvjax.KVCache` without pending shifts (as :func:`kvjax.state_write`).
         seq_id: -1 for the whole cache, else the sequence in ``[0, n_seq_max)``.
+        attn_rot: write block-quantized K/V in llama.cpp's rotated basis where it rotates
+            (:mod:`kvjax.io._attn_rot`); False: kvjax's bytes as they are.
 
     Returns:
         ``u32 n_stream = 1``, ``u32 cell_count``, then (when there are cells) the cells and the
@@ -182,21 +204,15 @@ def stream_state_write(cache, seq_id: int = -1) -> bytes:
     """
     cache = _require_cache(cache)
     seq_id = _seq_arg(seq_id, cache)
-    n, pos, meta, data = _split_seed(state_write(cache, seq_id), seq_id)
-    if n == 0:  # an empty stream is its count alone
-        return struct.pack("<II", 1, 0)
-    if seq_id >= 0:
-        rec = np.empty((n, 3), "<i4")
-        rec[:, 0], rec[:, 1], rec[:, 2] = pos, 1, seq_id
-        meta = rec.tobytes()
-    return struct.pack("<II", 1, n) + meta + data
+    blob = _stream_blob(cache, seq_id)
+    return rotate_section(blob, cache.config) if _attn_rot_arg(attn_rot) else blob
 
 
 class _Stream:
-    """One stream of a parsed memory blob: its cells (seed-format meta) and its data section."""
+    """One stream of a parsed memory blob: its cells, its data section and where that starts in the blob."""
 
-    def __init__(self, n: int, pos: np.ndarray, ids: List[np.ndarray], data: memoryview):
-        self.n, self.pos, self.ids, self.data = n, pos, ids, data
+    def __init__(self, n: int, pos: np.ndarray, ids: List[np.ndarray], data: memoryview, offset: int = 0):
+        self.n, self.pos, self.ids, self.data, self.offset = n, pos, ids, data, offset
 
 
 def _walk_data(r: _Reader, n: int, s: int) -> memoryview:
@@ -244,7 +260,8 @@ def _parse_streams(r: _Reader, single: bool, keep_empty: bool = False) -> List[_
             if k > 4096:
                 raise StateError(f"stream {s} cell {i} n_seq_id: expected at most 4096, found {k}")
             ids.append(np.frombuffer(r.take(4 * k, f"stream {s} cell {i} seq ids"), "<i4"))
-        streams.append(_Stream(n, pos, ids, _walk_data(r, n, s)))
+        start = r.off
+        streams.append(_Stream(n, pos, ids, _walk_data(r, n, s), start))
     return streams
 
 
@@ -332,7 +349,9 @@ def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
         cache: a :class:`kvjax.KVCache` of the model the blob was written for.
         data: the blob (bytes-like), e.g. ``llama_state_seq_get_data``'s for one sequence.
         seq_id: -1 for a whole-cache blob, else the destination sequence of a one-sequence blob.
-        **options: :func:`kvjax.state_read`'s (``contiguous``, ``donate``).
+        **options: :func:`kvjax.state_read`'s (``contiguous``, ``donate``), and ``attn_rot``
+            (default True: block-quantized K/V in llama.cpp's rotated basis are rotated back; see
+            :mod:`kvjax.io._attn_rot`).
 
     Returns:
         The restored cache.
@@ -344,8 +363,9 @@ def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
     """
     cache = _require_cache(cache)
     seq_id = _seq_arg(seq_id, cache)
+    attn_rot = _attn_rot_arg(options.pop("attn_rot", True))
     r = _Reader(data)
-    out = _read_unified_part(cache, r, seq_id, "")(options)
+    out = _read_unified_part(cache, r, seq_id, "", attn_rot)(options)
     r.finish("blob")
     return out
 
@@ -409,7 +429,7 @@ def _v_trans_arg(v_trans):
     return None if v_trans is None else bool(v_trans)
 
 
-def memory_state_write(memory, seq_id: int = -1, *, v_trans=None) -> bytes:
+def memory_state_write(memory, seq_id: int = -1, *, v_trans=None, attn_rot: bool = True) -> bytes:
     """The memory section of today's llama.cpp state (``llama_memory_i::state_write``).
 
     Args:
@@ -419,6 +439,9 @@ def memory_state_write(memory, seq_id: int = -1, *, v_trans=None) -> bytes:
         seq_id: -1 for the whole memory, else one sequence.
         v_trans: the V layout of the bytes: None (the memory's ``config.v_trans``), True
             (transposed: what llama.cpp reads without flash attention) or False (rows: with it).
+        attn_rot: block-quantized K/V in llama.cpp's rotated basis where it rotates them (its
+            default; :mod:`kvjax.io._attn_rot`), or False for kvjax's bytes as they are (a llama.cpp
+            run with ``LLAMA_ATTN_ROT_DISABLE=1``).
 
     Returns:
         The bytes (``llama_state_get_data`` writes the architecture name before them).
@@ -430,10 +453,12 @@ def memory_state_write(memory, seq_id: int = -1, *, v_trans=None) -> bytes:
     """
     _, StreamCache = _memory_kinds()
     memory = _with_v_trans(_require_kv_memory(memory), _v_trans_arg(v_trans))
+    attn_rot = _attn_rot_arg(attn_rot)
     if isinstance(memory, StreamCache):
         from kvjax.io._streams_state import write_streams
 
-        return write_streams(memory, seq_id)
+        blob = write_streams(memory, seq_id)
+        return rotate_section(blob, memory.config.base) if attn_rot else blob
     parts = _unified_parts(memory)
     if len(parts) == 2 and seq_id >= 0:
         # llama.cpp leaves out of one sequence's window section the cells its last token no longer
@@ -441,7 +466,7 @@ def memory_state_write(memory, seq_id: int = -1, *, v_trans=None) -> bytes:
         last = int(parts[1].seq_pos_max(np.int32(seq_id)))
         if last >= 0:
             parts[1], _ = parts[1].seq_rm(np.int32(seq_id), np.int32(0), np.int32(max(0, memory.config.first_visible(last))))
-    return b"".join(stream_state_write(part, seq_id) for part in parts)
+    return b"".join(stream_state_write(part, seq_id, attn_rot=attn_rot) for part in parts)
 
 
 def _blob_v_trans(streams: List[_Stream]):
@@ -449,12 +474,14 @@ def _blob_v_trans(streams: List[_Stream]):
     return struct.unpack_from("<I", streams[0].data)[0] if streams else None
 
 
-def _read_unified_part(part: KVCache, r: _Reader, seq_id: int, label: str):
+def _read_unified_part(part: KVCache, r: _Reader, seq_id: int, label: str, attn_rot: bool):
     """Parse one unified cache's section; return a function that restores it (nothing is read yet)."""
     try:
         streams = _parse_streams(r, single=seq_id >= 0)
     except StateError as e:
         raise StateError(f"{label}{e}") from None
+    if attn_rot:
+        rotate_streams(streams, part.config)
     flag = _blob_v_trans(streams)
     if flag is not None and flag not in (0, 1):
         raise StateError(f"{label}v_trans: expected 0 or 1, found {flag}")
@@ -476,22 +503,26 @@ def _read_unified_part(part: KVCache, r: _Reader, seq_id: int, label: str):
 def _read_memory_section(memory, r: _Reader, seq_id: int, options):
     """Read a memory section off ``r`` (every part is parsed and checked before any is kept)."""
     IswaCache, StreamCache = _memory_kinds()
+    options = dict(options)
+    attn_rot = _attn_rot_arg(options.pop("attn_rot", True))
     if isinstance(memory, StreamCache):
         from kvjax.io._streams_state import read_streams
 
         rest = bytes(r.take(len(r.buf) - r.off, "memory"))
+        if attn_rot:
+            rest = rotate_section(rest, memory.config.base)
         streams = _parse_streams(_Reader(rest), single=seq_id >= 0)
         flag = _blob_v_trans(streams)
         out = read_streams(_with_v_trans(memory, None if flag is None else bool(flag)), rest, seq_id,
                            **{k: v for k, v in options.items() if k == "contiguous"})
         return _with_v_trans(out, None, like=memory)
     if isinstance(memory, IswaCache):
-        base = _read_unified_part(memory.base, r, seq_id, "base cache (full layers): ")
-        swa = _read_unified_part(memory.swa, r, seq_id, "window cache (sliding-window layers): ")
+        base = _read_unified_part(memory.base, r, seq_id, "base cache (full layers): ", attn_rot)
+        swa = _read_unified_part(memory.swa, r, seq_id, "window cache (sliding-window layers): ", attn_rot)
         # nothing may be donated: the base is read before the window part is known to fit
         options = {k: v for k, v in options.items() if k != "donate"}
         return memory.replace(base=base(options), swa=swa(options))
-    return _read_unified_part(memory, r, seq_id, "")(options)
+    return _read_unified_part(memory, r, seq_id, "", attn_rot)(options)
 
 
 def memory_state_read(memory, data, seq_id: int = -1, **options):
@@ -579,7 +610,7 @@ def _bytes_of(data_or_path) -> bytes:
 
 
 def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SESSION_VERSION, v_trans=None,
-                  logits=None, output_rows=None) -> bytes:
+                  attn_rot: bool = True, logits=None, output_rows=None) -> bytes:
     """A llama.cpp session file (``'ggsn'``, what ``llama_state_save_file`` writes) of the whole memory.
 
     Args:
@@ -591,6 +622,7 @@ def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SES
         version: 10 (today's llama.cpp) or 9 (before it, with output buffers).
         v_trans: V layout (see :func:`memory_state_write`): the llama.cpp context that loads the
             file must use the same (True without flash attention, False with it).
+        attn_rot: quantized K/V in llama.cpp's rotated basis (see :func:`memory_state_write`).
         logits: version 9 only: optional ``f32[R, V]`` logits of the last decode's output rows.
         output_rows: their batch rows (default ``0..R-1``).
 
@@ -620,7 +652,7 @@ def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SES
     if version == 9:
         head += (struct.pack("<i", len(rows)) + rows.tobytes() + struct.pack("<Q", lg.size) + lg.tobytes()
                  + struct.pack("<Q", 0))
-    return head + memory_state_write(cache, -1, v_trans=v_trans)
+    return head + memory_state_write(cache, -1, v_trans=v_trans, attn_rot=attn_rot)
 
 
 def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
@@ -631,7 +663,8 @@ def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
             :class:`kvjax.KVCache`, :class:`kvjax.IswaCache` (Gemma 2/3) or :class:`kvjax.StreamCache`.
         data: the file's bytes or its path.
         arch: when given, the architecture the file must name (llama.cpp refuses another).
-        **options: :func:`kvjax.state_read`'s.
+        **options: :func:`kvjax.state_read`'s, and ``attn_rot`` (default True: quantized K/V
+            written in llama.cpp's rotated basis are rotated back; :mod:`kvjax.io._attn_rot`).
 
     Returns:
         A :class:`LlamaSession`.
@@ -669,7 +702,8 @@ def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
     return LlamaSession(restored, tokens, found, rows, logits, embd, version)
 
 
-def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = SEQ_VERSION, v_trans=None) -> bytes:
+def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = SEQ_VERSION, v_trans=None,
+                   attn_rot: bool = True) -> bytes:
     """A llama.cpp sequence file (``'ggsq'``, what ``llama_state_seq_save_file`` writes) of one sequence.
 
     Args:
@@ -679,6 +713,7 @@ def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = 
         version: 3 (today's llama.cpp) or 2; the cells are the same for every model kvjax runs
             (version 3 adds per-cell records only for M-RoPE and per-layer-embedding models).
         v_trans: V layout (see :func:`memory_state_write`).
+        attn_rot: quantized K/V in llama.cpp's rotated basis (see :func:`memory_state_write`).
 
     Returns:
         The file's bytes (``llama_state_seq_load_file`` reads them into any sequence id).
@@ -690,7 +725,7 @@ def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = 
     toks = _tokens_arg(tokens)
     version = _version_arg(version, SEQ_VERSIONS, "sequence file")
     return (struct.pack("<III", SEQ_MAGIC, version, len(toks)) + toks.tobytes()
-            + memory_state_write(cache, seq_id, v_trans=v_trans))
+            + memory_state_write(cache, seq_id, v_trans=v_trans, attn_rot=attn_rot))
 
 
 def seq_file_read(cache, data, seq_id: int, **options) -> Tuple[object, np.ndarray]:

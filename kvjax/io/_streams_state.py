@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._errors import StateError
-from kvjax.io._llama_state import _Reader, _Stream, _parse_streams, _to_seed, stream_state_write
+from kvjax.io._llama_state import _Reader, _Stream, _parse_streams, _stream_blob, _to_seed
 from kvjax.io._state import state_read
 
 __all__ = ["write_streams", "read_streams"]
@@ -43,7 +43,7 @@ def write_streams(memory, seq_id: int = -1) -> bytes:
     seq_id = _seq_arg(memory, seq_id)
     if bool(jnp.any(memory.copy_from >= 0)):
         raise StateError("memory has a pending stream copy: apply kvjax.update(memory) before writing its state")
-    sections = [stream_state_write(memory.stream(s), seq_id)[4:] for s in range(memory.n_stream)]
+    sections = [_stream_blob(memory.stream(s), seq_id)[4:] for s in range(memory.n_stream)]
     return struct.pack("<I", memory.n_stream) + b"".join(sections)
 
 
