@@ -6,8 +6,9 @@ Run once in the benchmark environment (``pip install -e ".[test,llamacpp]"``), n
 
 It writes ``tests/data/sessions/``:
 
-- ``tiny-llama.gguf`` (2 layers, width 64, 4 query / 2 K/V heads of 32) and ``tiny-gemma3.gguf``
-  (3 layers: two with an 8-token sliding window, one full; tied embeddings): random weights,
+- ``tiny-llama.gguf`` (2 layers, width 64, 4 query / 2 K/V heads of 32), ``tiny-llama64.gguf``
+  (the same with heads of 64: llama.cpp rotates quantized K/V of such heads) and
+  ``tiny-gemma3.gguf`` (3 layers: two with an 8-token sliding window, one full; tied embeddings): random weights,
   a 256-token byte vocabulary, F16 matrices, so that llama.cpp loads them (a few hundred KB);
 - for each case of :data:`CASES`, the file llama.cpp saved after evaluating the prompts
   (``llama_state_save_file``: ``<case>.session``; and for the ``seq`` cases the one-sequence file
@@ -46,6 +47,9 @@ CASES = {
     "llama-f16-vtrans": dict(model="llama", kv_type="f16", flash_attn=False, prompts=[PROMPT]),
     "llama-f16-rows": dict(model="llama", kv_type="f16", flash_attn=True, prompts=[PROMPT]),
     "llama-q8_0": dict(model="llama", kv_type="q8_0", flash_attn=True, prompts=[PROMPT]),
+    # heads of 64: llama.cpp's quantized K/V in its rotated basis
+    "llama64-q8_0": dict(model="llama64", kv_type="q8_0", flash_attn=True, n_seq=2, shared=len(PREFIX),
+                         prompts=[PREFIX + s for s in SUFFIXES[:2]], seq=dict(src=1, dest=1)),
     "llama-shared": dict(model="llama", kv_type="f16", flash_attn=False, n_seq=3, shared=len(PREFIX),
                          prompts=[PREFIX + s for s in SUFFIXES], seq=dict(src=1, dest=2)),
     "llama-streams": dict(model="llama", kv_type="f16", flash_attn=False, n_seq=2, kv_unified=False,
@@ -67,13 +71,13 @@ def _byte_vocab_kv() -> dict:
             "add_bos_token_id": 0, "add_eos_token_id": 0, "add_add_bos_token": False}
 
 
-def _random_sd(n_layer: int, gemma: bool, rng) -> dict:
-    """HF-named random weights (torch layout) of a width-64 model with 4 query / 2 K/V heads of 32.
+def _random_sd(n_layer: int, gemma: bool, rng, hd: int = 32) -> dict:
+    """HF-named random weights (torch layout) of a width-64 model with 4 query / 2 K/V heads of ``hd``.
 
     The Gemma has unit-norm embedding rows, wide norms and larger matrices: with the initialiser's
     scale its scaled embedding dominates the residual and the greedy tokens are one repeated token.
     """
-    d, hd, ff, vocab = 64, 32, 128, 256
+    d, ff, vocab = 64, 128, 256
     w_std, norm_std = (1.0, 0.6) if gemma else (0.25, 0.3)
     shapes = {"self_attn.q_proj.weight": (4 * hd, d), "self_attn.k_proj.weight": (2 * hd, d),
               "self_attn.v_proj.weight": (2 * hd, d), "self_attn.o_proj.weight": (d, 4 * hd),
@@ -114,7 +118,11 @@ def write_models(folder: pathlib.Path) -> dict:
     gemma = write_gguf(folder / "tiny-gemma3.gguf", "gemma3", _random_sd(3, True, rng), n_layer=3, n_heads=4,
                        n_kv_heads=2, eps=1e-6, theta=1e6, qtype=gguf.GGMLQuantizationType.F16, extra_kv=gemma_kv,
                        head_dim=32)
-    return {"llama": llama, "gemma3": gemma}
+    # heads of 64 values: llama.cpp stores its quantized K/V Walsh-Hadamard-rotated (kvjax.io._attn_rot)
+    llama64 = write_gguf(folder / "tiny-llama64.gguf", "llama", _random_sd(2, False, rng, hd=64), n_layer=2,
+                         n_heads=4, n_kv_heads=2, eps=1e-5, theta=10000.0, qtype=gguf.GGMLQuantizationType.F16,
+                         extra_kv=_byte_vocab_kv(), head_dim=64)
+    return {"llama": llama, "gemma3": gemma, "llama64": llama64}
 
 
 def context_options(case: dict) -> dict:

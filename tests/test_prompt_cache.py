@@ -225,3 +225,20 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="prompt_cache has n_seq_max=3"):
         kvjax.generate(eng, [[1, 2]], max_new_tokens=1, key=jax.random.PRNGKey(0),
                        prompt_cache=kvjax.PromptCache(n_seq_max=3, max_tokens=8))
+
+
+@pytest.mark.parametrize("kind", ["unified", "iswa", "recurrent", "hybrid"])
+def test_a_parked_sequence_holding_exactly_the_prompt_continues_in_place(kind):
+    """A session loaded from a file holds the whole prompt: its last token is evaluated again (the
+    file has no logits) in the same sequence, and the tokens equal a fresh generation's."""
+    prompt = [3, 7, 1, 12, 5, 9]
+    key = jax.random.PRNGKey(0)
+    fresh = kvjax.generate(kvjax.Engine(model(kind), memory(kind)), [prompt], max_new_tokens=6, key=key,
+                           sampling=GREEDY)
+    engine = kvjax.Engine(model(kind), memory(kind))
+    engine.decode(prompt, list(range(len(prompt))), [[2]] * len(prompt), outputs=[])
+    pc = kvjax.PromptCache(n_seq_max=4, max_tokens=32)
+    pc.park(2, prompt)
+    out = kvjax.generate(engine, [prompt], max_new_tokens=6, key=key, sampling=GREEDY, prompt_cache=pc)
+    assert out.tokens == fresh.tokens
+    assert out.prompt_tokens == 1 and pc.parked() == [2]          # continued in sequence 2, parked again

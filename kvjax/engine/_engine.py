@@ -352,7 +352,7 @@ class Engine:
         return self.cache
 
     def save_session(self, path, tokens: Sequence[int], *, arch: Optional[str] = None,
-                     version: Optional[int] = None, v_trans: Optional[bool] = None) -> None:
+                     version: Optional[int] = None, v_trans: Optional[bool] = None, attn_rot: bool = True) -> None:
         """Write the whole memory as a llama.cpp session file (``llama_state_load_file`` reads it), atomically.
 
         A pending K-shift (after :meth:`context_shift`) is applied first: the file holds the
@@ -365,16 +365,19 @@ class Engine:
             version: the session version of the llama.cpp that reads it (default 10, today's; or 9).
             v_trans: V layout of the file: True for a llama.cpp context without flash attention,
                 False with it (default the memory's ``config.v_trans``).
+            attn_rot: block-quantized K/V in the rotated basis today's llama.cpp stores them in
+                (``kvjax.io._attn_rot``); False for a llama.cpp run with ``LLAMA_ATTN_ROT_DISABLE=1``.
 
         Raises:
             ValueError: a bad argument, or a memory llama.cpp does not save as K/V cells.
             OSError: the file cannot be written (nothing is left under ``path``).
         """
         options = {} if version is None else {"version": version}
-        kvjax.session_save_file(path, self._settled(), tokens, arch=self._arch(arch), v_trans=v_trans, **options)
+        kvjax.session_save_file(path, self._settled(), tokens, arch=self._arch(arch), v_trans=v_trans,
+                                attn_rot=attn_rot, **options)
 
     def load_session(self, path, *, arch: Optional[str] = None, prompt_cache: Optional[PromptCache] = None,
-                     seq_id: int = 0) -> np.ndarray:
+                     seq_id: int = 0, attn_rot: bool = True) -> np.ndarray:
         """Replace the memory with a llama.cpp session file's (``llama_state_save_file``'s) and return its tokens.
 
         The memory keeps its config (the file must fit it: same layers, heads, K/V types, no more
@@ -387,6 +390,7 @@ class Engine:
                 :class:`kvjax.PromptCache`, so that :func:`generate` with a prompt that starts with
                 them evaluates only the rest (or the last token again: a version 10 file holds no logits).
             seq_id: the sequence the tokens belong to, for ``prompt_cache``.
+            attn_rot: quantized K/V are in llama.cpp's rotated basis (as :meth:`save_session`).
 
         Returns:
             ``i32[n]`` the session's tokens.
@@ -396,14 +400,14 @@ class Engine:
         """
         if arch is None:
             arch = getattr(self.model, "gguf_architecture", None)
-        session = kvjax.session_read(self.cache, path, arch=arch)
+        session = kvjax.session_read(self.cache, path, arch=arch, attn_rot=attn_rot)
         self.cache = session.cache
         if prompt_cache is not None:
             prompt_cache.park(seq_id, session.tokens.tolist())
         return session.tokens
 
     def save_sequence(self, path, seq_id: int, tokens: Sequence[int], *, version: Optional[int] = None,
-                      v_trans: Optional[bool] = None) -> None:
+                      v_trans: Optional[bool] = None, attn_rot: bool = True) -> None:
         """Write one sequence as a llama.cpp sequence file (``llama_state_seq_load_file`` reads it), atomically.
 
         Args:
@@ -412,12 +416,16 @@ class Engine:
             tokens: its tokens.
             version: the sequence-file version of the llama.cpp that reads it (default 3, today's; or 2).
             v_trans: V layout (as :meth:`save_session`).
+            attn_rot: as :meth:`save_session`.
         """
         options = {} if version is None else {"version": version}
-        kvjax.seq_save_file(path, self._settled(), seq_id, tokens, v_trans=v_trans, **options)
+        kvjax.seq_save_file(path, self._settled(), seq_id, tokens, v_trans=v_trans, attn_rot=attn_rot, **options)
 
-    def load_sequence(self, path, seq_id: int, *, prompt_cache: Optional[PromptCache] = None) -> np.ndarray:
+    def load_sequence(self, path, seq_id: int, *, prompt_cache: Optional[PromptCache] = None,
+                      attn_rot: bool = True) -> np.ndarray:
         """Read a llama.cpp sequence file into sequence ``seq_id`` (its cells replaced, the others kept).
+
+        ``attn_rot``: as :meth:`load_session`.
 
         Returns:
             ``i32[n]`` the file's tokens (parked in ``prompt_cache`` as ``seq_id`` when given).
@@ -426,7 +434,7 @@ class Engine:
             ValueError: ``seq_id`` out of range.
             kvjax.StateError: a malformed file, or cells that do not fit; nothing changed.
         """
-        self.cache, tokens = kvjax.seq_file_read(self.cache, path, seq_id)
+        self.cache, tokens = kvjax.seq_file_read(self.cache, path, seq_id, attn_rot=attn_rot)
         if prompt_cache is not None:
             prompt_cache.park(seq_id, tokens.tolist())
         return tokens
