@@ -318,3 +318,26 @@ def test_kvjax_files_continue_in_llama_cpp(name, shift, tmp_path):
         reader = engine_for(case)
         reader.load_sequence(tmp_path / "kvjax.seq", dest)
         assert continue_forced(reader, [held], [dest], theirs, gaps, NEAR_TIE[case["kv_type"]]) >= 0.75 * 32
+
+
+def test_the_docs_worked_example_runs(capsys, monkeypatch):
+    """docs/sessions.md's blocks run in order; llama.cpp's blocks only where it is installed (else
+    the committed file llama.cpp wrote stands in for the one its block would write)."""
+    import importlib.util
+    import re
+
+    monkeypatch.chdir(DATA.parent.parent.parent)
+    doc = (DATA.parent.parent.parent / "docs" / "sessions.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+    assert len(blocks) == 4
+    have_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    namespace = {} if have_llama_cpp else {"MODEL": "tests/data/sessions/tiny-llama.gguf",
+                                           "FILE": str(DATA / "llama-f16-vtrans.session")}
+    for block in blocks:
+        if block.startswith("# needs llama-cpp-python") and not have_llama_cpp:
+            continue
+        if not have_llama_cpp:   # the example writes next to the file it read: keep the fixtures clean
+            block = block.replace('BACK = FILE + ".back"', 'BACK = str(pathlib.Path(tempfile.mkdtemp()) / "back")')
+            namespace.update(pathlib=pathlib, tempfile=__import__("tempfile"))
+        exec(compile(block, "docs/sessions.md", "exec"), namespace)
+    assert capsys.readouterr().out.split() == ["1", "8"]
