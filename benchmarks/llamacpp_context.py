@@ -23,6 +23,17 @@ import numpy as np
 #: ggml type ids of the K/V types the benchmarks use
 GGML_KV_TYPES = {"float32": 0, "f32": 0, "float16": 1, "f16": 1, "q8_0": 8, "q4_0": 2}
 
+# llama.cpp keeps the log callback's address for the life of the process: the ctypes object must
+# live as long (one freed with a context would be called by the next model load, and crash)
+_QUIET = []
+
+
+def _silence(lc) -> None:
+    """llama.cpp logs every graph build to stderr; a timed loop would time that too."""
+    if not _QUIET and hasattr(lc, "llama_log_callback"):
+        _QUIET.append(lc.llama_log_callback(lambda level, text, data: None))
+        lc.llama_log_set(_QUIET[0], ctypes.c_void_p())
+
 
 class LlamaCppContext:
     """One llama.cpp model and context.
@@ -48,11 +59,7 @@ class LlamaCppContext:
 
         self.lc = lc
         lc.llama_backend_init()
-        try:   # llama.cpp logs every graph build to stderr; a timed loop would time that too
-            self._quiet = lc.llama_log_callback(lambda level, text, data: None)
-            lc.llama_log_set(self._quiet, ctypes.c_void_p())
-        except AttributeError:
-            pass
+        _silence(lc)
         self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")

@@ -341,3 +341,74 @@ def test_the_docs_worked_example_runs(capsys, monkeypatch):
             namespace.update(pathlib=pathlib, tempfile=__import__("tempfile"))
         exec(compile(block, "docs/sessions.md", "exec"), namespace)
     assert capsys.readouterr().out.split() == ["1", "8"]
+
+
+def test_bad_arguments_are_named_and_nothing_changes(tmp_path):
+    from flax import nnx
+
+    from kvjax.nn import Llama, LlamaConfig
+
+    case = FIXTURES["cases"]["llama-f16-vtrans"]
+    engine = engine_for(case)
+    _evaluate(engine, case)
+    before = kvjax.state_write(engine.cache)
+    out = tmp_path / "out"
+    bad = [
+        (lambda: engine.save_session(out, [[1, 2]]), ValueError, "tokens has shape"),
+        (lambda: engine.save_session(out, [1], version=8), ValueError,
+         r"version=8 is out of range for a session file: allowed one of \[9, 10\]"),
+        (lambda: engine.save_session(out, [1], v_trans="no"), ValueError, "v_trans='no' is out of range: allowed None"),
+        (lambda: engine.save_session(out, [1], attn_rot=None), ValueError, "attn_rot=None is out of range"),
+        (lambda: engine.save_session(out, [1], arch=""), ValueError, "arch='' is out of range"),
+        (lambda: engine.save_sequence(out, 5, [1]), ValueError, r"seq_id=5 is out of range: allowed -1 .* or \[0, 1\)"),
+        (lambda: engine.save_sequence(out, -1, [1]), ValueError, "seq_id=-1 is out of range for a sequence file"),
+        (lambda: engine.save_sequence(out, 0, [1], version=4), ValueError, "version=4 is out of range for a sequence"),
+        (lambda: engine.load_sequence(DATA / "llama-shared.seq", 7), ValueError, "seq_id=7 is out of range"),
+        (lambda: engine.load_session(12), ValueError, "data must be bytes or a file path, got int"),
+        (lambda: engine.load_session(DATA / "llama-f16-vtrans.session", arch="gemma3"), StateError,
+         "expected 'gemma3'"),
+        (lambda: engine.load_session(DATA / "llama-shared.seq"), StateError, "session file magic: expected 0x6767736e"),
+        (lambda: engine.load_sequence(DATA / "llama-shared.session", 0), StateError, "sequence file magic"),
+    ]
+    for call, kind, match in bad:
+        with pytest.raises(kind, match=match):
+            call()
+        assert kvjax.state_write(engine.cache) == before and not out.exists()
+    # a model that did not come from a GGUF file has no architecture name to write
+    cfg = LlamaConfig(vocab_size=32, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
+    plain = kvjax.Engine(Llama(cfg, rngs=nnx.Rngs(0)), kvjax.init(cfg.cache_config(size=32, n_seq_max=1)))
+    with pytest.raises(ValueError, match="arch=None is out of range for a model that was not loaded from a GGUF"):
+        plain.save_session(out, [1])
+    plain.save_session(out, [], arch="llama")
+    assert kvjax.session_read(plain.cache, out, arch="llama").tokens.size == 0
+
+
+def test_loading_another_file_recompiles_nothing(tmp_path):
+    """The memory keeps its own config whatever the file's V layout, so the engine's compiled
+    steps serve every loaded session; the reader compiles once per cell-count bucket."""
+    rows = FIXTURES["cases"]["llama-f16-rows"]
+    engine = engine_for(rows)
+    prompt = rows["prompts"][0]
+
+    def load_and_step(name):
+        engine.load_session(DATA / f"{name}.session")
+        engine.rollback(0, len(prompt) - 1)
+        return np.asarray(engine.decode(prompt[-1:], [len(prompt) - 1], [[0]]))
+
+    first = load_and_step("llama-f16-vtrans")          # compiles the step, and the reader of each layout
+    load_and_step("llama-f16-rows")
+    shorter, _ = kvjax.seq_rm(engine.cache, 0, 17, -1)      # 17 and 20 cells: one power-of-two bucket
+    kvjax.session_save_file(tmp_path / "short.session", shorter, prompt[:17], arch="llama")
+    with kvjax.CompileCounter() as compiles:
+        again = load_and_step("llama-f16-rows")
+        load_and_step("llama-f16-vtrans")
+        engine.load_session(tmp_path / "short.session")      # another file, fewer cells
+    assert compiles.count == 0
+    # one file written in the other V layout holds the same K/V: the same logits
+    engine.load_session(DATA / "llama-f16-vtrans.session")
+    engine.save_session(tmp_path / "as_rows.session", prompt, v_trans=False)
+    assert (tmp_path / "as_rows.session").read_bytes() != (DATA / "llama-f16-vtrans.session").read_bytes()
+    engine.load_session(tmp_path / "as_rows.session")
+    engine.rollback(0, len(prompt) - 1)
+    np.testing.assert_array_equal(np.asarray(engine.decode(prompt[-1:], [len(prompt) - 1], [[0]])), first)
+    assert not np.array_equal(again, first)            # llama.cpp's two contexts computed slightly other K/V
