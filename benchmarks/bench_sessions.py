@@ -134,27 +134,9 @@ def _agreement(a, a_gaps, b, b_gaps) -> str:
     return f"{len(a)} / {len(a)}"
 
 
-def _cpp_evaluate(ctx, prompts, shared: int) -> None:
-    """llama.cpp evaluates the prompts: a shared prefix once in sequence 0 and copied, in n_batch chunks."""
-    rows = []
-    if shared:
-        rows += [(t, p, 0) for p, t in enumerate(prompts[0][:shared])]
-    for s, prompt in enumerate(prompts):
-        rows += [(t, p, s) for p, t in enumerate(prompt) if p >= shared]
-    copied = not shared
-    for i in range(0, len(rows), ctx.n_batch):
-        chunk = rows[i:i + ctx.n_batch]
-        if not copied and chunk[0][2] != 0:
-            for s in range(1, len(prompts)):
-                ctx.seq_cp(0, s)
-            copied = True
-        ctx.decode([r[0] for r in chunk], [r[1] for r in chunk], [[r[2]] for r in chunk])
-    if not copied:
-        for s in range(1, len(prompts)):
-            ctx.seq_cp(0, s)
-
-
-def _kvjax_evaluate(engine, prompts, shared: int) -> None:
+def evaluate_prompts(engine: kvjax.Engine, prompts, shared: int = 0) -> None:
+    """kvjax's twin of ``LlamaCppContext.evaluate_prompts``: prompt ``s`` in sequence ``s``, a common
+    prefix of ``shared`` tokens once in sequence 0 and copied (``seq_cp``), then the rest in one batch."""
     if shared:
         engine.decode(prompts[0][:shared], list(range(shared)), [[0]] * shared, outputs=[])
         for s in range(1, len(prompts)):
@@ -202,14 +184,14 @@ def _run_case(path, kv_side: _Kvjax, case, folder: pathlib.Path, other):
     engine = kv_side.engine(kv_type, opts["n_seq"])
     if direction.startswith("llama.cpp"):
         ctx = LlamaCppContext(str(path), **opts)
-        _cpp_evaluate(ctx, prompts, shared)
+        ctx.evaluate_prompts(prompts, shared)
         if what == "sequence":
             ctx.save_sequence(file, 1, histories[1])
         else:
             ctx.save_session(file, histories[0])
         ctx.close()
     else:
-        _kvjax_evaluate(engine, prompts, shared)
+        evaluate_prompts(engine, prompts, shared)
         if what == "shifted":
             engine.context_shift(0, 16, 200)
             histories[0] = histories[0][:16] + histories[0][216:]
@@ -223,9 +205,9 @@ def _run_case(path, kv_side: _Kvjax, case, folder: pathlib.Path, other):
     if what == "sequence":
         for side in (ctx, engine):
             if side is ctx:
-                _cpp_evaluate(ctx, [other], 0)
+                ctx.evaluate_prompts([other], 0)
             else:
-                _kvjax_evaluate(engine, [other], 0)
+                evaluate_prompts(engine, [other], 0)
         held = ctx.load_sequence(file, 2)
         assert held == histories[1] and engine.load_sequence(file, 2).tolist() == held
         histories, seqs = [held], [2]
@@ -240,7 +222,7 @@ def _run_case(path, kv_side: _Kvjax, case, folder: pathlib.Path, other):
     # again from the file, kvjax following llama.cpp's tokens
     engine = kv_side.engine(kv_type, opts["n_seq"])
     if what == "sequence":
-        _kvjax_evaluate(engine, [other], 0)
+        evaluate_prompts(engine, [other], 0)
         engine.load_sequence(file, 2)
     else:
         engine.load_session(file)
@@ -258,7 +240,7 @@ def _load_vs_recompute(path, kv_side: _Kvjax, prompt, folder: pathlib.Path, repe
     for r in range(repeats + 1):    # the first round compiles and warms up
         engine.cache = kvjax.clear(engine.cache)
         t0 = time.perf_counter()
-        _kvjax_evaluate(engine, [prompt], 0)
+        evaluate_prompts(engine, [prompt], 0)
         jax.block_until_ready(engine.cache)
         t1 = time.perf_counter()
         engine.save_session(file, prompt, v_trans=False)
@@ -269,7 +251,7 @@ def _load_vs_recompute(path, kv_side: _Kvjax, prompt, folder: pathlib.Path, repe
         t3 = time.perf_counter()
         ctx.clear()
         t4 = time.perf_counter()
-        _cpp_evaluate(ctx, [prompt], 0)
+        ctx.evaluate_prompts([prompt], 0)
         t5 = time.perf_counter()
         ctx.clear()
         t6 = time.perf_counter()

@@ -99,6 +99,20 @@ class LlamaCppContext:
         if self.lc.llama_decode(self.ctx, b) != 0:
             raise RuntimeError("llama_decode failed")
 
+    def evaluate_prompts(self, prompts: Sequence[Sequence[int]], shared: int = 0) -> None:
+        """Evaluate prompt ``s`` in sequence ``s``; a common prefix of ``shared`` tokens first, once,
+        in sequence 0, then copied to the others (``seq_cp``: shared cells); in ``n_batch`` chunks
+        (the last row of the last one has logits)."""
+        prefix = [(t, p, 0) for p, t in enumerate(prompts[0][:shared])]
+        rest = [(t, p, s) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt) if p >= shared]
+        for rows in (prefix, rest):
+            for i in range(0, len(rows), self.n_batch):
+                chunk = rows[i:i + self.n_batch]
+                self.decode([r[0] for r in chunk], [r[1] for r in chunk], [[r[2]] for r in chunk])
+            if rows is prefix and shared:
+                for s in range(1, len(prompts)):
+                    self.seq_cp(0, s)
+
     def logits(self, row: int) -> np.ndarray:
         """``f32[V]`` logits of output row ``row`` of the last decode (-1: the last output)."""
         ptr = self.lc.llama_get_logits_ith(self.ctx, row)

@@ -130,21 +130,6 @@ def context_options(case: dict) -> dict:
                 kv_unified=case.get("kv_unified", True))
 
 
-def evaluate(ctx, case: dict) -> None:
-    """Evaluate the case's prompts in sequences 0..n-1 (a shared prefix once, then copied)."""
-    prompts, shared = case["prompts"], case.get("shared", 0)
-    if shared:
-        ctx.decode(prompts[0][:shared], list(range(shared)), [[0]] * shared)
-        for s in range(1, len(prompts)):
-            ctx.seq_cp(0, s)
-    toks, pos, seqs = [], [], []
-    for s, p in enumerate(prompts):
-        toks += p[shared:]
-        pos += range(shared, len(p))
-        seqs += [[s]] * (len(p) - shared)
-    ctx.decode(toks, pos, seqs)
-
-
 def main() -> int:
     from benchmarks.llamacpp_context import LlamaCppContext
 
@@ -155,7 +140,7 @@ def main() -> int:
         path = str(models[case["model"]])
         opts = context_options(case)
         ctx = LlamaCppContext(path, **opts)
-        evaluate(ctx, case)
+        ctx.evaluate_prompts(case["prompts"], case.get("shared", 0))
         ctx.save_session(DATA / f"{name}.session", case["prompts"][0])
         if "seq" in case:
             src = case["seq"]["src"]

@@ -164,17 +164,9 @@ def test_a_llama_cpp_sequence_file_joins_a_busy_kvjax_memory(name):
 
 def _evaluate(engine: kvjax.Engine, case: dict) -> None:
     """The prompts as llama.cpp evaluated them: a shared prefix once in sequence 0, copied, then the rest."""
-    prompts, shared = case["prompts"], case.get("shared", 0)
-    if shared:
-        engine.decode(prompts[0][:shared], list(range(shared)), [[0]] * shared, outputs=[])
-        for s in range(1, len(prompts)):
-            engine.cache = kvjax.seq_cp(engine.cache, 0, s, -1, -1)
-    toks, pos, seqs = [], [], []
-    for s, p in enumerate(prompts):
-        toks += p[shared:]
-        pos += range(shared, len(p))
-        seqs += [[s]] * (len(p) - shared)
-    engine.decode(toks, pos, seqs, outputs="last")
+    from benchmarks.bench_sessions import evaluate_prompts
+
+    evaluate_prompts(engine, case["prompts"], case.get("shared", 0))
 
 
 def _cells_and_kv(memory):
