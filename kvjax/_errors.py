@@ -38,6 +38,7 @@ class ErrorFlag(enum.IntFlag):
     LAYER = 16
     MAX_MOVES = 32
     OVERFLOW = 64
+    STATE_SHIFT = 128
 
 
 ERROR_MESSAGES = {
@@ -49,6 +50,8 @@ ERROR_MESSAGES = {
     ErrorFlag.LAYER: "layer id not cached (the write was dropped)",
     ErrorFlag.MAX_MOVES: "defrag max_moves < 0 (nothing was moved)",
     ErrorFlag.OVERFLOW: "seq_add would push a position past int32 (an op was skipped)",
+    ErrorFlag.STATE_SHIFT: "seq_add would move a recurrent state below position 0; a state holds its whole "
+                           "sequence, so it is never dropped (the op was skipped)",
 }
 
 

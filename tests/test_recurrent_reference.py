@@ -252,7 +252,11 @@ def test_seq_add_div_keep_and_queries():
     assert [ref.seq_pos_min(s) for s in (-1, 0, 1, 3)] == [4, 7, 13, 4]
     assert [ref.seq_pos_max(s) for s in (-1, 0, 1, 3)] == [13, 7, 13, 4]
     assert (ref.pos_max(), ref.n_tokens(), ref.cell_max(), ref.can_shift()) == (13, 4, 3, False)
-    ref.seq_add(0, -1, -1, -8)                # 7 - 8 < 0: kvjax frees the state
+    before = snapshot(ref)
+    ref.seq_add(0, -1, -1, -8)                # 7 - 8 < 0: kvjax refuses, the state is kept
+    ref.seq_add(-1, -1, -1, -5)               # one of the states (4) would go below 0: nothing moves
+    assert snapshot(ref) == before
+    ref.seq_rm(0, -1, -1)                     # what the old test freed by the shift, removed for real
     assert cells(ref)[0] == (-1, []) and ref.tail[0] == -1 and ref.head == 0 and ref.used == 2
     ref.head = 3
     ref.seq_keep(-1)                          # kvjax: keeps everything

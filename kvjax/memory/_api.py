@@ -106,7 +106,10 @@ def seq_keep(memory: Memory, seq_id: IntLike) -> Memory:
 def seq_add(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: IntLike) -> Memory:
     """Shift the positions of ``seq_id`` in ``[p0, p1)`` by ``delta``; pending until :func:`kvjax.update`.
 
-    Cells whose position falls below 0 are freed.
+    Cells of a unified (and iSWA, streams) memory whose position falls below 0 are freed: each
+    holds one token. A recurrent state holds its whole sequence: a shift that would move one
+    below 0 is refused on a recurrent or hybrid memory, nothing changed, with
+    ``ErrorFlag.STATE_SHIFT`` set (:func:`kvjax.check` raises it).
 
     Args:
         memory: the memory.

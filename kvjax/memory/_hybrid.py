@@ -189,8 +189,16 @@ class HybridCache(Memory):
     def seq_keep(self, seq_id):
         return self._both("seq_keep", seq_id)
 
+    @on_metadata
     def seq_add(self, seq_id, p0, p1, delta):
-        return self._both("seq_add", seq_id, p0, p1, delta)
+        # all or nothing: a shift the recurrent part refuses (a state would go below position 0)
+        # must not move the attention part's cells either
+        ok = self.recurrent.shift_keeps_states(seq_id, p0, p1, delta)
+        attention = self.attention.seq_add(seq_id, p0, p1, delta)
+        recurrent = self.recurrent.seq_add(seq_id, p0, p1, delta)
+        kept = self._keep_if(ok, attention, recurrent)
+        return kept.replace(recurrent=kept.recurrent.replace(
+            cells=kept.recurrent.cells.replace(error=recurrent.cells.error)))
 
     def seq_div(self, seq_id, p0, p1, d):
         return self._both("seq_div", seq_id, p0, p1, d)

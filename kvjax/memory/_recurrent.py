@@ -56,7 +56,7 @@ from flax import struct
 from kvjax._errors import ErrorFlag
 from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax.memory import _seqbits
-from kvjax.memory._config import FLOAT_DTYPES, MAX_LAYERS, MAX_SEQ, MAX_WIDTH
+from kvjax.memory._config import FLOAT_DTYPES, MAX_LAYERS, MAX_SEQ
 from kvjax.memory._protocol import Memory, not_defined
 
 __all__ = ["RecurrentConfig", "RecurrentGroup", "RecurrentCells", "RecurrentPlacement", "RecurrentCache",
@@ -416,15 +416,28 @@ def _shifted(cells: RecurrentCells, seq_id, p0, p1) -> Bool[Array, "C"]:
 
 @jax.jit
 def rc_seq_add(cells: RecurrentCells, seq_id, p0, p1, delta) -> RecurrentCells:
-    """Move the state's position by ``delta``; a state pushed below 0 is freed."""
+    """Move the state's position by ``delta``; a shift that would move a state below position 0 is
+    refused (the cells unchanged, ``ErrorFlag.STATE_SHIFT`` set): see :func:`rc_shift_keeps_states`."""
     p0, p1 = _bounds(p0, p1)
     target = _shifted(cells, seq_id, p0, p1)
     overflow = jnp.any(target & (delta > 0) & (cells.pos > _I32_MAX - delta))
     moved = cells.replace(pos=jnp.where(target, cells.pos + delta, cells.pos))
-    freed = target & (moved.pos < 0)
-    new = _head_back(_free(moved, freed), cells.head, freed)
-    new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, new)
-    return _guard(cells, new, (~overflow, ErrorFlag.OVERFLOW), (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID))
+    new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, moved)
+    return _guard(cells, new, (~overflow, ErrorFlag.OVERFLOW), (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID),
+                  (rc_shift_keeps_states(cells, seq_id, p0, p1, delta), ErrorFlag.STATE_SHIFT))
+
+
+@jax.jit
+def rc_shift_keeps_states(cells: RecurrentCells, seq_id, p0, p1, delta):
+    """Whether ``seq_add(seq_id, p0, p1, delta)`` leaves every state it moves at a position >= 0.
+
+    A unified cache frees a cell pushed below 0: it held one token. A recurrent cell holds the
+    whole sequence so far, and a shift must never delete it (the seed keeps it, at a negative
+    position that ``seq_rm`` then cannot reach); kvjax refuses such a shift instead, with nothing changed.
+    """
+    p0, p1 = _bounds(p0, p1)
+    target = _shifted(cells, seq_id, p0, p1) & (delta != 0) & (p0 != p1)
+    return ~jnp.any(target & (cells.pos + jnp.minimum(delta, 0) < 0))
 
 
 @jax.jit
@@ -528,6 +541,10 @@ class RecurrentCache(Memory):
 
     def seq_add(self, seq_id, p0, p1, delta) -> "RecurrentCache":
         return self._with(rc_seq_add(self.cells, seq_id, p0, p1, delta))
+
+    def shift_keeps_states(self, seq_id, p0, p1, delta):
+        """Whether :meth:`seq_add` with these arguments moves no state below position 0 (else it refuses)."""
+        return rc_shift_keeps_states(self.cells, seq_id, p0, p1, delta)
 
     def seq_div(self, seq_id, p0, p1, d) -> "RecurrentCache":
         return self._with(rc_seq_div(self.cells, seq_id, p0, p1, d))

@@ -71,6 +71,8 @@ class HybridRef:
         self.recurrent.seq_keep(seq_id)
 
     def seq_add(self, *args) -> None:
+        if not self.recurrent.shift_keeps_states(*args):   # all or nothing, as kvjax's hybrid
+            return
         self.attention.seq_add(*args)
         self.recurrent.seq_add(*args)
 

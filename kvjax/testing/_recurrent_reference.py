@@ -60,8 +60,9 @@ kvjax's deliberate differences from the seed, encoded here:
   ``-1`` there (``seq_keep(-1)`` empties the cache);
 - ``seq_rm(-1, [0, inf))`` also forgets every tail (the seed leaves tails naming freed cells,
   and its next ``find_slot`` for such a sequence trips an assertion);
-- ``seq_add`` pushing a state's position below 0 frees the cell (as the unified cache frees such
-  cells; the seed keeps a used cell at a negative position that no ``seq_rm`` can ever remove);
+- ``seq_add`` that would push a state's position below 0 is refused, nothing changed: a state
+  holds the whole sequence, so it is never dropped (the unified cache frees such cells: each holds
+  one token; the seed keeps a used cell at a negative position that no ``seq_rm`` can ever remove);
 - a ``find_slot`` that fails (a seq id out of range, no empty cell for a sequence that needs
   one) changes nothing, ``head`` included; the seed asserts on a missing empty cell and may
   already have changed cells when it meets a bad seq id. Reserved cells are never handed out
@@ -296,21 +297,25 @@ class RecurrentRef:
             return [t]
         return []
 
+    def shift_keeps_states(self, seq_id: int, p0: int, p1: int, delta: int) -> bool:
+        """Whether a ``seq_add`` moves no state below position 0 (kvjax refuses one that does)."""
+        if delta == 0:
+            return True
+        p0, p1 = _bounds(p0, p1)
+        return p0 == p1 or all(self.cells[i].pos + delta >= 0 for i in self._shifted_cells(seq_id, p0, p1))
+
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         if delta == 0:
             return
         p0, p1 = _bounds(p0, p1)
         if p0 == p1:
             return
-        first_freed = None
+        # kvjax: a state holds the whole sequence; a shift that would move one below position 0
+        # is refused, nothing changed (the seed keeps the cell at a negative position)
+        if not self.shift_keeps_states(seq_id, p0, p1, delta):
+            return
         for i in self._shifted_cells(seq_id, p0, p1):
             self.cells[i].pos += delta
-            if self.cells[i].pos < 0:
-                self._free(i)  # kvjax: a state pushed below position 0 is freed
-                if first_freed is None:
-                    first_freed = i
-        if first_freed is not None and first_freed < self.head:
-            self.head = first_freed
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         assert d >= 1, "the reference models valid divisors only"
