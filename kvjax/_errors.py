@@ -49,7 +49,8 @@ ERROR_MESSAGES = {
                       "(find_slot refused the ubatch)",
     ErrorFlag.LAYER: "layer id not cached (the write was dropped)",
     ErrorFlag.MAX_MOVES: "defrag max_moves < 0 (nothing was moved)",
-    ErrorFlag.OVERFLOW: "seq_add would push a position past int32 (an op was skipped)",
+    ErrorFlag.OVERFLOW: "seq_add would push a position to 2**31 - 1 or past it, outside [0, 2**31 - 1) "
+                        "(an op was skipped)",
     ErrorFlag.STATE_SHIFT: "seq_add would move a recurrent state below position 0; a state holds its whole "
                            "sequence, so it is never dropped (the op was skipped)",
 }

@@ -12,6 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+#: Positions lie in ``[0, POS_END)``. ``POS_END = 2**31 - 1`` is the seed's "to infinity" (``p1 < 0``
+#: in the sequence operations): a token placed or shifted there could never be removed.
+POS_END = INT32_MAX
 
 
 def as_int32(x):

@@ -1,7 +1,9 @@
 """seq_add never wraps a position around int32: the op is skipped and flagged."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kvjax
 from tests.helpers import fill, small_config
@@ -12,9 +14,31 @@ def test_seq_add_overflow_is_skipped_and_flagged():
     for op in (kvjax.seq_add, jax.jit(kvjax.seq_add)):
         out = op(cache, 0, 0, -1, 2**31 - 7)
         np.testing.assert_array_equal(kvjax.cell_table(out).pos, kvjax.cell_table(cache).pos)
-        assert kvjax.errors(out) == ["seq_add would push a position past int32 (an op was skipped)"]
+        assert kvjax.errors(out) == ["seq_add would push a position to 2**31 - 1 or past it, outside "
+                                     "[0, 2**31 - 1) (an op was skipped)"]
     ok = kvjax.seq_add(cache, 0, 0, 6, 2**31 - 7)  # only position 5 moves: it fits
     assert kvjax.cell_table(ok).pos[:2].tolist() == [2**31 - 2, 2**31 - 10] and kvjax.errors(ok) == []
+
+
+def test_no_position_reaches_the_end_of_the_range():
+    """2**31 - 1 is "to infinity" in the sequence operations: a cell there could never be removed."""
+    recurrent = kvjax.init(kvjax.RecurrentConfig(size=2, n_seq_max=2, n_layer=1, k_shape=(1,), v_shape=(1,)))
+    ub = kvjax.make_equal_ubatch([([4], [0])], n_slots=1)
+    recurrent = kvjax.commit(kvjax.find_slot(recurrent, ub)[0], [ub])
+    unified = fill(kvjax.init(small_config()), [4], [[0]])
+    for memory in (unified, recurrent):
+        for op in (kvjax.seq_add, jax.jit(kvjax.seq_add)):
+            out = op(memory, 0, 0, -1, 2**31 - 1 - 4)            # exactly onto 2**31 - 1: refused
+            assert int(kvjax.seq_pos_max(out, 0)) == 4 and len(kvjax.errors(out)) == 1
+            last = op(memory, 0, 0, -1, 2**31 - 2 - 4)           # the last position of the range
+            assert int(kvjax.seq_pos_max(last, 0)) == 2**31 - 2 and kvjax.errors(last) == []
+            gone, ok = kvjax.seq_rm(last, 0, 0, -1)              # ... and seq_rm still reaches it
+            assert bool(ok) and int(kvjax.seq_pos_max(gone, 0)) == -1
+    # a state blob naming the end of the range is refused, nothing read
+    blob = bytearray(kvjax.state_write(unified))
+    blob[4:8] = (2**31 - 1).to_bytes(4, "little")                # the first cell's pos
+    with pytest.raises(kvjax.StateError, match=r"cell 0 pos: expected in \[0, 2147483647\)"):
+        kvjax.state_read(kvjax.init(small_config()), bytes(blob))
 
 
 def test_every_failed_check_is_reported():
@@ -22,3 +46,15 @@ def test_every_failed_check_is_reported():
     out = jax.jit(kvjax.seq_div)(cache, 9, 0, -1, 0)  # bad seq id and bad divisor at once
     assert len(kvjax.errors(out)) == 2
     np.testing.assert_array_equal(kvjax.cell_table(out).pos, kvjax.cell_table(cache).pos)
+
+
+def test_relative_buckets_stay_in_range_at_the_end_of_the_positions():
+    """T5 buckets of a token at the top of int32 against empty cells (pos -1) and far cells."""
+    cache = fill(kvjax.init(small_config()), [0, 2**31 - 3], [[0], [0]])
+    ub = kvjax.make_ubatch([2**31 - 2], [[0]])
+    for top in (2**31 - 2, 2**31 - 1):            # the last position; and past it, in a hand-built ubatch
+        hand = ub.replace(pos=jnp.asarray(ub.pos).at[0].set(top))
+        for bidirectional in (False, True):
+            buckets = np.asarray(kvjax.pos_bucket(cache, hand, 16, 32, bidirectional=bidirectional))
+            assert buckets.min() >= 0 and buckets.max() < 32, (top, bidirectional)
+            assert buckets[0, 0] == (15 if bidirectional else 31)           # position 0: the farthest bucket

@@ -254,6 +254,9 @@ def _relative_bucket(rel: Int[Array, "..."], n_buckets: int, bidirectional: bool
 @functools.partial(jax.jit, static_argnames=("n_kv", "n_buckets", "bidirectional", "max_distance"))
 def _pos_bucket(cells, ubatch, n_kv, n_buckets, bidirectional, max_distance):
     rel = cells.pos[:n_kv][None, :] - jnp.asarray(ubatch.pos, jnp.int32)[:, None]
+    # an empty cell (-1) against a token at 2**31 - 1 (a hand-built ubatch: make_ubatch refuses it)
+    # gives -2**31, whose distance does not fit int32: any distance that far shares the last bucket
+    rel = jnp.maximum(rel, -jnp.iinfo(jnp.int32).max)
     return _relative_bucket(rel, n_buckets, bidirectional, max_distance)
 
 

@@ -80,7 +80,7 @@ from kvjax.memory._config import GGML_TYPE_IDS, CacheConfig
 from kvjax._errors import StateError
 from kvjax.memory._ubatch import Ubatch, bucket_length
 from kvjax._jit import JitTwins
-from kvjax._validate import check_flag, check_seq_id, is_traced
+from kvjax._validate import POS_END, check_flag, check_seq_id, is_traced
 
 #: ggml type ids of quantized types that llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1,
 #: Q8_0, IQ4_NL): recognised in messages, refused until block-quantized K/V lands.
@@ -291,10 +291,11 @@ def _parse_meta_seq(cur: _Cursor, n: int) -> np.ndarray:
 
 
 def _check_positions(pos: np.ndarray) -> None:
-    bad = np.flatnonzero(pos < 0)
+    bad = np.flatnonzero((pos < 0) | (pos >= POS_END))
     if bad.size:
         i = int(bad[0])
-        raise StateError(f"cell {i} pos: expected >= 0, found {int(pos[i])}")
+        raise StateError(f"cell {i} pos: expected in [0, {POS_END}) (2**31 - 1 is the seed's 'to infinity'), "
+                         f"found {int(pos[i])}")
 
 
 def _record_offsets(cur: _Cursor, n: int, n_seq_max: int) -> np.ndarray:

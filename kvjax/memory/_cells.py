@@ -29,6 +29,7 @@ from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax._errors import ErrorFlag
+from kvjax._validate import POS_END
 from kvjax.memory._seqbits import BITS, n_words, seq_bits
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
@@ -301,10 +302,10 @@ def _seq_add(cells: Cells, seq_id, p0, p1, delta):
     p0, p1 = _bounds(p0, p1)
     ok = _valid_seq(cells, seq_id, True)
     target = ok & (delta != 0) & (p0 != p1) & _in_range(cells, p0, p1) & _member(cells, seq_id)
-    # Positions are >= 0, so only a positive delta can wrap around int32, and only a negative one
-    # frees cells: one reduction answers both (-1: a cell would wrap; else the first freed cell,
-    # C when none), where two were one more pass and reduction tree each.
-    wraps = target & (cells.pos > _I32_MAX - delta)
+    # Positions are >= 0, so only a positive delta can leave the range [0, POS_END) at its top, and
+    # only a negative one frees cells: one reduction answers both (-1: a cell would leave; else the
+    # first freed cell, C when none), where two were one more pass and reduction tree each.
+    wraps = target & (cells.pos >= POS_END - delta)
     freed = target & (cells.pos + delta < 0)
     idx = jnp.arange(cells.size, dtype=jnp.int32)
     found = jnp.min(jnp.where(delta > 0, jnp.where(wraps, -1, cells.size), jnp.where(freed, idx, cells.size)))
@@ -327,7 +328,8 @@ def seq_add(cells: Cells, seq_id, p0, p1, delta) -> Cells:
 
     Cells pushed below position 0 are freed. ``head`` goes to the first freed cell, or to 0 when
     none was freed. ``delta == 0`` or an empty normalized range ``p0 == p1`` does nothing. A
-    shift that would push a position past int32 is skipped and flagged (``ErrorFlag.OVERFLOW``).
+    shift that would push a position to ``POS_END = 2**31 - 1`` or past it (where no ``seq_rm`` could
+    reach it) is skipped and flagged (``ErrorFlag.OVERFLOW``).
 
     Args:
         cells: the cells.

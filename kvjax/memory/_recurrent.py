@@ -58,6 +58,7 @@ from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax.memory import _seqbits
 from kvjax.memory._config import FLOAT_DTYPES, MAX_LAYERS, MAX_SEQ
 from kvjax.memory._protocol import Memory, not_defined
+from kvjax._validate import POS_END
 
 __all__ = ["RecurrentConfig", "RecurrentGroup", "RecurrentCells", "RecurrentPlacement", "RecurrentCache",
            "init_recurrent", "moving_rows_bound"]
@@ -420,7 +421,7 @@ def rc_seq_add(cells: RecurrentCells, seq_id, p0, p1, delta) -> RecurrentCells:
     refused (the cells unchanged, ``ErrorFlag.STATE_SHIFT`` set): see :func:`rc_shift_keeps_states`."""
     p0, p1 = _bounds(p0, p1)
     target = _shifted(cells, seq_id, p0, p1)
-    overflow = jnp.any(target & (delta > 0) & (cells.pos > _I32_MAX - delta))
+    overflow = jnp.any(target & (delta > 0) & (cells.pos >= POS_END - delta))
     moved = cells.replace(pos=jnp.where(target, cells.pos + delta, cells.pos))
     new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, moved)
     return _guard(cells, new, (~overflow, ErrorFlag.OVERFLOW), (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID),
