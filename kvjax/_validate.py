@@ -129,6 +129,40 @@ def check_count(name: str, value, minimum: int = 0) -> int:
         ...
         ValueError: n_parallel=0 is out of range: allowed an integer >= 1
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+    number = _scalar(value, "iu")
+    if number is None or number < minimum:
         raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
-    return int(value)
+    return int(number)
+
+
+def _scalar(value, kinds: str):
+    """A concrete Python, numpy or JAX scalar whose dtype kind is in ``kinds``, as a Python number
+    (None otherwise: a bool, a string, an array, a traced value)."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or is_traced(value):
+        return None
+    if isinstance(value, (int, float)):
+        return value if ("f" in kinds or isinstance(value, int)) else None
+    try:
+        arr = np.asarray(value)
+    except Exception:   # noqa: BLE001 - anything numpy cannot read is not a number
+        return None
+    if arr.ndim != 0 or arr.dtype.kind not in kinds:
+        return None
+    return arr.item()
+
+
+def check_real(name: str, value) -> float:
+    """A host real number: a Python, numpy or JAX scalar (int or float, never bool), finite.
+
+    Example:
+        >>> check_real("temperature", np.float32(0.5))
+        0.5
+        >>> check_real("temperature", "hot")
+        Traceback (most recent call last):
+        ...
+        ValueError: temperature='hot' is out of range: allowed a finite number
+    """
+    number = _scalar(value, "iuf")
+    if number is None or not np.isfinite(number):
+        raise ValueError(f"{name}={value!r} is out of range: allowed a finite number")
+    return float(number)

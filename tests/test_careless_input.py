@@ -49,9 +49,9 @@ def test_a_refused_request_leaves_nothing_behind(model, change, match):
 
 
 @pytest.mark.parametrize("config, match", [
-    (dict(temperature=float("inf")), r"temperature=inf must be a finite number"),
+    (dict(temperature=float("inf")), r"temperature=inf is out of range: allowed a finite number"),
     (dict(temperature=1e-30), r"temperature=1e-30 is out of range: allowed 0 \(greedy\) or >= 1e-06"),
-    (dict(top_p=float("nan")), r"top_p=nan must be a finite number"),
+    (dict(top_p=float("nan")), r"top_p=nan is out of range: allowed a finite number"),
 ])
 def test_sampling_parameters_that_make_no_sense(config, match):
     with pytest.raises(ValueError, match=match):

@@ -53,3 +53,16 @@ def test_bad_configs(kwargs, match):
 def test_bad_config_types(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
+
+
+def test_numpy_and_jax_scalars_are_numbers():
+    """A value read from an array is a valid setting; the config equals (and hashes as) the Python one."""
+    cfg = SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(5), top_p=jnp.float32(0.5))
+    assert cfg == SamplingConfig(temperature=0.5, top_k=5, top_p=0.5)
+    assert hash(cfg) == hash(SamplingConfig(temperature=0.5, top_k=5, top_p=0.5))
+    assert type(cfg.top_k) is int and type(cfg.temperature) is float
+    for bad, match in ((dict(top_k=2.5), "top_k=2.5 is out of range"), (dict(top_k="5"), "top_k='5'"),
+                       (dict(top_k=np.bool_(True)), "top_k=.*True"), (dict(temperature="hot"), "temperature='hot'"),
+                       (dict(temperature=np.float32("nan")), "temperature=.*nan"), (dict(top_p=True), "top_p=True")):
+        with pytest.raises(ValueError, match=match):
+            SamplingConfig(**bad)

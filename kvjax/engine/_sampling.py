@@ -14,13 +14,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Float, Int
+from kvjax._validate import check_count, check_real
 
 
 #: The smallest positive temperature: below it logits / temperature can overflow float32.
@@ -42,20 +42,18 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
+        # numpy / JAX scalars are numbers too (a value read from an array): kept as Python numbers,
+        # so that equal configs hash alike as the static argument of a compiled sampler
+        given = dataclasses.asdict(self)
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
-        if isinstance(self.top_k, bool):
-            raise ValueError(f"top_k={self.top_k!r} is out of range: allowed an integer >= 0 (0 = off)")
+            object.__setattr__(self, name, check_real(name, given[name]))
+        object.__setattr__(self, "top_k", check_count("top_k", given["top_k"], 0))
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
             # logits divided by a tiny temperature overflow to inf, and inf - inf is NaN
-            raise ValueError(f"temperature={self.temperature} is out of range: allowed 0 (greedy) or "
+            raise ValueError(f"temperature={given['temperature']} is out of range: allowed 0 (greedy) or "
                              f">= {MIN_TEMPERATURE}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k={self.top_k} is out of range: allowed an integer >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} is out of range: allowed (0, 1] (1 = off)")
+            raise ValueError(f"top_p={given['top_p']} is out of range: allowed (0, 1] (1 = off)")
 
     @property
     def greedy(self) -> bool:
