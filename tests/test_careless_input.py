@@ -28,6 +28,9 @@ GOOD = dict(max_new_tokens=3, key=jax.random.PRNGKey(0), sampling=kvjax.Sampling
     (dict(max_new_tokens=3.9), r"max_new_tokens=3.9 is out of range: allowed an integer >= 1"),
     (dict(max_new_tokens=True), r"max_new_tokens=True is out of range"),
     (dict(n_parallel=0), r"n_parallel=0 is out of range: allowed an integer >= 1"),
+    (dict(n_parallel=1.5), r"n_parallel=1.5 is out of range: allowed an integer >= 1"),
+    (dict(stop_tokens=5), r"stop_tokens=5 is out of range: allowed a sequence of token ids"),
+    (dict(stop_tokens="</s>"), r"stop_tokens='</s>' is out of range"),
     (dict(n_keep=-1), r"n_keep=-1 is out of range"),
     (dict(share_prefix="no"), r"share_prefix='no' must be a bool"),
     (dict(stop_tokens=[99]), r"stop_tokens\[0\] contains 99: allowed ids in \[0, 16\)"),
@@ -110,3 +113,21 @@ def test_eager_bad_slot_raises_and_donated_memory_is_named():
     with pytest.raises(ValueError, match=r"cache was donated"):
         kvjax.view(memory, 0, 16)
     assert int(kvjax.used_cells(new)) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    (([1], "0", [[0]]), r"pos has shape \(\) and dtype <U1: allowed a 1-d list of integer positions"),
+    (([1], ["0"], [[0]]), r"pos has shape \(1,\) and dtype <U1"),
+    (([1], [0.5], [[0]]), r"pos has shape \(1,\) and dtype float64"),
+    (([1], [0], 0), r"seq_ids=0 is out of range: allowed one list of sequence ids per token"),
+])
+def test_decode_names_a_malformed_argument(model, args, match):
+    engine = Engine(model, kvjax.init(CFG.cache_config(size=64, n_seq_max=2, padding=16)))
+    with pytest.raises(ValueError, match=match):
+        engine.decode(*args)
+    assert int(kvjax.used_cells(engine.cache)) == 0
+
+
+def test_sample_names_a_config_that_is_not_one():
+    with pytest.raises(ValueError, match="config must be a kvjax.SamplingConfig, got dict"):
+        kvjax.sample(jnp.zeros((1, 16)), jax.random.PRNGKey(0), {"temperature": 0})

@@ -192,6 +192,12 @@ class Engine:
         if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"tokens has dtype {tokens.dtype}: allowed integer token ids")
         tokens = tokens.astype(np.int64).reshape(-1)
+        pos = np.asarray(pos)
+        if pos.ndim != 1 or (pos.size and not np.issubdtype(pos.dtype, np.integer)):
+            raise ValueError(f"pos has shape {pos.shape} and dtype {pos.dtype}: allowed a 1-d list of integer "
+                             f"positions, one per token")
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
+            raise ValueError(f"seq_ids={seq_ids!r} is out of range: allowed one list of sequence ids per token")
         if not (len(tokens) == len(pos) == len(seq_ids)) or len(tokens) == 0:
             raise ValueError(f"tokens, pos and seq_ids have lengths {len(tokens)}, {len(pos)}, {len(seq_ids)}: "
                              f"allowed one equal, positive length")
@@ -599,6 +605,9 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a kvjax.SamplingConfig, got {type(sampling).__name__}")
     _check_key(key)
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray, set, frozenset)):
+        raise ValueError(f"stop_tokens={stop_tokens!r} is out of range: allowed a sequence of token ids "
+                         f"(e.g. [eos_id], or () for none)")
     stop_tokens = _check_prompts([list(stop_tokens)], engine.vocab_size, name="stop_tokens", allow_empty=True)[0]
     if n_parallel > 1:
         if len(prompts) != 1:
@@ -795,7 +804,8 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
             ``n_draft``, ``prompt_cache``, ``device_loop``, ``sync_every``.
     """
     stats: dict = {}
-    n_seq = options.get("n_parallel", 1) if options.get("n_parallel", 1) > 1 else len(prompts)
+    n_parallel = check_count("n_parallel", options.get("n_parallel", 1), 1)
+    n_seq = n_parallel if n_parallel > 1 else len(prompts)
     out: List[List[int]] = [[] for _ in range(n_seq)]
     t0 = time.perf_counter()
     with CompileCounter() as compiles:

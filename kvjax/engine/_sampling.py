@@ -99,7 +99,13 @@ def sample(logits: Float[Array, "B V"], key: jax.Array, config: SamplingConfig =
 
     Returns:
         ``i32[B]`` token ids.
+
+    Raises:
+        ValueError: ``config`` is not a :class:`SamplingConfig`.
     """
+    if not isinstance(config, SamplingConfig):
+        raise ValueError(f"config must be a kvjax.SamplingConfig, got {type(config).__name__}: make one with "
+                         f"kvjax.SamplingConfig(temperature=..., top_k=..., top_p=...)")
     if config.greedy:
         return _greedy(logits)
     return _sample(logits, key, config)
