@@ -59,7 +59,7 @@ from kvjax.memory._seqbits import holds
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import SwaType
 from kvjax.memory._ubatch import Ubatch
-from kvjax._validate import check_window, check_count
+from kvjax._validate import check_count, check_flag, check_window
 
 #: T5's default ``max_distance`` (the seed hard-codes 128 as well).
 T5_MAX_DISTANCE = 128
@@ -196,7 +196,7 @@ def kq_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True, a
     """
     n_kv = _check_args(cache, ubatch, n_kv)
     kind, window = _swa_args(cache, swa_type, n_swa)
-    return _mask_additive(cache.cells, ubatch, n_kv=n_kv, causal=bool(causal), alibi=bool(alibi),
+    return _mask_additive(cache.cells, ubatch, n_kv=n_kv, causal=check_flag("causal", causal), alibi=check_flag("alibi", alibi),
                           swa_type=kind, n_swa=window)
 
 
@@ -225,7 +225,7 @@ def kq_mask_bool(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = Tr
         raise ValueError("alibi=True has no boolean form: use kvjax.kq_mask for the additive mask "
                          "with ALiBi distances")
     kind, window = _swa_args(cache, swa_type, n_swa)
-    return _mask_bool(cache.cells, ubatch, n_kv=n_kv, causal=bool(causal), swa_type=kind, n_swa=window)
+    return _mask_bool(cache.cells, ubatch, n_kv=n_kv, causal=check_flag("causal", causal), swa_type=kind, n_swa=window)
 
 
 def _relative_bucket(rel: Int[Array, "..."], n_buckets: int, bidirectional: bool,
@@ -298,7 +298,7 @@ def pos_bucket(cache: KVCache, ubatch: Ubatch, n_kv: int, n_buckets: int, *, bid
         raise ValueError(f"max_distance={max_distance} is out of range: allowed > {max_exact} "
                          f"(the exact buckets)")
     return _pos_bucket(cache.cells, ubatch, n_kv=n_kv, n_buckets=n_buckets,
-                       bidirectional=bool(bidirectional), max_distance=max_distance)
+                       bidirectional=check_flag("bidirectional", bidirectional), max_distance=max_distance)
 
 
 def _positive_int(name, value) -> int:

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Float, Int
+from kvjax._validate import check_flag
 from kvjax.attn._attention import _attend, blocks_fit, chunk_size
 from kvjax.attn._mask import _mask_additive
 from kvjax.memory import _cells
@@ -88,8 +89,8 @@ def masks(memory, ubatch, placement, n_kv: int, *, alibi: bool = False, swa_type
     rows = jax.tree.map(lambda x: jnp.asarray(x).reshape((n_slots, t) + jnp.shape(x)[1:]),
                         ubatch.replace(n_seq_tokens=0))
     rows = rows.replace(valid=rows.valid & (_slot_streams(placement, ubatch) >= 0)[:, None])
-    return jax.vmap(lambda c, u: _mask_additive(c, u, n_kv, True, bool(alibi), SwaType(swa_type), int(n_swa)))(
-        cells, rows)
+    alibi = check_flag("alibi", alibi)
+    return jax.vmap(lambda c, u: _mask_additive(c, u, n_kv, True, alibi, SwaType(swa_type), int(n_swa)))(cells, rows)
 
 
 def write(cache: KVCache, layer: int, placement, k: Float[Array, "T H D"], v: Float[Array, "T H Dv"]) -> KVCache:

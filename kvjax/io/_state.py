@@ -649,9 +649,12 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
 def _as_view(data) -> memoryview:
     try:
         view = memoryview(data)
-        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
     except TypeError:
         raise StateError(f"data: expected a bytes-like object, found {type(data).__name__}") from None
+    if not view.c_contiguous:
+        # a strided numpy view of a buffer (a[::2]): its bytes in order, once (a cast needs contiguity)
+        view = memoryview(view.tobytes())
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True,

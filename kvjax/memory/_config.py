@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from kvjax._validate import POS_END, check_real
 from kvjax.memory import _seqbits as seqbits
 from kvjax.storage._quant import BLOCK, QUANT_TYPES
 
@@ -135,7 +136,14 @@ class RopeConfig:
             _require(self.beta_fast > 0, "beta_fast", self.beta_fast, "> 0 when ext_factor != 0 (YaRN)")
             _require(self.beta_slow > 0, "beta_slow", self.beta_slow, "> 0 when ext_factor != 0 (YaRN)")
         if self.freq_factors is not None:
-            ff = tuple(float(f) for f in self.freq_factors)
+            given = self.freq_factors
+            if isinstance(given, (str, bytes)) or not isinstance(given, (tuple, list, np.ndarray)):
+                _require(False, "freq_factors", given, f"None or a sequence of n_rot // 2 = {self.n_rot // 2} numbers")
+            try:
+                ff = tuple(check_real("freq_factors", f) for f in np.asarray(given, dtype=object).reshape(-1))
+            except ValueError:
+                _require(False, "freq_factors", given, "finite numbers > 0 (each pair's frequency is divided by "
+                         "its factor)")
             _require(len(ff) == self.n_rot // 2, "freq_factors", f"{len(ff)} values",
                      f"exactly n_rot // 2 = {self.n_rot // 2} values")
             _require(all(math.isfinite(f) and f > 0 for f in ff), "freq_factors", ff,
@@ -236,9 +244,11 @@ class CacheConfig:
         except ValueError:
             raise ValueError(f"swa_type={self.swa_type!r} is not a sliding-window kind: allowed "
                              f"{[s.value for s in SwaType]}") from None
-        _require(_is_int(self.n_swa) and self.n_swa >= 0, "n_swa", self.n_swa, "an integer >= 0")
+        _require(_is_int(self.n_swa) and 0 <= self.n_swa < POS_END, "n_swa", self.n_swa,
+                 f"an integer in [0, {POS_END})")
         if self.swa_type != SwaType.NONE:
             _require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
+        _require(isinstance(self.v_trans, (bool, np.bool_)), "v_trans", self.v_trans, "True or False")
         set_("v_trans", bool(self.v_trans))
         if self.v_trans and self.v_dtype in QUANT_TYPES:
             # a transposed V has one value per element of a row across cells: it has no blocks (the
@@ -252,6 +262,8 @@ class CacheConfig:
     def _per_layer(self, name, value):
         if _is_int(value):
             value = (int(value),) * self.n_layer
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, np.ndarray)):
+            _require(False, name, value, f"an integer in [1, {MAX_WIDTH}], or one per layer (n_layer={self.n_layer})")
         value = tuple(value)
         _require(len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer "
                  f"(n_layer={self.n_layer})")

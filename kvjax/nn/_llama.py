@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
+from kvjax._validate import check_real
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
@@ -175,10 +176,11 @@ class LlamaConfig:
             raise ValueError(f"position={self.position!r} is out of range: allowed 'rope' or 'alibi'")
         if self.rope is not None and self.rope.n_rot > self.head_size:
             raise ValueError(f"rope.n_rot={self.rope.n_rot} is out of range: allowed <= head_dim={self.head_size}")
-        if not self.alibi_max_bias > 0:
+        if check_real("alibi_max_bias", self.alibi_max_bias) <= 0:
             raise ValueError(f"alibi_max_bias={self.alibi_max_bias!r} is out of range: allowed > 0")
-        if not self.norm_eps > 0:
+        if check_real("norm_eps", self.norm_eps) <= 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} is out of range: allowed > 0")
+        object.__setattr__(self, "norm_eps", float(self.norm_eps))
         layers = tuple(sorted(set(int(il) for il in self.swa_layers)))
         for il in layers:
             if not 0 <= il < self.n_layer:
