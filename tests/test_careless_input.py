@@ -131,3 +131,62 @@ def test_decode_names_a_malformed_argument(model, args, match):
 def test_sample_names_a_config_that_is_not_one():
     with pytest.raises(ValueError, match="config must be a kvjax.SamplingConfig, got dict"):
         kvjax.sample(jnp.zeros((1, 16)), jax.random.PRNGKey(0), {"temperature": 0})
+
+
+def _configs(kind, size):
+    base = kvjax.CacheConfig(size=size, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=4, padding=16)
+    return {"unified": base, "iswa": kvjax.IswaConfig(base, swa_layers=(0,), n_swa=4, n_batch=8),
+            "streams": kvjax.StreamsConfig(base),
+            "recurrent": kvjax.RecurrentConfig(size=size // 16, n_seq_max=2, n_layer=2, k_shape=(2,), v_shape=(3,))
+            }[kind]
+
+
+@pytest.mark.parametrize("kind", ["unified", "iswa", "streams", "recurrent"])
+def test_a_memory_whose_config_disagrees_with_its_arrays_is_refused(kind):
+    """Arrays of a 64-cell memory under a 32-cell config (``replace(config=...)`` by hand)."""
+    forged = kvjax.init(_configs(kind, 64)).replace(config=_configs(kind, 32))
+    ops = (lambda m: kvjax.seq_rm(m, 0, 0, -1), kvjax.used_cells, lambda m: jax.jit(kvjax.seq_pos_max)(m, 0))
+    for op in ops:
+        with pytest.raises(ValueError, match=r"memory\S* has shape .* where its config gives"):
+            op(forged)
+    assert int(kvjax.used_cells(kvjax.init(_configs(kind, 32)))) == 0      # a real memory passes
+
+
+_BASE = dict(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=4)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: kvjax.CacheConfig(**_BASE, v_trans="no"), r"v_trans='no' is out of range: allowed True or False"),
+    (lambda: kvjax.CacheConfig(**dict(_BASE, n_kv_heads=None)), r"n_kv_heads=None is out of range: allowed an integer"),
+    (lambda: kvjax.CacheConfig(**dict(_BASE, head_dim="4")), r"head_dim='4' is out of range"),
+    (lambda: kvjax.CacheConfig(**_BASE, swa_type="standard", n_swa=2**40), r"n_swa=1099511627776 is out of range"),
+    (lambda: kvjax.RopeConfig(n_rot=4, freq_factors="ab"), r"freq_factors='ab' is out of range: allowed None or a"),
+    (lambda: kvjax.RopeConfig(n_rot=4, freq_factors=["a", 1]), r"freq_factors=\['a', 1\] is out of range"),
+    (lambda: LlamaConfig(norm_eps="x"), r"norm_eps='x' is out of range: allowed a finite number"),
+    (lambda: LlamaConfig(alibi_max_bias=None), r"alibi_max_bias=None is out of range"),
+])
+def test_configs_name_a_value_of_the_wrong_kind(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_flags_of_the_attention_path_refuse_strings():
+    cache = kvjax.init(kvjax.CacheConfig(**_BASE))
+    ub = kvjax.make_ubatch([0], [[0]])
+    cache, _, _ = kvjax.find_slot(cache, ub)
+    for call, match in ((lambda: kvjax.kq_mask(cache, ub, 32, causal="no"), "causal='no' must be a bool"),
+                        (lambda: kvjax.kq_mask(cache, ub, 32, alibi=1), "alibi=1 must be a bool"),
+                        (lambda: kvjax.kq_mask_bool(cache, ub, 32, causal="False"), "causal='False' must be a bool"),
+                        (lambda: kvjax.pos_bucket(cache, ub, 32, 32, bidirectional="yes"), "bidirectional='yes'")):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def test_a_strided_buffer_is_read_as_its_bytes():
+    """A non-contiguous numpy view of a blob (``a[::2]``) is a valid bytes-like object: read, not a BufferError."""
+    cache = kvjax.init(kvjax.CacheConfig(**_BASE))
+    cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch([0, 1], [[0], [0, 1]]))
+    blob = kvjax.state_write(cache)
+    strided = np.repeat(np.frombuffer(blob, np.uint8), 2)[::2]
+    assert not strided.flags.c_contiguous
+    assert kvjax.state_write(kvjax.state_read(kvjax.init(cache.config), strided)) == blob

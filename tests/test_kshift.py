@@ -96,12 +96,12 @@ def test_donated_shift_matches_and_consumes_k():
     cache, raw = _scene(ROPES["per_layer_freqs"])
     moved = _moved(cache)
     expected = kvjax.update(moved)
-    consumed = jax.tree.map(lambda a: a + 0, moved)  # its own buffers, so `moved` stays valid
+    consumed = jax.tree.map(jnp.copy, moved)  # its own buffers, so `moved` stays valid
     got = kvjax.update(consumed, donate=True)
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert all(k.is_deleted() for k in consumed.k) and not any(v.is_deleted() for v in consumed.v)
-    again = kvjax.k_shift(jax.tree.map(lambda a: a + 0, moved), donate=True)
+    again = kvjax.k_shift(jax.tree.map(jnp.copy, moved), donate=True)
     np.testing.assert_array_equal(np.asarray(again.k[0]), np.asarray(expected.k[0]))
 
 
@@ -185,7 +185,7 @@ def test_update_then_pending_defrag():
         k = np.asarray(kvjax.view(c, 0, c.config.size)[0]).transpose(1, 0, 2)
         return sorted((int(pos[i]), tuple(seq[i].tolist()), k[i].round(5).tobytes()) for i in np.nonzero(pos >= 0)[0])
 
-    donated = kvjax.update(jax.tree.map(lambda a: a + 0, pending), donate=True)
+    donated = kvjax.update(jax.tree.map(jnp.copy, pending), donate=True)
     for out in (kvjax.update(pending), jax.jit(kvjax.update)(pending), donated):
         assert not bool(out.cells.defrag) and not bool(kvjax.has_shift(out))
         assert rows(out) == rows(shifted)

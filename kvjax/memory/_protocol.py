@@ -412,7 +412,38 @@ def require_memory(memory, name: str = "memory") -> Memory:
         raise ValueError(f"{name} must be a kvjax memory (a kvjax.KVCache or another kvjax.Memory, made by "
                          f"kvjax.init(config)), got {type(memory).__name__}")
     require_live(memory, name)
+    require_layout(memory, name)
     return memory
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_of(config):
+    """``(shape, dtype)`` of every array ``kvjax.init(config)`` makes, in leaf order (configs are hashable)."""
+    from kvjax.memory._init import abstract
+
+    return tuple((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(abstract(config)))
+
+
+def require_layout(memory, name: str = "memory") -> None:
+    """Raise ``ValueError`` when an array of ``memory`` disagrees with its config (shape or dtype).
+
+    A memory is only ever made by :func:`kvjax.init`; one rebuilt by hand (``cache.replace(config=
+    another)``, arrays of another memory) would be read and written out of bounds. Shapes are static,
+    so the check costs nothing under ``jit`` (and a few microseconds eagerly).
+    """
+    want = _layout_of(memory.config)
+    got = jax.tree.leaves(memory)
+    if len(got) == len(want) and all(getattr(x, "shape", None) == shape and getattr(x, "dtype", None) == dtype
+                                     for x, (shape, dtype) in zip(got, want)):
+        return
+    if len(got) != len(want):
+        raise ValueError(f"{name} has {len(got)} arrays where its config gives {len(want)}: a memory must be made by "
+                         f"kvjax.init(config) (and changed only by kvjax's functions)")
+    for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_flatten_with_path(memory)[0], want):
+        if tuple(jnp.shape(leaf)) != shape or jnp.result_type(leaf) != dtype:
+            raise ValueError(f"{name}{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))} and dtype "
+                             f"{jnp.result_type(leaf)} where its config gives {shape} and {dtype}: the arrays and the "
+                             f"config disagree (a config replaced by hand?); make the memory with kvjax.init(config)")
 
 
 def require_live(value, name: str = "memory") -> None:
