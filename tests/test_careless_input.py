@@ -190,3 +190,20 @@ def test_a_strided_buffer_is_read_as_its_bytes():
     strided = np.repeat(np.frombuffer(blob, np.uint8), 2)[::2]
     assert not strided.flags.c_contiguous
     assert kvjax.state_write(kvjax.state_read(kvjax.init(cache.config), strided)) == blob
+
+
+def test_every_models_uncached_pass_names_an_id_outside_the_vocabulary():
+    """Before, Llama.forward (and the hybrid's) gave NaN logits for an id >= vocab_size, silently."""
+    from kvjax.nn import HybridLM, HybridLMConfig, Mamba, MambaConfig
+
+    models = [Llama(CFG, rngs=nnx.Rngs(0)), Mamba(MambaConfig(vocab_size=16, d_model=16, n_layer=1, d_state=4),
+                                                  rngs=nnx.Rngs(0)),
+              HybridLM(HybridLMConfig(vocab_size=16, d_model=16, n_layer=2, recurrent_layers=(1,), n_heads=2,
+                                      n_kv_heads=1, d_state=4), rngs=nnx.Rngs(0))]
+    for model in models:
+        for bad in ([1, 16], [[-1, 2]]):
+            with pytest.raises(ValueError, match=r"tokens contains (16|-1): allowed ids in \[0, 16\)"):
+                model.forward(jnp.asarray(bad))
+        with pytest.raises(ValueError, match="tokens has shape"):
+            model.forward(jnp.asarray([[0.5, 1.0]]))
+        assert np.isfinite(np.asarray(model.forward(jnp.asarray([1, 15])))).all()

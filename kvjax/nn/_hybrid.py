@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from kvjax.memory._hybrid import HybridCache, HybridConfig
 from kvjax.memory._ubatch import equal_slots
-from kvjax.nn._inputs import MaskKind, UbatchInputs, select_outputs
+from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_rows, select_outputs
 from kvjax.nn._nnx_attention import check_inputs
 from kvjax.nn._llama import MLP, Block, LlamaConfig, check_tokens
 from kvjax.nn._mamba import MambaBlock, MambaConfig
@@ -178,6 +178,7 @@ class HybridLM(nnx.Module):
         tokens = jnp.asarray(tokens)
         squeeze = tokens.ndim == 1
         tokens = tokens[None] if squeeze else tokens
+        check_token_rows(tokens, self.config.vocab_size)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         conv0, ssm0 = self.config.mamba.zero_states(tokens.shape[0])
         x = self.embed(tokens)

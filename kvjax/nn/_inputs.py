@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from typing import Any, Iterable, NamedTuple, Tuple, Union
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 import kvjax
@@ -118,3 +120,26 @@ def select_outputs(x: Float[Array, "T E"], inputs: UbatchInputs) -> Float[Array,
     if inputs.outputs is None:
         return x
     return jnp.take(x, inputs.outputs, axis=0, mode="clip")
+
+
+def check_token_ids(ids, vocab_size: int) -> None:
+    """Raise ``ValueError`` when a concrete id is outside ``[0, vocab_size)`` (traced ids pass).
+
+    An embedding lookup outside the table gives NaN rows silently under XLA's gather; every model
+    entry point checks eagerly with this.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        return
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab_size})")
+
+
+def check_token_rows(tokens, vocab_size: int) -> None:
+    """Validate the tokens of an uncached pass: an integer ``[B, T]`` array (B, T >= 1), ids in range."""
+    shape = tuple(jnp.shape(tokens))
+    if len(shape) != 2 or min(shape) < 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
+                         "[B, T] array (or [T] for one sequence) with B, T >= 1")
+    check_token_ids(tokens, vocab_size)

@@ -48,7 +48,7 @@ from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._fuse import split_gate_up
-from kvjax.nn._inputs import MaskKind, UbatchInputs, select_outputs
+from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_ids, check_token_rows, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
 from kvjax.nn._norm import OffsetRMSNorm
 
@@ -402,10 +402,7 @@ def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
         raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
                          f"[T] array with T = ubatch.length = {ubatch.length}")
     if not isinstance(tokens, jax.core.Tracer):
-        ids = np.asarray(tokens)[np.asarray(ubatch.valid)]
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab_size})")
+        check_token_ids(np.asarray(tokens)[np.asarray(ubatch.valid)], vocab_size)
 
 
 class MLP(nnx.Module):
@@ -525,8 +522,7 @@ def model_uncached(model, tokens, positions=None):
     squeeze = tokens.ndim == 1
     if squeeze:
         tokens = tokens[None]
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens has shape {tokens.shape}: allowed [B, T] or [T]")
+    check_token_rows(tokens, model.config.vocab_size)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     positions = jnp.asarray(positions, jnp.int32).reshape(tokens.shape)

@@ -60,6 +60,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from kvjax.nn._inputs import check_token_rows
+
 __all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "selective_scan", "params_from_hf",
            "make_mamba_step"]
 
@@ -518,18 +520,6 @@ class MambaBlock(nnx.Module):
         return residual + h, conv_state, ssm_state
 
 
-def _check_tokens(tokens, vocab_size):
-    shape = tuple(jnp.shape(tokens))
-    if len(shape) != 2 or min(shape) < 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
-                         "[S, T] array with S, T >= 1")
-    if not isinstance(tokens, jax.core.Tracer):
-        ids = np.asarray(tokens)
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise ValueError(f"tokens contains {bad}: allowed ids in [0, {vocab_size})")
-
-
 class Mamba(nnx.Module):
     """The Mamba language model (see the module docstring).
 
@@ -600,7 +590,7 @@ class Mamba(nnx.Module):
         tokens = jnp.asarray(tokens)
         squeeze = tokens.ndim == 1
         tokens = tokens[None] if squeeze else tokens
-        _check_tokens(tokens, self.config.vocab_size)
+        check_token_rows(tokens, self.config.vocab_size)
         conv, ssm = self.config.state_shapes(tokens.shape[0])
         logits, _, _ = self._run(tokens, jnp.zeros(conv, jnp.float32), jnp.zeros(ssm, jnp.float32))
         return logits[0] if squeeze else logits
@@ -629,7 +619,7 @@ class Mamba(nnx.Module):
                 another shape or not floating point.
         """
         tokens = jnp.asarray(tokens)
-        _check_tokens(tokens, self.config.vocab_size)
+        check_token_rows(tokens, self.config.vocab_size)
         want = self.config.state_shapes(tokens.shape[0])
         for name, x, shape in (("conv_state", conv_state, want[0]), ("ssm_state", ssm_state, want[1])):
             if tuple(jnp.shape(x)) != shape or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
