@@ -100,3 +100,20 @@ def test_restore_enforces_the_cell_invariants(tmp_path, corrupt, match):
     kvjax.checkpoint_save(tmp_path / "ck", cache.replace(cells=corrupt(cache.cells)))
     with pytest.raises(StateError, match=match):
         kvjax.checkpoint_restore(tmp_path / "ck", CFG)
+
+
+@pytest.mark.parametrize("damage", ["array data gone", "array data truncated"])
+def test_a_damaged_checkpoint_is_a_state_error(tmp_path, damage):
+    """orbax and tensorstore raise a bare Exception for unreadable arrays: kvjax says what it means."""
+    import shutil
+
+    kvjax.checkpoint_save(tmp_path / "ck", sample())
+    data = [p for p in (tmp_path / "ck" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data
+    for p in data:
+        if damage == "array data gone":
+            shutil.rmtree(p.parent, ignore_errors=True)
+        else:
+            p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 3])
+    with pytest.raises(StateError, match="state: the arrays of the checkpoint at .* cannot be read"):
+        kvjax.checkpoint_restore(tmp_path / "ck", CFG)

@@ -144,7 +144,8 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
 
     Raises:
         StateError: the checkpoint is not a kvjax cache of this format, its config differs (the
-            message names each differing field), or its cells break the invariants ``state_read``
+            message names each differing field), its arrays cannot be read (a damaged or
+            incomplete checkpoint), or its cells break the invariants ``state_read``
             enforces (a head outside the cells, sequence ids beyond ``n_seq_max``, a position
             without a sequence).
         ImportError: orbax-checkpoint is not installed.
@@ -173,7 +174,12 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
         if diff:
             raise StateError("config: expected the checkpoint's config, found differences: " + "; ".join(diff))
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _tree(abstract(config)))
-        state = ckptr.restore(path, ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+        try:
+            state = ckptr.restore(path, ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+        except Exception as exc:  # noqa: BLE001 - orbax / tensorstore raise a bare Exception for unreadable arrays
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StateError(f"state: the arrays of the checkpoint at {path} cannot be read ({first[:200]}): it is "
+                             f"damaged or incomplete; restore another checkpoint or write it again") from exc
     groups = range(len(config.groups))
     _check_cells({name: np.asarray(state["cells"][name]) for name in _CELL_FIELDS}, config)
     cells = Cells(**{name: state["cells"][name] for name in _CELL_FIELDS}, n_seq_max=config.n_seq_max)
