@@ -207,3 +207,14 @@ def test_every_models_uncached_pass_names_an_id_outside_the_vocabulary():
         with pytest.raises(ValueError, match="tokens has shape"):
             model.forward(jnp.asarray([[0.5, 1.0]]))
         assert np.isfinite(np.asarray(model.forward(jnp.asarray([1, 15])))).all()
+
+
+def test_a_hand_built_ubatch_of_the_wrong_containers_or_dtypes_is_named():
+    cache = kvjax.init(kvjax.CacheConfig(**_BASE))
+    ub = kvjax.make_ubatch([0, 1], [[0], [0]])
+    for bad, match in ((kvjax.Ubatch(pos=[0, 1], seq_ids=[[0], [0]], valid=[True, True]), "ubatch.pos is a list"),
+                       (ub.replace(valid=jnp.asarray([1, 1])), "ubatch.valid has dtype int32: allowed bool"),
+                       (ub.replace(seq_ids=np.asarray([[0.0], [0.0]])), "ubatch.seq_ids has dtype float(32|64)")):
+        for find_slot in (kvjax.find_slot, jax.jit(kvjax.find_slot)):
+            with pytest.raises(ValueError, match=match):
+                find_slot(cache, bad)

@@ -202,17 +202,20 @@ def n_kv(cache: KVCache) -> Int[Array, ""]:
 def _check_ubatch(cache: Memory, ubatch: Ubatch):
     if not isinstance(ubatch, Ubatch):
         raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
+    for name, kind, allowed in (("pos", np.integer, "integers"), ("seq_ids", np.integer, "integers"),
+                                ("valid", np.bool_, "bool")):
+        x = getattr(ubatch, name)
+        if not isinstance(x, (np.ndarray, jax.Array)):   # a list would be read one way here, another in jit
+            raise ValueError(f"ubatch.{name} is a {type(x).__name__}: allowed an array (build the ubatch with "
+                             f"kvjax.make_ubatch)")
+        # an array's own dtype: jnp.result_type costs ~15 us a call, a third of this check
+        if not np.issubdtype(x.dtype, kind):
+            raise ValueError(f"ubatch.{name} has dtype {x.dtype}: allowed {allowed}")
     t = np.shape(ubatch.pos)
     if len(t) != 1 or np.shape(ubatch.valid) != t or len(np.shape(ubatch.seq_ids)) != 2 or \
             np.shape(ubatch.seq_ids)[0] != t[0]:
         raise ValueError(f"ubatch has pos {np.shape(ubatch.pos)}, seq_ids {np.shape(ubatch.seq_ids)}, valid "
                          f"{np.shape(ubatch.valid)}: allowed [T], [T, M], [T] (build it with kvjax.make_ubatch)")
-    for name in ("pos", "seq_ids"):
-        x = getattr(ubatch, name)
-        # an array's own dtype: jnp.result_type costs ~15 us a call, a third of this check
-        dtype = x.dtype if isinstance(x, (np.ndarray, jax.Array)) else jnp.result_type(x)
-        if not np.issubdtype(dtype, np.integer):
-            raise ValueError(f"ubatch.{name} has dtype {dtype}: allowed integers")
     if any(is_traced(x) for x in (ubatch.pos, ubatch.seq_ids, ubatch.valid)):
         return
     check_int_values("ubatch.pos", ubatch.pos, INT32_MIN, INT32_MAX - 1)
