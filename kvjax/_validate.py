@@ -84,10 +84,41 @@ def check_window(n_kv, padding: int, size: int) -> int:
     return value
 
 
-def check_flag(name: str, value) -> bool:
-    """A host flag must be a real bool (``"False"`` is truthy, ``1`` is not a flag)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r} must be a bool (True or False)")
+def is_int(value) -> bool:
+    """Whether ``value`` is a Python or numpy integer (never a bool): the type of a config's sizes.
+
+    Configs are hashable static data, so jax arrays are not sizes here (see ``check_count`` for the
+    arguments of an op, which also take concrete JAX scalars).
+    """
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def require(ok: bool, name: str, value, allowed: str) -> None:
+    """Raise the library's one argument error unless ``ok``: ``name=value is out of range: allowed ...``.
+
+    Example:
+        >>> require(False, "size", 7, "a positive multiple of padding=4")
+        Traceback (most recent call last):
+        ...
+        ValueError: size=7 is out of range: allowed a positive multiple of padding=4
+    """
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range: allowed {allowed}")
+
+
+def check_flag(name: str, value, *, optional: bool = False) -> bool:
+    """A host flag must be a real bool (``"False"`` is truthy, ``1`` is not a flag); ``None`` too
+    when ``optional`` (returned as is).
+
+    Example:
+        >>> check_flag("causal", "no")
+        Traceback (most recent call last):
+        ...
+        ValueError: causal='no' is out of range: allowed True or False
+    """
+    if optional and value is None:
+        return None
+    require(isinstance(value, (bool, np.bool_)), name, value, "True, False or None" if optional else "True or False")
     return bool(value)
 
 
@@ -151,8 +182,9 @@ def _scalar(value, kinds: str):
     return arr.item()
 
 
-def check_real(name: str, value) -> float:
-    """A host real number: a Python, numpy or JAX scalar (int or float, never bool), finite.
+def check_real(name: str, value, *, above: float = None, optional: bool = False) -> float:
+    """A host real number: a Python, numpy or JAX scalar (int or float, never bool), finite, and
+    ``> above`` when given; ``None`` too when ``optional`` (returned as is).
 
     Example:
         >>> check_real("temperature", np.float32(0.5))
@@ -162,7 +194,10 @@ def check_real(name: str, value) -> float:
         ...
         ValueError: temperature='hot' is out of range: allowed a finite number
     """
+    if optional and value is None:
+        return None
     number = _scalar(value, "iuf")
-    if number is None or not np.isfinite(number):
-        raise ValueError(f"{name}={value!r} is out of range: allowed a finite number")
+    allowed = "a finite number" + ("" if above is None else f" > {above:g}") + (" (or None)" if optional else "")
+    require(number is not None and bool(np.isfinite(number)) and (above is None or number > above), name, value,
+            allowed)
     return float(number)

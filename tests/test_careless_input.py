@@ -32,7 +32,7 @@ GOOD = dict(max_new_tokens=3, key=jax.random.PRNGKey(0), sampling=kvjax.Sampling
     (dict(stop_tokens=5), r"stop_tokens=5 is out of range: allowed a sequence of token ids"),
     (dict(stop_tokens="</s>"), r"stop_tokens='</s>' is out of range"),
     (dict(n_keep=-1), r"n_keep=-1 is out of range"),
-    (dict(share_prefix="no"), r"share_prefix='no' must be a bool"),
+    (dict(share_prefix="no"), r"share_prefix='no' is out of range: allowed True or False"),
     (dict(stop_tokens=[99]), r"stop_tokens\[0\] contains 99: allowed ids in \[0, 16\)"),
     (dict(prompts=[[1, 2], [3, 99]]), r"prompts\[1\] contains 99: allowed ids in \[0, 16\)"),
     (dict(prompts=[[1.0, 2.0]]), r"prompts\[0\] has shape \(2,\) and dtype float64"),
@@ -74,7 +74,7 @@ def test_no_truncation_or_bool_as_int():
         kvjax.make_ubatch([[0, 1]], [[0], [0]])
     with pytest.raises(ValueError, match=r"pos has dtype bool"):
         kvjax.make_ubatch([True, False], [[0], [0]])
-    with pytest.raises(ValueError, match=r"donate='False' must be a bool"):
+    with pytest.raises(ValueError, match=r"donate='False' is out of range: allowed True or False"):
         kvjax.defrag(cache, donate="False")
     with pytest.raises(ValueError, match=r"n_ubatch=2.5 is out of range"):
         Engine(Llama(CFG, rngs=nnx.Rngs(0)), kvjax.init(CFG.cache_config(size=64, n_seq_max=1)), n_ubatch=2.5)
@@ -174,9 +174,9 @@ def test_flags_of_the_attention_path_refuse_strings():
     cache = kvjax.init(kvjax.CacheConfig(**_BASE))
     ub = kvjax.make_ubatch([0], [[0]])
     cache, _, _ = kvjax.find_slot(cache, ub)
-    for call, match in ((lambda: kvjax.kq_mask(cache, ub, 32, causal="no"), "causal='no' must be a bool"),
-                        (lambda: kvjax.kq_mask(cache, ub, 32, alibi=1), "alibi=1 must be a bool"),
-                        (lambda: kvjax.kq_mask_bool(cache, ub, 32, causal="False"), "causal='False' must be a bool"),
+    for call, match in ((lambda: kvjax.kq_mask(cache, ub, 32, causal="no"), "causal='no' is out of range: allowed True or False"),
+                        (lambda: kvjax.kq_mask(cache, ub, 32, alibi=1), "alibi=1 is out of range: allowed True or False"),
+                        (lambda: kvjax.kq_mask_bool(cache, ub, 32, causal="False"), "causal='False' is out of range: allowed True or False"),
                         (lambda: kvjax.pos_bucket(cache, ub, 32, 32, bidirectional="yes"), "bidirectional='yes'")):
         with pytest.raises(ValueError, match=match):
             call()

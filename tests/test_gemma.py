@@ -123,10 +123,10 @@ def test_offset_rms_norm_nnx_and_linen():
     (dict(final_logit_softcap=-30), r"final_logit_softcap=-30 is out of range: allowed a finite number > 0"),
     (dict(final_logit_softcap="30"), r"final_logit_softcap='30' is out of range"),
     (dict(activation="relu"), r"activation='relu' is out of range: allowed one of \['gelu_tanh', 'silu'\]"),
-    (dict(norm_offset="yes"), r"norm_offset='yes' is out of range: allowed a bool"),
-    (dict(sandwich_norms=1), r"sandwich_norms=1 is out of range: allowed a bool"),
-    (dict(scale_embeddings=None), r"scale_embeddings=None is out of range: allowed a bool"),
-    (dict(qk_norm="no"), r"qk_norm='no' is out of range: allowed a bool"),
+    (dict(norm_offset="yes"), r"norm_offset='yes' is out of range: allowed True or False"),
+    (dict(sandwich_norms=1), r"sandwich_norms=1 is out of range: allowed True or False"),
+    (dict(scale_embeddings=None), r"scale_embeddings=None is out of range: allowed True or False"),
+    (dict(qk_norm="no"), r"qk_norm='no' is out of range: allowed True or False"),
     (dict(swa_rope=10000.0), r"swa_rope=10000.0 is out of range: allowed a kvjax.RopeConfig or None"),
     (dict(swa_rope=kvjax.RopeConfig(n_rot=8), position="alibi"), r"swa_rope=.* allowed only with position='rope'"),
     (dict(swa_rope=kvjax.RopeConfig(n_rot=16)), r"swa_rope.n_rot=16 is out of range: allowed <= head_dim=8"),
@@ -139,8 +139,8 @@ def test_config_bad_options(changes, match):
 @pytest.mark.parametrize("changes, match", [
     (dict(scale=0.0), r"scale=0.0 is out of range: allowed a finite number > 0"),
     (dict(softcap=-1), r"softcap=-1 is out of range: allowed a finite number > 0"),
-    (dict(qk_norm=1), r"qk_norm=1 is out of range: allowed a bool"),
-    (dict(norm_offset="x"), r"norm_offset='x' is out of range: allowed a bool"),
+    (dict(qk_norm=1), r"qk_norm=1 is out of range: allowed True or False"),
+    (dict(norm_offset="x"), r"norm_offset='x' is out of range: allowed True or False"),
     (dict(qk_norm=True, norm_eps=0.0), r"norm_eps=0.0 is out of range: allowed a finite number > 0"),
 ])
 def test_attention_layer_bad_options(changes, match):

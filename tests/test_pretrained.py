@@ -329,7 +329,7 @@ def test_attention_bias_option():
     assert not np.allclose(np.asarray(model.forward(TOKENS)), np.asarray(plain.forward(TOKENS)))   # biases act
     linen = LlamaLinen(model.config).apply(params_from_nnx(model), TOKENS, method=LlamaLinen.forward)
     np.testing.assert_allclose(np.asarray(linen), np.asarray(model.forward(TOKENS)), atol=1e-5)
-    with pytest.raises(ValueError, match=r"attention_bias='yes' is out of range: allowed a bool"):
+    with pytest.raises(ValueError, match=r"attention_bias='yes' is out of range: allowed True or False"):
         LlamaConfig(attention_bias="yes")
 
 

@@ -136,7 +136,7 @@ def test_bad_inputs(tmp_path, byte_bpe):
         Tokenizer(byte_bpe, eos_ids=(-1,))
     with pytest.raises(ValueError, match=r"add_bos=True is out of range without a bos_id"):
         Tokenizer(byte_bpe, add_bos=True)
-    with pytest.raises(ValueError, match=r"add_bos='yes' is out of range: allowed a bool"):
+    with pytest.raises(ValueError, match=r"add_bos='yes' is out of range: allowed True or False"):
         Tokenizer(byte_bpe, add_bos="yes")
     tok = Tokenizer(byte_bpe)
     with pytest.raises(ValueError, match=r"text must be a str, got bytes"):
@@ -186,7 +186,7 @@ def test_special_tokens_parsed_only_when_asked(byte_bpe):
         "fox")[-1] == 1
     with pytest.raises(ValueError, match=r"add_eos=True is out of range without eos_ids"):
         Tokenizer(byte_bpe, add_eos=True)
-    with pytest.raises(ValueError, match=r"special='yes' is out of range: allowed a bool"):
+    with pytest.raises(ValueError, match=r"special='yes' is out of range: allowed True or False"):
         tok.encode("fox", special="yes")
 
 

@@ -163,7 +163,7 @@ def test_prepare_reports_and_keeps_nothing(jit):
     (lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=0), r"n_seq_max=0 is out of range: allowed an integer >= 1"),
     (lambda: kvjax.split_simple([[0]], 2.5), r"n_ubatch=2.5 is out of range"),
     (lambda: kvjax.find_slot(kvjax.init(small_config()), kvjax.make_ubatch([0], [[0]]), contiguous="no"),
-     r"contiguous='no' must be a bool"),
+     r"contiguous='no' is out of range: allowed True or False"),
     (lambda: kvjax.find_slot(kvjax.init(small_config()),
                              kvjax.Ubatch(pos=np.zeros(2, np.float32), seq_ids=np.zeros((2, 1), np.int32),
                                           valid=np.ones(2, bool))), r"ubatch.pos has dtype float32"),

@@ -27,15 +27,13 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from kvjax._validate import check_count
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._api import n_kv as _n_kv
 
 
 def _check_geometry(size, padding, min_window):
-    for name, value in (("size", size), ("padding", padding)):
-        if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) <= 0:
-            raise ValueError(f"{name}={value!r} is out of range: allowed a positive Python int")
-    size, padding = int(size), int(padding)
+    size, padding = check_count("size", size, 1), check_count("padding", padding, 1)
     if size % padding:
         raise ValueError(f"size={size} is out of range: allowed a multiple of padding={padding}")
     if min_window is not None:

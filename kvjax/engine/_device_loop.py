@@ -55,6 +55,7 @@ from flax import struct
 
 import kvjax
 from kvjax._errors import CacheFullError
+from kvjax._validate import is_int, require
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.memory._ubatch import Ubatch, bucket_length
 
@@ -204,10 +205,8 @@ def _jit_loop(jitted_step, equal, contiguous, thold, sampling):
 
 def check_sync_every(sync_every) -> int:
     """``sync_every`` as an int in ``[1, MAX_SYNC_EVERY]``, or ``ValueError`` naming it."""
-    if isinstance(sync_every, (bool, np.bool_)) or not isinstance(sync_every, (int, np.integer)) \
-            or not 1 <= sync_every <= MAX_SYNC_EVERY:
-        raise ValueError(f"sync_every={sync_every!r} is out of range: allowed an integer in [1, {MAX_SYNC_EVERY}] "
-                         f"(tokens per sequence between two host reads)")
+    require(is_int(sync_every) and 1 <= sync_every <= MAX_SYNC_EVERY, "sync_every", sync_every,
+            f"an integer in [1, {MAX_SYNC_EVERY}] (tokens per sequence between two host reads)")
     return int(sync_every)
 
 

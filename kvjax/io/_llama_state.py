@@ -86,6 +86,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from kvjax._errors import StateError
+from kvjax._validate import require
 from kvjax.io._attn_rot import rotate_section, rotate_streams
 from kvjax.io._state import state_read, state_write
 from kvjax.memory._unified import KVCache
@@ -179,9 +180,8 @@ def _stream_blob(cache: KVCache, seq_id: int) -> bytes:
 
 
 def _attn_rot_arg(attn_rot) -> bool:
-    if not isinstance(attn_rot, (bool, np.bool_)):
-        raise ValueError(f"attn_rot={attn_rot!r} is out of range: allowed True (llama.cpp's rotated quantized K/V: "
-                         f"its default) or False (bytes as they are: LLAMA_ATTN_ROT_DISABLE=1)")
+    require(isinstance(attn_rot, (bool, np.bool_)), "attn_rot", attn_rot, "True (llama.cpp's rotated quantized "
+            "K/V: its default) or False (bytes as they are: LLAMA_ATTN_ROT_DISABLE=1)")
     return bool(attn_rot)
 
 
@@ -423,9 +423,9 @@ def _with_v_trans(memory, v_trans, like=None):
 
 
 def _v_trans_arg(v_trans):
-    if v_trans is not None and not isinstance(v_trans, (bool, np.bool_)):
-        raise ValueError(f"v_trans={v_trans!r} is out of range: allowed None (the memory's config.v_trans), True "
-                         f"(V transposed: llama.cpp without flash attention) or False (V rows: with flash attention)")
+    require(v_trans is None or isinstance(v_trans, (bool, np.bool_)), "v_trans", v_trans, "None (the memory's "
+            "config.v_trans), True (V transposed: llama.cpp without flash attention) or False (V rows: with flash "
+            "attention)")
     return None if v_trans is None else bool(v_trans)
 
 

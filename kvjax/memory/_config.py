@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from kvjax._validate import POS_END, check_real
+from kvjax._validate import POS_END, check_flag, check_real, is_int, require
 from kvjax.memory import _seqbits as seqbits
 from kvjax.storage._quant import BLOCK, QUANT_TYPES
 
@@ -110,7 +110,7 @@ class RopeConfig:
     freq_factors: Optional[Tuple[float, ...]] = None
 
     def __post_init__(self):
-        _require(_is_int(self.n_rot) and self.n_rot > 0 and self.n_rot % 2 == 0,
+        require(is_int(self.n_rot) and self.n_rot > 0 and self.n_rot % 2 == 0,
                  "n_rot", self.n_rot, "a positive even integer (rotated dims come in pairs)")
         object.__setattr__(self, "n_rot", int(self.n_rot))
         try:
@@ -118,35 +118,29 @@ class RopeConfig:
         except ValueError:
             raise ValueError(f"mode={self.mode!r} is not a RoPE mode: allowed 'normal' or 'neox'") from None
         object.__setattr__(self, "mode", mode)
-        real = (int, float, np.integer, np.floating)
         for name in ("freq_base", "freq_scale", "attn_factor"):
-            value = getattr(self, name)
-            _require(isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value) and value > 0, name, value, "a finite number > 0")
-            object.__setattr__(self, name, float(value))
+            object.__setattr__(self, name, check_real(name, getattr(self, name), above=0))
         for name in ("ext_factor", "beta_fast", "beta_slow"):
-            value = getattr(self, name)
-            _require(isinstance(value, real) and not isinstance(value, bool) and math.isfinite(value), name,
-                     value, "a finite number")
-            object.__setattr__(self, name, float(value))
-        _require(_is_int(self.n_ctx_orig) and self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig,
+            object.__setattr__(self, name, check_real(name, getattr(self, name)))
+        require(is_int(self.n_ctx_orig) and self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig,
                  "an integer >= 0")
         if self.ext_factor != 0:
             # YaRN's correction dims take log(n_ctx_orig / (2 pi beta)): all three must be positive
-            _require(self.n_ctx_orig > 0, "n_ctx_orig", self.n_ctx_orig, "> 0 when ext_factor != 0 (YaRN)")
-            _require(self.beta_fast > 0, "beta_fast", self.beta_fast, "> 0 when ext_factor != 0 (YaRN)")
-            _require(self.beta_slow > 0, "beta_slow", self.beta_slow, "> 0 when ext_factor != 0 (YaRN)")
+            require(self.n_ctx_orig > 0, "n_ctx_orig", self.n_ctx_orig, "> 0 when ext_factor != 0 (YaRN)")
+            require(self.beta_fast > 0, "beta_fast", self.beta_fast, "> 0 when ext_factor != 0 (YaRN)")
+            require(self.beta_slow > 0, "beta_slow", self.beta_slow, "> 0 when ext_factor != 0 (YaRN)")
         if self.freq_factors is not None:
             given = self.freq_factors
             if isinstance(given, (str, bytes)) or not isinstance(given, (tuple, list, np.ndarray)):
-                _require(False, "freq_factors", given, f"None or a sequence of n_rot // 2 = {self.n_rot // 2} numbers")
+                require(False, "freq_factors", given, f"None or a sequence of n_rot // 2 = {self.n_rot // 2} numbers")
             try:
                 ff = tuple(check_real("freq_factors", f) for f in np.asarray(given, dtype=object).reshape(-1))
             except ValueError:
-                _require(False, "freq_factors", given, "finite numbers > 0 (each pair's frequency is divided by "
+                require(False, "freq_factors", given, "finite numbers > 0 (each pair's frequency is divided by "
                          "its factor)")
-            _require(len(ff) == self.n_rot // 2, "freq_factors", f"{len(ff)} values",
+            require(len(ff) == self.n_rot // 2, "freq_factors", f"{len(ff)} values",
                      f"exactly n_rot // 2 = {self.n_rot // 2} values")
-            _require(all(math.isfinite(f) and f > 0 for f in ff), "freq_factors", ff,
+            require(all(math.isfinite(f) and f > 0 for f in ff), "freq_factors", ff,
                      "finite values > 0 (each pair's frequency is divided by its factor)")
             object.__setattr__(self, "freq_factors", ff)
 
@@ -217,14 +211,14 @@ class CacheConfig:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        _require(_is_int(self.padding) and self.padding > 0, "padding", self.padding, "a positive integer")
-        _require(_is_int(self.size) and self.size > 0 and self.size % self.padding == 0, "size", self.size,
+        require(is_int(self.padding) and self.padding > 0, "padding", self.padding, "a positive integer")
+        require(is_int(self.size) and self.size > 0 and self.size % self.padding == 0, "size", self.size,
                  f"a positive multiple of padding={self.padding}")
-        _require(self.size <= 2**30, "size", self.size, "at most 2**30 cells")
-        _require(_is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
+        require(self.size <= 2**30, "size", self.size, "at most 2**30 cells")
+        require(is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
                  f"[1, {MAX_SEQ}]")
         # bounds that keep a typo (n_layer=10**9) from hanging the process instead of being refused
-        _require(_is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
+        require(is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
                  f"an integer in [1, {MAX_LAYERS}]")
         set_("n_kv_heads", self._per_layer("n_kv_heads", self.n_kv_heads))
         set_("head_dim", self._per_layer("head_dim", self.head_dim))
@@ -237,18 +231,18 @@ class CacheConfig:
             if getattr(self, name) in QUANT_TYPES:
                 for il in self.cached_layers:
                     d = getattr(self, dims)[il]
-                    _require(d % BLOCK == 0, dims, d, f"a multiple of {BLOCK} (the block size of "
+                    require(d % BLOCK == 0, dims, d, f"a multiple of {BLOCK} (the block size of "
                              f"{name}={getattr(self, name)!r}; layer {il}), or a float {name}")
         try:
             set_("swa_type", SwaType(self.swa_type))
         except ValueError:
             raise ValueError(f"swa_type={self.swa_type!r} is not a sliding-window kind: allowed "
                              f"{[s.value for s in SwaType]}") from None
-        _require(_is_int(self.n_swa) and 0 <= self.n_swa < POS_END, "n_swa", self.n_swa,
+        require(is_int(self.n_swa) and 0 <= self.n_swa < POS_END, "n_swa", self.n_swa,
                  f"an integer in [0, {POS_END})")
         if self.swa_type != SwaType.NONE:
-            _require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
-        _require(isinstance(self.v_trans, (bool, np.bool_)), "v_trans", self.v_trans, "True or False")
+            require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
+        check_flag("v_trans", self.v_trans)
         set_("v_trans", bool(self.v_trans))
         if self.v_trans and self.v_dtype in QUANT_TYPES:
             # a transposed V has one value per element of a row across cells: it has no blocks (the
@@ -260,15 +254,15 @@ class CacheConfig:
     # -- normalization helpers -------------------------------------------------------------
 
     def _per_layer(self, name, value):
-        if _is_int(value):
+        if is_int(value):
             value = (int(value),) * self.n_layer
         if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, np.ndarray)):
-            _require(False, name, value, f"an integer in [1, {MAX_WIDTH}], or one per layer (n_layer={self.n_layer})")
+            require(False, name, value, f"an integer in [1, {MAX_WIDTH}], or one per layer (n_layer={self.n_layer})")
         value = tuple(value)
-        _require(len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer "
+        require(len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer "
                  f"(n_layer={self.n_layer})")
         for v in value:
-            _require(_is_int(v) and 1 <= v <= MAX_WIDTH, name, v, f"integers in [1, {MAX_WIDTH}]")
+            require(is_int(v) and 1 <= v <= MAX_WIDTH, name, v, f"integers in [1, {MAX_WIDTH}]")
         return tuple(int(v) for v in value)
 
     def _normalize_filter(self, flt):
@@ -278,10 +272,10 @@ class CacheConfig:
             return tuple(il for il in range(self.n_layer) if flt(il))
         flt = tuple(flt)
         for il in flt:
-            _require(_is_int(il), "layer_filter", il, "integer layer ids")
+            require(is_int(il), "layer_filter", il, "integer layer ids")
         layers = tuple(sorted(set(int(il) for il in flt)))
         for il in layers:
-            _require(0 <= il < self.n_layer, "layer_filter", il, f"layer ids in [0, {self.n_layer})")
+            require(0 <= il < self.n_layer, "layer_filter", il, f"layer ids in [0, {self.n_layer})")
         return layers
 
     def _normalize_rope(self, rope):
@@ -290,10 +284,10 @@ class CacheConfig:
         if isinstance(rope, RopeConfig):
             rope = (rope,) * self.n_layer
         rope = tuple(rope)
-        _require(len(rope) == self.n_layer and all(isinstance(r, RopeConfig) for r in rope), "rope",
+        require(len(rope) == self.n_layer and all(isinstance(r, RopeConfig) for r in rope), "rope",
                  f"{len(rope)} entries", f"a RopeConfig or one per layer (n_layer={self.n_layer})")
         for il, r in enumerate(rope):
-            _require(r.n_rot <= self.head_dim[il], "rope.n_rot", r.n_rot,
+            require(r.n_rot <= self.head_dim[il], "rope.n_rot", r.n_rot,
                      f"an even number <= head_dim={self.head_dim[il]} of layer {il}")
         return rope
 
@@ -340,15 +334,6 @@ class CacheConfig:
     def replace(self, **changes) -> "CacheConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _require(cond, name, value, allowed):
-    if not cond:
-        raise ValueError(f"{name}={value!r} is out of range: allowed {allowed}")
 
 
 def _dtype_name(field, dtype) -> str:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax._validate import check_count, check_flag, require
 from kvjax.attn._mask import is_masked_swa
 from kvjax.memory import _seqbits
 from kvjax.memory._cells import Cells, is_used
@@ -50,11 +51,6 @@ from kvjax.memory._protocol import Memory, on_metadata
 from kvjax.memory._unified import KVCache, init_unified
 
 __all__ = ["IswaConfig", "IswaCache", "init_iswa"]
-
-
-def _require(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is out of range: allowed {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +87,7 @@ class IswaConfig:
     def __post_init__(self):
         if not isinstance(self.base, CacheConfig):
             raise ValueError(f"base must be a kvjax.CacheConfig, got {type(self.base).__name__}")
-        _require(self.base.swa_type == SwaType.NONE, "base.swa_type", self.base.swa_type.value,
+        require(self.base.swa_type == SwaType.NONE, "base.swa_type", self.base.swa_type.value,
                  "'none' (the window of the window layers is IswaConfig's swa_type / n_swa)")
         try:
             layers = tuple(sorted(set(int(il) for il in self.swa_layers)))
@@ -100,10 +96,10 @@ class IswaConfig:
                              f"layer ids") from None
         cached = self.base.cached_layers
         for il in layers:
-            _require(il in cached, "swa_layers", il, f"cached layer ids {list(cached)}")
-        _require(len(layers) >= 1, "swa_layers", self.swa_layers, "at least one window layer (else use a "
+            require(il in cached, "swa_layers", il, f"cached layer ids {list(cached)}")
+        require(len(layers) >= 1, "swa_layers", self.swa_layers, "at least one window layer (else use a "
                  "kvjax.CacheConfig alone)")
-        _require(len(layers) < len(cached), "swa_layers", self.swa_layers, "at least one full layer left (a model "
+        require(len(layers) < len(cached), "swa_layers", self.swa_layers, "at least one full layer left (a model "
                  "whose every layer has a window: use one kvjax.CacheConfig with swa_type and n_swa)")
         object.__setattr__(self, "swa_layers", layers)
         try:
@@ -111,15 +107,10 @@ class IswaConfig:
         except ValueError:
             raise ValueError(f"swa_type={self.swa_type!r} is out of range: allowed 'standard', 'chunked' or "
                              f"'symmetric'") from None
-        _require(self.swa_type != SwaType.NONE, "swa_type", "none", "'standard', 'chunked' or 'symmetric'")
-        _require(isinstance(self.n_swa, (int, np.integer)) and not isinstance(self.n_swa, bool)
-                 and self.n_swa > 0, "n_swa", self.n_swa, "an integer > 0")
-        _require(isinstance(self.n_batch, (int, np.integer)) and not isinstance(self.n_batch, bool)
-                 and self.n_batch > 0, "n_batch", self.n_batch, "an integer > 0")
-        _require(isinstance(self.swa_full, (bool, np.bool_)), "swa_full", self.swa_full, "a bool")
-        object.__setattr__(self, "n_swa", int(self.n_swa))
-        object.__setattr__(self, "n_batch", int(self.n_batch))
-        object.__setattr__(self, "swa_full", bool(self.swa_full))
+        require(self.swa_type != SwaType.NONE, "swa_type", "none", "'standard', 'chunked' or 'symmetric'")
+        object.__setattr__(self, "n_swa", check_count("n_swa", self.n_swa, 1))
+        object.__setattr__(self, "n_batch", check_count("n_batch", self.n_batch, 1))
+        object.__setattr__(self, "swa_full", check_flag("swa_full", self.swa_full))
 
     @property
     def n_seq_max(self) -> int:

@@ -58,7 +58,7 @@ from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax.memory import _seqbits
 from kvjax.memory._config import FLOAT_DTYPES, MAX_LAYERS, MAX_SEQ
 from kvjax.memory._protocol import Memory, not_defined
-from kvjax._validate import POS_END
+from kvjax._validate import POS_END, is_int, require
 
 __all__ = ["RecurrentConfig", "RecurrentGroup", "RecurrentCells", "RecurrentPlacement", "RecurrentCache",
            "init_recurrent", "moving_rows_bound"]
@@ -69,31 +69,22 @@ _I32_MAX = 2**31 - 1
 MAX_STATE_FLOATS = 2**26
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _require(ok: bool, name: str, value, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is out of range: allowed {allowed}")
-
-
 def _shape(name: str, value) -> Tuple[int, ...]:
-    if _is_int(value):
+    if is_int(value):
         value = (int(value),)
     try:
         shape = tuple(value)
     except TypeError:
         raise ValueError(f"{name}={value!r} is out of range: allowed a shape (a tuple of positive integers)") from None
-    _require(len(shape) >= 1 and all(_is_int(d) and d >= 1 for d in shape), name, value,
+    require(len(shape) >= 1 and all(is_int(d) and d >= 1 for d in shape), name, value,
              "a shape: a non-empty tuple of positive integers")
-    _require(math.prod(shape) <= MAX_STATE_FLOATS, name, value, f"at most {MAX_STATE_FLOATS} values per row")
+    require(math.prod(shape) <= MAX_STATE_FLOATS, name, value, f"at most {MAX_STATE_FLOATS} values per row")
     return tuple(int(d) for d in shape)
 
 
 def _per_layer_shapes(name: str, value, n_layer: int) -> Tuple[Tuple[int, ...], ...]:
     """One shape for every layer, or a tuple of one shape per layer."""
-    if _is_int(value) or (isinstance(value, (tuple, list)) and value and all(_is_int(d) for d in value)):
+    if is_int(value) or (isinstance(value, (tuple, list)) and value and all(is_int(d) for d in value)):
         return (_shape(name, value),) * n_layer
     try:
         shapes = tuple(value)
@@ -144,12 +135,12 @@ class RecurrentConfig:
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        _require(_is_int(self.size) and 1 <= self.size <= 2**20, "size", self.size, "an integer in [1, 2**20]")
-        _require(_is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
+        require(is_int(self.size) and 1 <= self.size <= 2**20, "size", self.size, "an integer in [1, 2**20]")
+        require(is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
                  f"an integer in [1, {MAX_SEQ}]")
-        _require(_is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
+        require(is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
                  f"an integer in [1, {MAX_LAYERS}]")
-        _require(_is_int(self.n_states) and 1 <= self.n_states <= 64, "n_states", self.n_states,
+        require(is_int(self.n_states) and 1 <= self.n_states <= 64, "n_states", self.n_states,
                  "an integer in [1, 64]")
         for name in ("size", "n_seq_max", "n_layer", "n_states"):
             set_(name, int(getattr(self, name)))
@@ -159,10 +150,10 @@ class RecurrentConfig:
             value = getattr(self, name)
             if not isinstance(value, str) and _dtype_like(value):
                 value = jnp.dtype(value).name
-            _require(isinstance(value, str) and value in FLOAT_DTYPES, name, getattr(self, name),
+            require(isinstance(value, str) and value in FLOAT_DTYPES, name, getattr(self, name),
                      f"one of {list(FLOAT_DTYPES)}")
             set_(name, value)
-        _require(self.size * self.n_states <= 2**24, "n_states", self.n_states,
+        require(self.size * self.n_states <= 2**24, "n_states", self.n_states,
                  f"at most {2**24 // self.size} with size={self.size} (2**24 rows)")
 
     @property
@@ -180,7 +171,7 @@ class RecurrentConfig:
 
     def locate(self, layer: int) -> Tuple[int, int]:
         """``(group, index in group)`` of layer ``layer``."""
-        _require(_is_int(layer) and 0 <= layer < self.n_layer, "layer", layer, f"[0, {self.n_layer})")
+        require(is_int(layer) and 0 <= layer < self.n_layer, "layer", layer, f"[0, {self.n_layer})")
         for g, grp in enumerate(self.groups):
             if layer in grp.layers:
                 return g, grp.layers.index(layer)

@@ -31,6 +31,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Dict, List, Mapping, Sequence
+from kvjax._validate import check_flag
 
 __all__ = ["render_chat_template", "chat_template_by_name", "BUILTIN_TEMPLATES"]
 
@@ -316,8 +317,7 @@ def render_chat_template(template: str, messages, *, add_generation_prompt: bool
     """
     if not isinstance(template, str) or not template:
         raise ValueError(f"template must be a non-empty Jinja text, got {template!r:.60}")
-    if not isinstance(add_generation_prompt, bool):
-        raise ValueError(f"add_generation_prompt={add_generation_prompt!r} is out of range: allowed True or False")
+    check_flag("add_generation_prompt", add_generation_prompt)
     for name, value in (("bos_token", bos_token), ("eos_token", eos_token)):
         if not isinstance(value, str):
             raise ValueError(f"{name}={value!r} is out of range: allowed the token's text (a string, '' for none)")

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax._validate import check_real
+from kvjax._validate import check_count, check_flag, check_real
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import Ubatch
@@ -57,28 +57,6 @@ __all__ = ["LlamaConfig", "Llama", "Block", "MLP", "ACTIVATIONS"]
 #: The gated MLP's activations: ``"silu"`` (SwiGLU, Llama) and ``"gelu_tanh"`` (GeGLU with the
 #: tanh approximation, Gemma's ``gelu_pytorch_tanh``).
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-def _pos_int(name, value, minimum=1):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
-    return int(value)
-
-
-def _pos_real(name, value):
-    """``None`` or a finite real > 0, as a float."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} is out of range: allowed a finite number > 0 (or None)")
-    return float(value)
-
-
-def _flag(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r} is out of range: allowed a bool")
-    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +139,14 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "n_heads", "n_kv_heads"):
-            _pos_int(name, getattr(self, name))
+            object.__setattr__(self, name, check_count(name, getattr(self, name), 1))
         if self.head_dim is not None:
-            _pos_int("head_dim", self.head_dim)
+            object.__setattr__(self, "head_dim", check_count("head_dim", self.head_dim, 1))
         elif self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is out of range: allowed a multiple of n_heads="
                              f"{self.n_heads} (or give head_dim)")
         if self.d_ff is not None:
-            _pos_int("d_ff", self.d_ff)
+            object.__setattr__(self, "d_ff", check_count("d_ff", self.d_ff, 1))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is out of range: allowed a multiple of "
                              f"n_kv_heads={self.n_kv_heads} (GQA)")
@@ -176,11 +154,8 @@ class LlamaConfig:
             raise ValueError(f"position={self.position!r} is out of range: allowed 'rope' or 'alibi'")
         if self.rope is not None and self.rope.n_rot > self.head_size:
             raise ValueError(f"rope.n_rot={self.rope.n_rot} is out of range: allowed <= head_dim={self.head_size}")
-        if check_real("alibi_max_bias", self.alibi_max_bias) <= 0:
-            raise ValueError(f"alibi_max_bias={self.alibi_max_bias!r} is out of range: allowed > 0")
-        if check_real("norm_eps", self.norm_eps) <= 0:
-            raise ValueError(f"norm_eps={self.norm_eps!r} is out of range: allowed > 0")
-        object.__setattr__(self, "norm_eps", float(self.norm_eps))
+        check_real("alibi_max_bias", self.alibi_max_bias, above=0)
+        object.__setattr__(self, "norm_eps", check_real("norm_eps", self.norm_eps, above=0))
         layers = tuple(sorted(set(int(il) for il in self.swa_layers)))
         for il in layers:
             if not 0 <= il < self.n_layer:
@@ -191,13 +166,13 @@ class LlamaConfig:
             if self.swa_type == SwaType.NONE:
                 raise ValueError("swa_type='none' is out of range with swa_layers: allowed 'standard', "
                                  "'chunked' or 'symmetric'")
-            _pos_int("n_swa", self.n_swa)
+            object.__setattr__(self, "n_swa", check_count("n_swa", self.n_swa, 1))
         for name in ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm", "attention_bias"):
-            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} is out of range: allowed one of {sorted(ACTIVATIONS)}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
-            object.__setattr__(self, name, _pos_real(name, getattr(self, name)))
+            object.__setattr__(self, name, check_real(name, getattr(self, name), above=0, optional=True))
         if self.swa_rope is not None:
             if not isinstance(self.swa_rope, RopeConfig):
                 raise ValueError(f"swa_rope={self.swa_rope!r} is out of range: allowed a kvjax.RopeConfig or None")
@@ -218,8 +193,7 @@ class LlamaConfig:
             >>> LlamaConfig.window_pattern(4, 2), LlamaConfig.window_pattern(8, 6)
             ((0, 2), (0, 1, 2, 3, 4, 6, 7))
         """
-        _pos_int("n_layer", n_layer)
-        _pos_int("every", every)
+        n_layer, every = check_count("n_layer", n_layer, 1), check_count("every", every, 1)
         return tuple(i for i in range(n_layer) if (i + 1) % every)
 
     @classmethod

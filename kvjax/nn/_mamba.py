@@ -60,22 +60,11 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from kvjax._validate import check_count, check_flag, check_real
 from kvjax.nn._inputs import check_token_rows
 
 __all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "selective_scan", "params_from_hf",
            "make_mamba_step"]
-
-
-def _pos_int(name, value, minimum=1):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
-    return int(value)
-
-
-def _flag(name, value):
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r} is out of range: allowed True or False")
-    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,20 +128,19 @@ class MambaConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "d_state", "expand", "scan_chunk"):
-            _pos_int(name, getattr(self, name))
+            object.__setattr__(self, name, check_count(name, getattr(self, name), 1))
         if not isinstance(self.scan, str) or self.scan not in SCANS:
             raise ValueError(f"scan={self.scan!r} is out of range: allowed one of {', '.join(map(repr, SCANS))}")
-        _pos_int("d_conv", self.d_conv, 2)
+        object.__setattr__(self, "d_conv", check_count("d_conv", self.d_conv, 2))
         if self.dt_rank == "auto":
             object.__setattr__(self, "dt_rank", math.ceil(self.d_model / 16))
         else:
             if isinstance(self.dt_rank, str):
                 raise ValueError(f"dt_rank={self.dt_rank!r} is out of range: allowed 'auto' or an integer >= 1")
-            object.__setattr__(self, "dt_rank", _pos_int("dt_rank", self.dt_rank))
-        if not isinstance(self.norm_eps, (int, float, np.floating)) or not self.norm_eps > 0:
-            raise ValueError(f"norm_eps={self.norm_eps!r} is out of range: allowed a number > 0")
+            object.__setattr__(self, "dt_rank", check_count("dt_rank", self.dt_rank, 1))
+        object.__setattr__(self, "norm_eps", check_real("norm_eps", self.norm_eps, above=0))
         for name in ("use_bias", "use_conv_bias", "tie_embeddings", "residual_in_fp32"):
-            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             try:
@@ -213,7 +201,7 @@ class MambaConfig:
 
     def zero_states(self, n: int) -> Tuple[Float[Array, "L n Km1 Di"], Float[Array, "L n Di N"]]:
         """Zero ``f32`` conv and SSM states of n sequences (the state of an empty sequence)."""
-        n = _pos_int("n", n)
+        n = check_count("n", n, 1)
         conv, ssm = self.state_shapes(n)
         return jnp.zeros(conv, jnp.float32), jnp.zeros(ssm, jnp.float32)
 

@@ -44,6 +44,7 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
+from kvjax._validate import check_flag, check_real
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._fuse import split_qkv
@@ -272,14 +273,9 @@ def check_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
 def check_attention_options(scale, softcap, qk_norm, norm_eps) -> None:
     """Validate the Gemma-style options of an attention layer (shared by the NNX and linen layers)."""
     for name, value in (("scale", scale), ("softcap", softcap)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
-                                  or not (math.isfinite(value) and value > 0)):
-            raise ValueError(f"{name}={value!r} is out of range: allowed a finite number > 0 (or None)")
-    if not isinstance(qk_norm, (bool, np.bool_)):
-        raise ValueError(f"qk_norm={qk_norm!r} is out of range: allowed a bool")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float, np.integer, np.floating)) \
-            or not (math.isfinite(norm_eps) and norm_eps > 0):
-        raise ValueError(f"norm_eps={norm_eps!r} is out of range: allowed a finite number > 0")
+        check_real(name, value, above=0, optional=True)
+    check_flag("qk_norm", qk_norm)
+    check_real("norm_eps", norm_eps, above=0)
 
 
 def check_layer_cache(memory: Memory, layer: int, n_kv_heads: int, head_dim: int) -> None:
@@ -349,8 +345,7 @@ class CachedAttention(nnx.Module):
                  qk_norm: bool = False, norm_offset: bool = False, norm_eps: float = 1e-6, rngs: nnx.Rngs):
         check_heads(n_heads, n_kv_heads, head_dim)
         check_attention_options(scale, softcap, qk_norm, norm_eps)
-        if not isinstance(norm_offset, (bool, np.bool_)):
-            raise ValueError(f"norm_offset={norm_offset!r} is out of range: allowed a bool")
+        check_flag("norm_offset", norm_offset)
         self.swa_type = SwaType(swa_type)
         if self.swa_type != SwaType.NONE and not (isinstance(n_swa, (int, np.integer)) and n_swa > 0):
             raise ValueError(f"n_swa={n_swa!r} is out of range: allowed an integer > 0 with swa_type="

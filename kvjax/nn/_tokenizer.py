@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from kvjax._validate import check_flag
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -92,12 +93,10 @@ class Tokenizer:
             for i in ids:
                 if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
                     raise ValueError(f"{name} contains {i!r}: allowed integer ids in [0, {n})")
-        if not isinstance(add_bos, bool):
-            raise ValueError(f"add_bos={add_bos!r} is out of range: allowed a bool")
+        add_bos = check_flag("add_bos", add_bos)
         if add_bos and bos_id is None:
             raise ValueError("add_bos=True is out of range without a bos_id: allowed False, or give bos_id")
-        if not isinstance(add_eos, bool):
-            raise ValueError(f"add_eos={add_eos!r} is out of range: allowed a bool")
+        add_eos = check_flag("add_eos", add_eos)
         self.bos_id = bos_id
         self.eos_ids: Tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
         if add_eos and not self.eos_ids:
@@ -235,14 +234,9 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        add_bos = self.add_bos if add_bos is None else add_bos
-        add_eos = self.add_eos if add_eos is None else add_eos
-        if not isinstance(add_bos, bool):
-            raise ValueError(f"add_bos={add_bos!r} is out of range: allowed a bool or None")
-        if not isinstance(add_eos, bool):
-            raise ValueError(f"add_eos={add_eos!r} is out of range: allowed a bool or None")
-        if not isinstance(special, bool):
-            raise ValueError(f"special={special!r} is out of range: allowed a bool")
+        add_bos = self.add_bos if check_flag("add_bos", add_bos, optional=True) is None else bool(add_bos)
+        add_eos = self.add_eos if check_flag("add_eos", add_eos, optional=True) is None else bool(add_eos)
+        special = check_flag("special", special)
         if add_bos and self.bos_id is None:
             raise ValueError("add_bos=True is out of range: this tokenizer has no BOS id")
         if add_eos and not self.eos_ids:

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvjax._validate import check_count
 from kvjax.shard import _axes as ax
 
 #: the mesh axis of data parallelism (sequences, streams)
@@ -64,9 +65,7 @@ def make_mesh(data: int, model: int, devices: Optional[Sequence[Any]] = None) ->
         >>> dict(make_mesh(1, 1).shape)
         {'data': 1, 'model': 1}
     """
-    for name, value in (("data", data), ("model", model)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= 1")
+    data, model = check_count("data", data, 1), check_count("model", model, 1)
     pool = list(jax.devices() if devices is None else devices)
     need = int(data) * int(model)
     if need > len(pool):
