@@ -39,12 +39,14 @@ class ErrorFlag(enum.IntFlag):
     MAX_MOVES = 32
     OVERFLOW = 64
     STATE_SHIFT = 128
+    TOKEN = 256
+    WINDOW = 512
 
 
 ERROR_MESSAGES = {
     ErrorFlag.SEQ_ID: "seq_id out of range (an op was skipped)",
     ErrorFlag.DIVISOR: "seq_div divisor d <= 0 (an op was skipped)",
-    ErrorFlag.SLOT: "write slot index outside [-1, size) (those rows were dropped)",
+    ErrorFlag.SLOT: "slot index outside [-1, size) (a write dropped those rows; a model step was skipped)",
     ErrorFlag.UBATCH: "ubatch token with a negative position or a seq id outside [0, n_seq_max) "
                       "(find_slot refused the ubatch)",
     ErrorFlag.LAYER: "layer id not cached (the write was dropped)",
@@ -53,6 +55,9 @@ ERROR_MESSAGES = {
                         "(an op was skipped)",
     ErrorFlag.STATE_SHIFT: "seq_add would move a recurrent state below position 0; a state holds its whole "
                            "sequence, so it is never dropped (the op was skipped)",
+    ErrorFlag.TOKEN: "a model step's token id outside [0, vocab_size) (the step was skipped, ok false)",
+    ErrorFlag.WINDOW: "a model step's placed cells lie outside the windows it was given (the step was skipped, "
+                      "ok false; pick windows with kvjax.nn.window_for / windows_for)",
 }
 
 

@@ -181,8 +181,11 @@ def test_the_step_compiles_once_per_shape(model):
     # a token outside the vocabulary fails the step and changes nothing a sequence reads
     before = jax.device_get(memory)
     ub = kvjax.make_equal_ubatch([([4], [0]), ([4], [1])])
-    _, after, ok = step(state, memory, ub, np.array([1, 99]), windows=())
-    assert not bool(ok)
+    with pytest.raises(ValueError, match=r"tokens contains 99"):     # host ids: named before anything runs
+        step(state, memory, ub, np.array([1, 99]), windows=())
+    _, after, ok = step(state, memory, ub, jnp.array([1, 99]), windows=())   # device ids: an error bit
+    assert not bool(ok) and int(after.error_bits()) == kvjax.ErrorFlag.TOKEN
+    after = after.clear_errors()
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after))))
 
 

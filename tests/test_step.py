@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,13 +188,78 @@ def test_step_fails_on_what_it_cannot_compute():
     logits, cache, ok = step(state, cache, ub2, np.zeros(16, np.int32), n_kv=32)
     assert not bool(ok)
     np.testing.assert_array_equal(kvjax.cell_table(cache).pos, before)
-    bad_tokens = jnp.asarray(np.array([3, 99, 4, 0], np.int32))  # traced inside the step: no host check
+    assert int(cache.error_bits()) == kvjax.ErrorFlag.WINDOW    # says why, in the memory's error word
+    cache = kvjax.clear_errors(cache)
+    bad_tokens = jnp.asarray(np.array([3, 99, 4, 0], np.int32))  # a device array: no host read, an error bit
     one = kvjax.make_ubatch([20, 21, 22], [[0]] * 3)
     _, cache, ok = step(state, cache, one, bad_tokens, n_kv=64)
     assert not bool(ok)
     np.testing.assert_array_equal(kvjax.cell_table(cache).pos, before)
+    assert int(cache.error_bits()) == kvjax.ErrorFlag.TOKEN
+    cache = kvjax.clear_errors(cache)
     _, cache, ok = step(state, cache, one, jnp.asarray(np.array([3, 9, 4, 99], np.int32)), n_kv=64)
     assert bool(ok)                                               # the padding row's token is ignored
     assert int(kvjax.used_cells(cache)) == 23
     with pytest.raises(ValueError, match="vocab_size=0 is out of range"):
         Step(lambda *a: None, vocab_size=0)
+
+
+def test_step_names_host_slots_and_tokens_eagerly_and_flags_device_ones():
+    """Host values (numpy, lists) of ``tokens`` and ``slot`` are read before anything runs: a
+    ValueError naming the argument, the memory untouched. Device arrays are never read back (no
+    sync per token): the jitted step fails with ok false and says why in the error word, SLOT for a
+    cell outside [-1, size), WINDOW for one outside the window, TOKEN for an id outside the vocabulary."""
+    from flax import nnx
+    from kvjax.nn import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=16, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    step, state = make_step(model), nnx.state(model)
+    cache = kvjax.init(cfg.cache_config(size=64, n_seq_max=2, padding=16))
+    ub = kvjax.make_ubatch([0, 1, 2], [[0], [0], [1]], length=4)
+    tokens = np.array([1, 2, 3, 0], np.int32)
+    before = jax.device_get(cache)
+    for call, match in (
+            (lambda: step(state, cache, ub, np.array([1, 2, 16, 0]), n_kv=64), r"tokens contains 16: allowed ids in \[0, 16\)"),
+            (lambda: step(state, cache, ub, [1, -3, 2, 0], n_kv=64), r"tokens contains -3"),
+            (lambda: step(state, cache, ub, tokens, n_kv=64, slot=np.array([0, 1, 64, -1])),
+             r"slot contains 64: allowed cells in \[-1, size=64\)"),
+            (lambda: step(state, cache, ub, tokens, n_kv=64, slot=[0, -2, 1, -1]), r"slot contains -2"),
+            (lambda: step(state, cache, ub, tokens, n_kv=16, slot=np.array([0, 1, 20, -1])),
+             r"slot contains 20: allowed cells inside the window 16")):
+        with pytest.raises(ValueError, match=match):
+            call()
+        chex.assert_trees_all_equal(jax.device_get(cache), before)
+    for kwargs, bit in ((dict(tokens=jnp.array([1, 2, 16, 0])), kvjax.ErrorFlag.TOKEN),
+                        (dict(slot=jnp.array([0, 1, 64, -1])), kvjax.ErrorFlag.SLOT),
+                        (dict(slot=jnp.array([0, -5, 1, -1])), kvjax.ErrorFlag.SLOT),
+                        (dict(slot=jnp.array([0, 1, 20, -1]), n_kv=16), kvjax.ErrorFlag.WINDOW)):
+        kwargs = {"tokens": jnp.asarray(tokens), "n_kv": 64, **kwargs}
+        _, out, ok = step(state, kvjax.init(cfg.cache_config(size=64, n_seq_max=2, padding=16)), ub, **kwargs)
+        assert not bool(ok)
+        assert int(out.error_bits()) == bit, kvjax.errors(out)
+        assert int(kvjax.used_cells(out)) == 0
+    # a padding row's token is never read, on the host or on the device
+    _, out, ok = step(state, cache, ub, np.array([1, 2, 3, 99]), n_kv=64)
+    assert bool(ok) and int(out.error_bits()) == 0
+
+
+def test_mamba_step_flags_a_token_outside_the_vocabulary():
+    """The recurrent model's step reports a bad device token with the same TOKEN bit, and keeps every state."""
+    from flax import nnx
+    from kvjax.nn import Mamba, MambaConfig
+
+    cfg = MambaConfig(vocab_size=32, d_model=16, n_layer=1, d_state=4)
+    model = Mamba(cfg, rngs=nnx.Rngs(0))
+    step, state = make_step(model), nnx.state(model)
+    memory = kvjax.init(cfg.memory_config(2))
+    ub = kvjax.make_equal_ubatch([([0], [0]), ([0], [1])])
+    _, memory, ok = step(state, memory, ub, np.array([1, 2]), windows=())
+    before = jax.device_get(memory)
+    ub = kvjax.make_equal_ubatch([([1], [0]), ([1], [1])])
+    with pytest.raises(ValueError, match=r"tokens contains 32: allowed ids in \[0, 32\)"):
+        step(state, memory, ub, np.array([1, 32]), windows=())
+    _, after, ok = step(state, memory, ub, jnp.array([1, 32]), windows=())
+    assert not bool(ok)
+    assert int(after.error_bits()) == kvjax.ErrorFlag.TOKEN
+    chex.assert_trees_all_equal(jax.device_get(after.clear_errors()), before)

@@ -295,6 +295,9 @@ class HybridCache(Memory):
     def clear_errors(self):
         return self._both("clear_errors")
 
+    def flag_errors(self, bits):
+        return self.replace(attention=self.attention.flag_errors(bits))  # error_bits() ors both parts
+
     def nbytes(self) -> int:
         return self.attention.nbytes() + self.recurrent.nbytes()
 

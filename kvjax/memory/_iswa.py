@@ -293,6 +293,9 @@ class IswaCache(Memory):
     def clear_errors(self):
         return self._both("clear_errors")
 
+    def flag_errors(self, bits):
+        return self.replace(base=self.base.flag_errors(bits))  # error_bits() ors both caches
+
     def nbytes(self) -> int:
         return self.base.nbytes() + self.swa.nbytes()
 

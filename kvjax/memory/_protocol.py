@@ -352,6 +352,15 @@ class Memory(abc.ABC):
         """This memory with every error bit cleared."""
 
     @abc.abstractmethod
+    def flag_errors(self, bits) -> "Memory":
+        """This memory with ``bits`` (``u32[]``, traced or not) or-ed into its sticky error word.
+
+        How a computation around the memory (the model step: a slot outside the memory, a token
+        outside the vocabulary) reports what it refused under ``jit`` through the same
+        :func:`kvjax.errors` as the memory's own operations.
+        """
+
+    @abc.abstractmethod
     def nbytes(self) -> int:
         """Bytes of the memory's buffers (K/V or states; metadata not included)."""
 

@@ -782,6 +782,9 @@ class RecurrentCache(Memory):
     def clear_errors(self) -> "RecurrentCache":
         return self._with(self.cells.replace(error=jnp.zeros((), jnp.uint32)))
 
+    def flag_errors(self, bits) -> "RecurrentCache":
+        return self._with(self.cells.replace(error=self.cells.error | jnp.asarray(bits, jnp.uint32)))
+
     def nbytes(self) -> int:
         return self.config.nbytes()
 

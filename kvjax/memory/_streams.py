@@ -436,6 +436,9 @@ class StreamCache(Memory):
         cells = self.cache.cells.replace(error=jnp.zeros_like(self.cache.cells.error))
         return self.replace(cache=self.cache.replace(cells=cells), error=jnp.zeros((), jnp.uint32))
 
+    def flag_errors(self, bits) -> "StreamCache":
+        return self.replace(error=self.error | jnp.asarray(bits, jnp.uint32))
+
     def nbytes(self) -> int:
         return self.n_stream * total_size(self.config.base)
 

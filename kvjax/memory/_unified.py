@@ -186,6 +186,9 @@ class KVCache(Memory):
     def clear_errors(self) -> "KVCache":
         return self._with_cells(self.cells.replace(error=jnp.zeros((), jnp.uint32)))
 
+    def flag_errors(self, bits) -> "KVCache":
+        return self._with_cells(self.cells.replace(error=self.cells.error | jnp.asarray(bits, jnp.uint32)))
+
     def nbytes(self) -> int:
         return total_size(self.config)
 

@@ -30,7 +30,8 @@ from kvjax.memory._hybrid import HybridCache, HybridConfig
 from kvjax.memory._ubatch import equal_slots
 from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_rows, select_outputs
 from kvjax.nn._nnx_attention import check_inputs
-from kvjax.nn._llama import MLP, Block, LlamaConfig, check_tokens
+from kvjax.nn._inputs import check_tokens
+from kvjax.nn._llama import MLP, Block, LlamaConfig
 from kvjax.nn._mamba import MambaBlock, MambaConfig
 
 __all__ = ["HybridLMConfig", "HybridLM"]

@@ -143,3 +143,15 @@ def check_token_rows(tokens, vocab_size: int) -> None:
         raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
                          "[B, T] array (or [T] for one sequence) with B, T >= 1")
     check_token_ids(tokens, vocab_size)
+
+
+def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
+    """Validate the token ids of a ubatch: ``i32[T]`` with T the ubatch length, ids in range."""
+    if not isinstance(ubatch, Ubatch):
+        raise ValueError(f"ubatch must be a kvjax.Ubatch, got {type(ubatch).__name__}")
+    shape = tuple(jnp.shape(tokens))
+    if shape != (ubatch.length,) or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
+                         f"[T] array with T = ubatch.length = {ubatch.length}")
+    if not isinstance(tokens, jax.core.Tracer):
+        check_token_ids(np.asarray(tokens)[np.asarray(ubatch.valid)], vocab_size)

@@ -39,16 +39,14 @@ from typing import Dict, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
 from kvjax._validate import check_count, check_flag, check_real
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._protocol import Memory, require_memory
-from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._fuse import split_gate_up
-from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_ids, check_token_rows, select_outputs
+from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_rows, check_tokens, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
 from kvjax.nn._norm import OffsetRMSNorm
 
@@ -365,18 +363,6 @@ def _hf_rope(params: dict, head_dim: int) -> RopeConfig:
     else:
         raise ValueError(f"hf_config rope_type={kind!r} is out of range: allowed 'default' or 'linear'")
     return RopeConfig(n_rot=head_dim, mode="neox", freq_base=theta, freq_scale=scale)
-
-
-def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
-    """Validate the token ids of a ubatch: ``i32[T]`` with T the ubatch length, ids in range."""
-    if not isinstance(ubatch, Ubatch):
-        raise ValueError(f"ubatch must be a kvjax.Ubatch, got {type(ubatch).__name__}")
-    shape = tuple(jnp.shape(tokens))
-    if shape != (ubatch.length,) or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
-                         f"[T] array with T = ubatch.length = {ubatch.length}")
-    if not isinstance(tokens, jax.core.Tracer):
-        check_token_ids(np.asarray(tokens)[np.asarray(ubatch.valid)], vocab_size)
 
 
 class MLP(nnx.Module):

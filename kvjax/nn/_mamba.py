@@ -61,7 +61,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvjax._validate import check_count, check_flag, check_real
-from kvjax.nn._inputs import check_token_rows
+from kvjax.nn._inputs import check_token_rows, check_tokens
 
 __all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "selective_scan", "params_from_hf",
            "make_mamba_step"]
@@ -631,6 +631,7 @@ def _memory_call(model: "Mamba", tokens, memory, inputs):
         raise ValueError(f"memory holds {memory.config.n_layer} layers of states {memory.config.k_shape[0]} and "
                          f"{memory.config.v_shape[0]}: allowed this model's {c.n_layer} layers of "
                          f"{want.k_shape[0]} and {want.v_shape[0]} (use config.memory_config)")
+    check_tokens(tokens, inputs.ubatch, c.vocab_size)
     n_slots, t = equal_slots(inputs.ubatch)
     placement = inputs.placement
     memory, ((conv, ssm),) = memory.read_states(placement, n_slots, t)  # [L, S, Di, K-1], [L, S, Di, N]

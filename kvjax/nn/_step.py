@@ -61,10 +61,11 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax._validate import check_flag, check_window
+from kvjax._errors import ErrorFlag
+from kvjax._validate import check_count, check_flag, check_window
 from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._ubatch import Ubatch
-from kvjax.nn._inputs import UbatchInputs
+from kvjax.nn._inputs import UbatchInputs, check_tokens
 
 __all__ = ["Step", "make_step", "window_for", "windows_for", "check_windows", "check_outputs", "output_bucket"]
 
@@ -78,12 +79,10 @@ def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, pl
         memory, placement, ok = memory.find_slot(ubatch, contiguous=contiguous)
     else:
         ok = jnp.bool_(True)
-    # what the step cannot compute makes it fail instead of returning wrong logits with ok true: a
-    # window that does not cover the placed cells, a token id outside the vocabulary
-    for p in range(memory.n_parts):
-        ok = ok & jnp.all(memory.part_slots(placement, p) < windows[p])
-    if vocab_size is not None:
-        ok = ok & jnp.all(((tokens >= 0) & (tokens < vocab_size)) | ~ubatch.valid)
+    # what the step cannot compute makes it fail instead of returning wrong logits with ok true,
+    # and says why in the memory's error word (no room is not an error: ok false alone)
+    bits = step_error_bits(memory, placement, windows, tokens, ubatch.valid, vocab_size)
+    ok = ok & (bits == 0)
     # a failed step writes nothing (its placement is voided) and keeps the metadata from before it
     # (the seed's restore): no buffer a live sequence reads changes
     placement = memory.mask_placement(placement, ok)
@@ -91,7 +90,26 @@ def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, pl
                            UbatchInputs(ubatch=ubatch, placement=placement, windows=windows, outputs=outputs))
     new_buffers, new_rest = memory.split()
     kept = jax.tree.map(lambda before, after: jnp.where(ok, after, before), rest, new_rest)
-    return logits, kept.join(new_buffers), ok
+    return logits, kept.join(new_buffers).flag_errors(bits), ok
+
+
+def step_error_bits(memory: Memory, placement, windows, tokens, valid, vocab_size) -> jax.Array:
+    """The :class:`kvjax.ErrorFlag` bits of what a step cannot compute (``u32[]``, 0 when none).
+
+    ``SLOT``: a placed cell outside ``[-1, size)`` of its attention part (a hand-made ``slot=``);
+    ``WINDOW``: a placed cell inside the part but not inside its window; ``TOKEN``: a valid row's
+    token id outside ``[0, vocab_size)``.
+    """
+    bits = jnp.uint32(0)
+    for p in range(memory.n_parts):
+        slots = memory.part_slots(placement, p)
+        outside = jnp.any((slots < -1) | (slots >= memory.part(p).config.size))
+        bits |= jnp.where(outside, jnp.uint32(ErrorFlag.SLOT), 0)
+        bits |= jnp.where(~outside & jnp.any(slots >= windows[p]), jnp.uint32(ErrorFlag.WINDOW), 0)
+    if vocab_size is not None:
+        bad_token = jnp.any(((tokens < 0) | (tokens >= vocab_size)) & valid)
+        bits |= jnp.where(bad_token, jnp.uint32(ErrorFlag.TOKEN), 0)
+    return bits.astype(jnp.uint32)
 
 
 # One jitted function per (apply, contiguous, vocabulary), so that Steps of models with the same
@@ -135,17 +153,20 @@ class Step:
 
     A step also fails when ``n_kv`` / ``windows`` does not cover the cells placement chose. A
     failed step returns the memory's metadata as it was before the step (its K/V writes landed in
-    cells that are free again, which no token can see).
+    cells that are free again, which no token can see), with the reason or-ed into its error word
+    (``kvjax.errors(memory)``): ``ErrorFlag.TOKEN`` (a token id outside the vocabulary),
+    ``ErrorFlag.SLOT`` (a given cell outside ``[-1, size)``), ``ErrorFlag.WINDOW`` (a placed cell
+    outside its window). A full memory is not an error: ``ok`` false and no bit. Host values of
+    ``tokens`` and ``slot`` (numpy arrays, lists) are checked before the step runs and raise
+    ``ValueError`` instead; device arrays are never read back (no sync per token).
     """
 
     def __init__(self, apply: ApplyFn, *, contiguous: bool = True, vocab_size: Optional[int] = None):
         if not callable(apply):
             raise ValueError(f"apply must be callable, got {type(apply).__name__}")
-        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
-                                       or vocab_size < 1):
-            raise ValueError(f"vocab_size={vocab_size!r} is out of range: allowed an integer >= 1 or None")
+        self.vocab_size = None if vocab_size is None else check_count("vocab_size", vocab_size, 1)
         self.contiguous = check_flag("contiguous", contiguous)
-        self._jitted = _jit_run(apply, self.contiguous, None if vocab_size is None else int(vocab_size))
+        self._jitted = _jit_run(apply, self.contiguous, self.vocab_size)
 
     def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, "T"], *,
                  n_kv: Optional[int] = None, windows: Optional[Tuple[int, ...]] = None,
@@ -179,7 +200,8 @@ class Step:
 
         Raises:
             ValueError: not a memory, windows outside the allowed ones, tokens / slot whose
-                shape does not match the ubatch, or ``outputs`` that is not a 1-d integer array
+                shape does not match the ubatch, host tokens outside the vocabulary, host slots
+                outside ``[-1, size)`` or outside the window, or ``outputs`` that is not a 1-d integer array
                 of rows in ``[0, T)``.
         """
         require_memory(memory)
@@ -188,10 +210,21 @@ class Step:
         windows = check_windows(memory, windows, n_kv)
         t = ubatch.length
         tokens = _int_rows("tokens", tokens, t)
+        if self.vocab_size is not None and _on_host(tokens):
+            check_tokens(tokens, ubatch, self.vocab_size)
         if slot is not None:
             if placement is not None:
                 raise ValueError("pass placement= or slot=, not both")
             placement = _int_rows("slot", slot, t)
+        if placement is not None and _on_host(placement):
+            for p in range(memory.n_parts):
+                size = memory.part(p).config.size
+                rows = np.asarray(memory.part_slots(placement, p))
+                _check_host_rows("slot" if memory.n_parts == 1 else f"placement (part {p})", rows, -1, size,
+                                 f"cells in [-1, size={size}) (-1: not written)")
+                _check_host_rows("slot" if memory.n_parts == 1 else f"placement (part {p})", rows, -1,
+                                 windows[p], f"cells inside the window {windows[p]} the step was given (pick "
+                                             f"it with kvjax.nn.window_for)")
         if outputs is not None:
             outputs = check_outputs(outputs, t)
         buffers, rest = memory.split()
@@ -232,6 +265,21 @@ def output_bucket(n: int) -> int:
     if n < 0:
         raise ValueError(f"n={n} is out of range: allowed >= 0")
     return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _on_host(tree) -> bool:
+    """Whether every leaf is a host value (numpy): those are read eagerly, device arrays never
+    (no sync on the per-token path: their errors come back as error bits)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and not any(isinstance(x, jax.Array) for x in leaves)
+
+
+def _check_host_rows(name, rows, lo, hi, allowed):
+    """Host values of ``rows`` in ``[lo, hi)``."""
+    rows = np.asarray(rows)
+    bad = rows[(rows < lo) | (rows >= hi)]
+    if bad.size:
+        raise ValueError(f"{name} contains {int(bad[0])}: allowed {allowed}")
 
 
 def _int_rows(name, x, t):
