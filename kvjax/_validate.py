@@ -146,8 +146,9 @@ def check_int_values(name: str, x, lo: int, hi: int) -> None:
         raise ValueError(f"{name} contains {bad}: allowed [{lo}, {hi}] (it would wrap to another value as int32)")
 
 
-def check_count(name: str, value, minimum: int = 0) -> int:
-    """A host count (a length, a number of tokens or sequences): a real integer >= ``minimum``.
+def check_count(name: str, value, minimum: int = 0, maximum: int = None) -> int:
+    """A host count (a length, a number of tokens or sequences): a real integer >= ``minimum``
+    (and <= ``maximum`` when given: a count that sets an array's shape or goes to int32).
 
     Floats are refused rather than truncated (``max_new_tokens=3.9`` is not 3), bools rather than
     taken as 0 or 1.
@@ -161,8 +162,11 @@ def check_count(name: str, value, minimum: int = 0) -> int:
         ValueError: n_parallel=0 is out of range: allowed an integer >= 1
     """
     number = _scalar(value, "iu")
-    if number is None or number < minimum:
-        raise ValueError(f"{name}={value!r} is out of range: allowed an integer >= {minimum}")
+    if maximum is None:
+        require(number is not None and number >= minimum, name, value, f"an integer >= {minimum}")
+    else:
+        require(number is not None and minimum <= number <= maximum, name, value,
+                f"an integer in [{minimum}, {maximum}]")
     return int(number)
 
 

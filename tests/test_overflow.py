@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.nn import window_for
 from tests.helpers import fill, small_config
 
 
@@ -58,3 +59,38 @@ def test_relative_buckets_stay_in_range_at_the_end_of_the_positions():
             buckets = np.asarray(kvjax.pos_bucket(cache, hand, 16, 32, bidirectional=bidirectional))
             assert buckets.min() >= 0 and buckets.max() < 32, (top, bidirectional)
             assert buckets[0, 0] == (15 if bidirectional else 31)           # position 0: the farthest bucket
+
+
+def test_window_for_never_wraps_a_huge_token_count():
+    """``window_for(memory, n)`` asks for ``max(cell_max, head) + n``: with n near 2**31 that sum
+    wrapped int32 to a negative extent, and a window of one padding was returned for a cache that
+    needs all of it. The count is capped at the memory's size (the extent never passes it)."""
+
+    base = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=4, padding=8)
+    memories = [kvjax.init(base), kvjax.init(kvjax.StreamsConfig(base, n_stream=2)),
+                kvjax.init(kvjax.IswaConfig(base, swa_layers=(1,), n_swa=4, n_batch=8))]
+    for memory in memories:
+        ub = kvjax.make_ubatch(range(5), [[0]] * 5)
+        memory = kvjax.commit(kvjax.find_slot(memory, ub)[0], [ub])
+        for n in (2**31 - 1, 2**31 - 5, 10**9):
+            got = window_for(memory, n)
+            assert got == (32 if memory.n_parts == 1 else tuple(p.config.size for p in (memory.part(0), memory.part(1))))
+        assert window_for(memory, np.int64(3)) == window_for(memory, 3)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: window_for(m, 10**12),
+     r"n_tokens=1000000000000 is out of range: allowed an integer in \[0, 2147483647\]"),
+    (lambda m: window_for(m, 2.5), r"n_tokens=2.5 is out of range"),
+    (lambda m: window_for(m, -1), r"n_tokens=-1 is out of range"),
+    (lambda m: kvjax.bucket_length(2.5), r"n=2.5 is out of range: allowed an integer in \[0, 1073741824\]"),
+    (lambda m: kvjax.bucket_length(10**12), r"n=1000000000000 is out of range"),
+    (lambda m: kvjax.bucket_length(True), r"n=True is out of range"),
+    (lambda m: kvjax.make_ubatch([0], [[0]], length=10**12),
+     r"length=1000000000000 is out of range: allowed an integer in \[1, 1073741824\]"),
+])
+def test_counts_that_would_overflow_are_named(call, match):
+    """A count that sets an array's shape or goes to int32 is refused on the host, naming it, instead
+    of an OverflowError from inside jit or a 3.6 TiB allocation."""
+    with pytest.raises(ValueError, match=match):
+        call(kvjax.init(small_config()))

@@ -387,6 +387,7 @@ class StreamCache(Memory):
     def extent_after(self, n_tokens):
         cells = self.cache.cells
         top = jax.vmap(_cells.cell_max)(cells)
+        n_tokens = jnp.minimum(n_tokens, self.size)   # as the unified cache's: no int32 wrap
         after = jnp.where(n_tokens == 0, top, jnp.maximum(top, cells.head) + n_tokens)
         return jnp.max(after)[None]
 

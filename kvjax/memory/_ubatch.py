@@ -75,6 +75,10 @@ class Ubatch:
         return jnp.where(self.valid[:, None], ids_mask(self.seq_ids, n_words), jnp.uint32(0))
 
 
+#: The longest static ubatch length: the most cells a memory may have (``CacheConfig.size <= 2**30``).
+MAX_LENGTH = 2**30
+
+
 def bucket_length(n: int, minimum: int = 1) -> int:
     """The default static length bucket for ``n`` tokens: the next power of two.
 
@@ -82,7 +86,7 @@ def bucket_length(n: int, minimum: int = 1) -> int:
         >>> [bucket_length(n) for n in (1, 3, 8, 9, 512)]
         [1, 4, 8, 16, 512]
     """
-    n = max(int(n), minimum, 1)
+    n = max(check_count("n", n, 0, MAX_LENGTH), check_count("minimum", minimum, 0, MAX_LENGTH), 1)
     return 1 << (n - 1).bit_length()
 
 
@@ -198,7 +202,7 @@ def _rectangular_ids(seq_ids, n: int, hi: int) -> Optional[np.ndarray]:
 def _pack(pos: np.ndarray, ids: np.ndarray, length: Optional[int]) -> Ubatch:
     """Pad checked positions ``[n]`` and ids ``[n, W]`` to the static length."""
     n = pos.shape[0]
-    length = bucket_length(n) if length is None else check_count("length", length, 1)
+    length = bucket_length(n) if length is None else check_count("length", length, 1, MAX_LENGTH)
     if length < max(n, 1):
         raise ValueError(f"length={length} is out of range: allowed >= the token count {max(n, 1)}")
     seq = np.full((length, ids.shape[1]), -1, np.int32)
@@ -251,7 +255,7 @@ def make_equal_ubatch(slots: Sequence[Tuple[Sequence[int], Sequence[int]]], *, n
         dup = next(x for x in seen if seen.count(x) > 1)
         raise ValueError(f"seq id {dup} is in two slots: allowed each sequence in one slot of a ubatch")
     t = counts[0]
-    n_slots = bucket_length(len(slots)) if n_slots is None else check_count("n_slots", n_slots, 1)
+    n_slots = bucket_length(len(slots)) if n_slots is None else check_count("n_slots", n_slots, 1, MAX_LENGTH)
     if n_slots < len(slots):
         raise ValueError(f"n_slots={n_slots} is out of range: allowed >= the slot count {len(slots)}")
     pos = [int(x) for p, _ in slots for x in _int_array("positions", p).reshape(-1)]

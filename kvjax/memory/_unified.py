@@ -141,8 +141,10 @@ class KVCache(Memory):
 
     def extent_after(self, n_tokens):
         # placement starts at or after head and every cell from cell_max on is free, so it never
-        # passes max(cell_max, head) + n_tokens
+        # passes max(cell_max, head) + n_tokens; n_tokens is capped at size first (the extent never
+        # passes it, and head + 2**31 - 1 would wrap int32 to a small window)
         top = _cells.cell_max(self.cells)
+        n_tokens = jnp.minimum(n_tokens, self.size)
         return jnp.where(n_tokens == 0, top, jnp.maximum(top, self.cells.head) + n_tokens)[None]
 
     # -- pending work -------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ from flax import nnx
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax._errors import ErrorFlag
-from kvjax._validate import check_count, check_flag, check_window
+from kvjax._validate import INT32_MAX, check_count, check_flag, check_window
 from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._inputs import UbatchInputs, check_tokens
@@ -361,9 +361,7 @@ def window_for(memory: Memory, n_tokens: int):
         64
     """
     require_memory(memory)
-    n = int(n_tokens)
-    if n < 0:
-        raise ValueError(f"n_tokens={n} is out of range: allowed >= 0")
+    n = check_count("n_tokens", n_tokens, 0, INT32_MAX)
     # one small program and one transfer: this runs once per decode step
     needed = jax.device_get(_needed(memory, np.int32(n)))
     windows = tuple(_bucket(memory.part(p).config, int(x)) for p, x in enumerate(needed))
