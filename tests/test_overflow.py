@@ -12,11 +12,13 @@ from tests.helpers import fill, small_config
 
 def test_seq_add_overflow_is_skipped_and_flagged():
     cache = fill(kvjax.init(small_config()), [5, 2**31 - 10], [[0], [0]])
-    for op in (kvjax.seq_add, jax.jit(kvjax.seq_add)):
-        out = op(cache, 0, 0, -1, 2**31 - 7)
-        np.testing.assert_array_equal(kvjax.cell_table(out).pos, kvjax.cell_table(cache).pos)
-        assert kvjax.errors(out) == ["seq_add would push a position to 2**31 - 1 or past it, outside "
-                                     "[0, 2**31 - 1) (an op was skipped)"]
+    out = jax.jit(kvjax.seq_add)(cache, 0, 0, -1, 2**31 - 7)
+    np.testing.assert_array_equal(kvjax.cell_table(out).pos, kvjax.cell_table(cache).pos)
+    assert kvjax.errors(out) == ["seq_add would push a position to 2**31 - 1 or past it, outside "
+                                 "[0, 2**31 - 1) (an op was skipped)"]
+    with pytest.raises(ValueError, match=r"seq_add\(seq_id=0, p0=0, p1=-1, delta=2147483641\) was refused, the "
+                                         r"memory is unchanged: seq_add would push a position to 2\*\*31 - 1"):
+        kvjax.seq_add(cache, 0, 0, -1, 2**31 - 7)
     ok = kvjax.seq_add(cache, 0, 0, 6, 2**31 - 7)  # only position 5 moves: it fits
     assert kvjax.cell_table(ok).pos[:2].tolist() == [2**31 - 2, 2**31 - 10] and kvjax.errors(ok) == []
 
@@ -29,8 +31,12 @@ def test_no_position_reaches_the_end_of_the_range():
     unified = fill(kvjax.init(small_config()), [4], [[0]])
     for memory in (unified, recurrent):
         for op in (kvjax.seq_add, jax.jit(kvjax.seq_add)):
-            out = op(memory, 0, 0, -1, 2**31 - 1 - 4)            # exactly onto 2**31 - 1: refused
-            assert int(kvjax.seq_pos_max(out, 0)) == 4 and len(kvjax.errors(out)) == 1
+            if op is kvjax.seq_add:                              # exactly onto 2**31 - 1: refused
+                with pytest.raises(ValueError, match="was refused"):
+                    op(memory, 0, 0, -1, 2**31 - 1 - 4)
+            else:
+                out = op(memory, 0, 0, -1, 2**31 - 1 - 4)
+                assert int(kvjax.seq_pos_max(out, 0)) == 4 and len(kvjax.errors(out)) == 1
             last = op(memory, 0, 0, -1, 2**31 - 2 - 4)           # the last position of the range
             assert int(kvjax.seq_pos_max(last, 0)) == 2**31 - 2 and kvjax.errors(last) == []
             gone, ok = kvjax.seq_rm(last, 0, 0, -1)              # ... and seq_rm still reaches it

@@ -2,9 +2,9 @@
 
 A unified cell pushed below position 0 holds one token and is freed. A recurrent cell holds the
 whole sequence so far, and (where several sequences share a prompt) other sequences' state too:
-``seq_add`` that would move one below 0 is refused on the recurrent and the hybrid memory, eagerly
-and under ``jit``, with nothing changed (cells, state rows, the hybrid's attention part) and
-``ErrorFlag.STATE_SHIFT`` set; a shift that keeps every state at ``>= 0`` still moves it, and the
+``seq_add`` that would move one below 0 is refused on the recurrent and the hybrid memory with
+nothing changed (cells, state rows, the hybrid's attention part): eagerly a ``ValueError`` saying
+so, under ``jit`` the op skipped and ``ErrorFlag.STATE_SHIFT`` set; a shift that keeps every state at ``>= 0`` still moves it, and the
 sequences continue.
 """
 
@@ -60,6 +60,13 @@ def test_a_shift_below_zero_is_refused_and_every_state_kept(kind, jitted):
     memory = _shared_prompt(MEMORIES[kind]())
     seq_add = SEQ_ADD if jitted else kvjax.seq_add
     for seq_id, p0, delta in ((4, 0, -5), (4, 0, -100), (-1, 0, -6), (1, 2, -7)):
+        if not jitted:
+            before = jax.device_get(memory)
+            with pytest.raises(ValueError, match=rf"seq_add\(seq_id={seq_id}, p0={p0}, p1=-1, delta={delta}\) was "
+                                                 r"refused, the memory is unchanged: seq_add would move a recurrent"):
+                seq_add(memory, seq_id, p0, -1, delta)
+            assert _same(memory, before)
+            continue
         out = seq_add(memory, seq_id, p0, -1, delta)
         assert _same(out, memory), (seq_id, delta)
         assert ErrorFlag.STATE_SHIFT & int(out.error_bits())
@@ -86,7 +93,7 @@ def test_the_hybrid_attention_part_is_not_half_shifted():
     """The refused shift leaves the attention cells where they were: on its own the unified part would
     free the shared prompt's cells (a shifted cell moves for every sequence holding it)."""
     memory = _shared_prompt(_hybrid())
-    out = kvjax.seq_add(memory, 4, 0, -1, -5)
+    out = SEQ_ADD(memory, 4, 0, -1, -5)
     assert np.array_equal(np.asarray(out.attention.cells.pos), np.asarray(memory.attention.cells.pos))
     unified = kvjax.seq_add(memory.attention, 4, 0, -1, -5)
     assert [int(kvjax.seq_pos_max(unified, s)) for s in (1, 4, 5)] == [-1, -1, -1]

@@ -29,7 +29,7 @@ from kvjax.memory import _cells
 from kvjax._typing import Array, Bool, Int, IntLike
 from kvjax.memory._protocol import Memory, Placement, require_memory
 from kvjax.memory._unified import KVCache, require_cache
-from kvjax._errors import decode_error_bits
+from kvjax._errors import ErrorFlag, decode_error_bits
 from kvjax.memory._ubatch import Ubatch, equal_slots
 from kvjax._validate import (INT32_MAX, INT32_MIN, as_int32, check_flag, check_int_values, check_position,
                              check_seq_id, concrete_int, is_traced)
@@ -108,8 +108,13 @@ def seq_add(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: In
 
     Cells of a unified (and iSWA, streams) memory whose position falls below 0 are freed: each
     holds one token. A recurrent state holds its whole sequence: a shift that would move one
-    below 0 is refused on a recurrent or hybrid memory, nothing changed, with
-    ``ErrorFlag.STATE_SHIFT`` set (:func:`kvjax.check` raises it).
+    below 0 is refused on a recurrent or hybrid memory. A shift that would push a position to
+    ``2**31 - 1`` or past it is refused on every memory. A refused shift changes nothing: called
+    eagerly it raises ``ValueError``; under ``jit`` it is skipped with ``ErrorFlag.STATE_SHIFT``
+    or ``ErrorFlag.OVERFLOW`` set in the returned memory (:func:`kvjax.check` raises it).
+
+    Raises:
+        ValueError: an argument out of range, or (eagerly) a refused shift.
 
     Args:
         memory: the memory.
@@ -121,7 +126,25 @@ def seq_add(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: In
     check_seq_id("seq_id", seq_id, _check_memory(memory), allow_all=True)
     p0, p1 = _range_args(p0, p1)
     concrete_int("delta", delta)
-    return memory.seq_add(as_int32(seq_id), p0, p1, as_int32(delta))
+    out = memory.seq_add(as_int32(seq_id), p0, p1, as_int32(delta))
+    _raise_refused(memory, out, ErrorFlag.OVERFLOW | ErrorFlag.STATE_SHIFT,
+                   f"seq_add(seq_id={seq_id}, p0={p0}, p1={p1}, delta={delta})")
+    return out
+
+
+def _raise_refused(before: Memory, after: Memory, flags: int, call: str) -> None:
+    """Eagerly, an op that its memory refused (a bit of ``flags`` newly set) raises ``ValueError``;
+    under ``jit`` the bit stays set and the op was skipped (the memory passed in is unchanged either way).
+
+    Whether an op is refused depends on the positions the memory holds, so this reads two scalars
+    back from the device; traced memories are never read.
+    """
+    bits_after, bits_before = after.error_bits(), before.error_bits()
+    if is_traced(bits_after) or is_traced(bits_before):
+        return
+    new = int(bits_after) & ~int(bits_before) & int(flags)
+    if new:
+        raise ValueError(f"{call} was refused, the memory is unchanged: " + "; ".join(decode_error_bits(new)))
 
 
 def seq_div(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, d: IntLike) -> Memory:
