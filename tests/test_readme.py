@@ -17,3 +17,13 @@ def test_every_readme_example_runs():
     assert len(blocks) >= 2
     for code in blocks[1:]:
         exec(compile(code, str(README), "exec"), {})
+
+
+def test_the_docs_examples_run():
+    """The interactive examples of the docs pages (``>>>`` lines) run as written."""
+    import doctest
+
+    for page in ("errors.md",):
+        failed, _ = doctest.testfile(str(README.parent / "docs" / page), module_relative=False,
+                                     optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert failed == 0, page

@@ -156,11 +156,13 @@ class HybridCache(Memory):
 
     def _keep_if(self, ok, attention, recurrent) -> "HybridCache":
         """The new parts' metadata where ``ok``, else the old (buffers are not selected: the
-        operations that can refuse change no buffer, so the new ones are the old ones)."""
-        buffers, new_rest = self.replace(attention=attention, recurrent=recurrent).split()
+        operations that can refuse change no buffer, so the new ones are the old ones). The error
+        bits are the new ones either way, as the iSWA pair's: a refused op says why."""
+        new = self.replace(attention=attention, recurrent=recurrent)
+        buffers, new_rest = new.split()
         _, old_rest = self.split()
         kept = jax.tree.map(lambda a, b: jnp.where(ok, b, a), old_rest, new_rest)
-        return kept.join(buffers)
+        return kept.join(buffers).flag_errors(new.error_bits())
 
     def _both(self, name, *args) -> "HybridCache":
         return self.replace(attention=getattr(self.attention, name)(*args),

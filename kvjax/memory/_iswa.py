@@ -179,8 +179,13 @@ class IswaCache(Memory):
         return self._both("clear")
 
     def _keep_if(self, ok, base: KVCache, swa: KVCache) -> "IswaCache":
-        """The new parts when ``ok``, else these (all or nothing; K/V are shared, only cells are chosen)."""
-        pick = lambda old, new: new.replace(cells=jax.tree.map(lambda a, b: jnp.where(ok, b, a), old.cells, new.cells))
+        """The new parts when ``ok``, else these (all or nothing; K/V are shared, only cells are chosen).
+
+        The error bits are the new ones either way: a refused op says why (as every memory's does).
+        """
+        def pick(old, new):
+            cells = jax.tree.map(lambda a, b: jnp.where(ok, b, a), old.cells, new.cells)
+            return new.replace(cells=cells.replace(error=new.cells.error))
         return self.replace(base=pick(self.base, base), swa=pick(self.swa, swa))
 
     # all or nothing over both parts: several dispatches when composed eagerly (and small programs
