@@ -44,12 +44,12 @@ def concrete_int(name: str, x):
     """
     if is_traced(x):
         if x.shape != () or not np.issubdtype(x.dtype, np.integer):
-            raise ValueError(f"{name} must be an integer scalar, got a traced {x.dtype}{list(x.shape)}")
+            raise ValueError(f"{name} is out of range: allowed an integer scalar, got a traced {x.dtype}{list(x.shape)}")
         return None
     arr = np.asarray(x)
     # a bool is not an id or a position (seq_rm(cache, True) would mean sequence 1)
     if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name}={x!r} must be an integer scalar")
+        raise ValueError(f"{name}={x!r} is out of range: allowed an integer scalar")
     value = int(arr)
     if not INT32_MIN <= value <= INT32_MAX:
         raise ValueError(f"{name}={value} is out of range: allowed [{INT32_MIN}, {INT32_MAX}] (int32)")

@@ -25,7 +25,8 @@ GOOD = dict(max_new_tokens=3, key=jax.random.PRNGKey(0), sampling=kvjax.Sampling
     (dict(key=0), r"key must be a jax PRNG key"),
     (dict(key=jnp.zeros(3, jnp.uint32)), r"key must be a jax PRNG key"),
     (dict(sampling={"temperature": 0}), r"sampling must be a kvjax.SamplingConfig"),
-    (dict(max_new_tokens=3.9), r"max_new_tokens=3.9 is out of range: allowed an integer >= 1"),
+    (dict(max_new_tokens=3.9), r"max_new_tokens=3.9 is out of range: allowed an integer in \[1, 1073741824\]"),
+    (dict(max_new_tokens=10**12), r"max_new_tokens=1000000000000 is out of range: allowed an integer in \[1, 1073741824\]"),
     (dict(max_new_tokens=True), r"max_new_tokens=True is out of range"),
     (dict(n_parallel=0), r"n_parallel=0 is out of range: allowed an integer >= 1"),
     (dict(n_parallel=1.5), r"n_parallel=1.5 is out of range: allowed an integer >= 1"),
@@ -64,9 +65,9 @@ def test_sampling_parameters_that_make_no_sense(config, match):
 def test_no_truncation_or_bool_as_int():
     cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=4))
     rows = jnp.ones((1, 1, 4))
-    with pytest.raises(ValueError, match=r"layer=1.7 must be an integer scalar"):
+    with pytest.raises(ValueError, match=r"layer=1.7 is out of range: allowed an integer scalar"):
         kvjax.write(cache, 1.7, jnp.array([0]), rows, rows)
-    with pytest.raises(ValueError, match=r"seq_id=True must be an integer scalar"):
+    with pytest.raises(ValueError, match=r"seq_id=True is out of range: allowed an integer scalar"):
         kvjax.seq_rm(cache, True)
     with pytest.raises(ValueError, match=r"length=4.7 is out of range"):
         kvjax.make_ubatch([0, 1], [[0], [0]], length=4.7)

@@ -112,16 +112,16 @@ def test_bad_ubatch_tokens_raise(cache, pos, seq_ids, match):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda c: kvjax.seq_rm(c, 1.5, 0, -1), r"seq_id=1.5 must be an integer scalar"),
-    (lambda c: kvjax.seq_rm(c, 0, 0.5, -1), r"p0=0.5 must be an integer scalar"),
-    (lambda c: kvjax.seq_rm(c, 0, 0, "3"), r"p1='3' must be an integer scalar"),
-    (lambda c: kvjax.seq_cp(c, 0, None, 0, -1), r"seq_id_dst=None must be an integer scalar"),
-    (lambda c: kvjax.seq_keep(c, np.array([0, 1])), r"seq_id=array\(\[0, 1\]\) must be an integer scalar"),
-    (lambda c: kvjax.seq_add(c, 0, 0, -1, 0.5), r"delta=0.5 must be an integer scalar"),
+    (lambda c: kvjax.seq_rm(c, 1.5, 0, -1), r"seq_id=1.5 is out of range: allowed an integer scalar"),
+    (lambda c: kvjax.seq_rm(c, 0, 0.5, -1), r"p0=0.5 is out of range: allowed an integer scalar"),
+    (lambda c: kvjax.seq_rm(c, 0, 0, "3"), r"p1='3' is out of range: allowed an integer scalar"),
+    (lambda c: kvjax.seq_cp(c, 0, None, 0, -1), r"seq_id_dst=None is out of range: allowed an integer scalar"),
+    (lambda c: kvjax.seq_keep(c, np.array([0, 1])), r"seq_id=array\(\[0, 1\]\) is out of range: allowed an integer scalar"),
+    (lambda c: kvjax.seq_add(c, 0, 0, -1, 0.5), r"delta=0.5 is out of range: allowed an integer scalar"),
     (lambda c: kvjax.seq_add(c, 0, 0, 2**31, 1), r"p1=2147483648 is out of range: allowed \[-2147483648, 2147483647\]"),
     (lambda c: kvjax.seq_add(c, 0, 0, -1, -(2**31) - 1), r"delta=-2147483649 is out of range"),
-    (lambda c: kvjax.seq_div(c, 0, 0, -1, 2.0), r"d=2.0 must be an integer scalar"),
-    (lambda c: kvjax.seq_pos_max(c, np.float32(1)), r"seq_id=.*1.* must be an integer scalar"),
+    (lambda c: kvjax.seq_div(c, 0, 0, -1, 2.0), r"d=2.0 is out of range: allowed an integer scalar"),
+    (lambda c: kvjax.seq_pos_max(c, np.float32(1)), r"seq_id=.*1.* is out of range: allowed an integer scalar"),
     (lambda c: kvjax.find_slot(c, [(0, [0])]), r"ubatch must be a kvjax.Ubatch"),
     (lambda c: kvjax.prepare(c, [None]), r"ubatch must be a kvjax.Ubatch"),
 ])
@@ -231,9 +231,9 @@ def test_traced_ubatch_longer_than_the_cache_is_refused(cache):
 ])
 def test_traced_non_integer_is_refused_at_trace_time(cache, call):
     """Shape and dtype are static: a traced float would otherwise be truncated silently."""
-    with pytest.raises(ValueError, match=r"must be an integer scalar, got a traced float32\[\]"):
+    with pytest.raises(ValueError, match=r"is out of range: allowed an integer scalar, got a traced float32\[\]"):
         jax.jit(call)(cache, 1.5)
-    with pytest.raises(ValueError, match=r"must be an integer scalar, got a traced int32\[2\]"):
+    with pytest.raises(ValueError, match=r"is out of range: allowed an integer scalar, got a traced int32\[2\]"):
         jax.jit(call)(cache, np.array([1, 2], np.int32))
 
 

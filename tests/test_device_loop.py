@@ -148,7 +148,7 @@ def test_new_prompts_keys_budgets_and_stops_do_not_recompile():
     (dict(sync_every=2.0), r"sync_every=2.0 is out of range"),
     (dict(device_loop="yes"), r"device_loop='yes' is out of range: allowed True or False"),
     (dict(max_new_tokens=[3]), r"max_new_tokens has 1 entries: allowed an int, or one int per sequence \(2\)"),
-    (dict(max_new_tokens=[3, 0]), r"max_new_tokens\[1\]=0 is out of range: allowed an integer >= 1"),
+    (dict(max_new_tokens=[3, 0]), r"max_new_tokens\[1\]=0 is out of range: allowed an integer in \[1, 1073741824\]"),
 ])
 def test_bad_arguments_name_the_argument_and_change_nothing(kwargs, match):
     engine = _engine("unified")

@@ -59,6 +59,10 @@ from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
 from kvjax.nn._step import make_step, output_bucket
 
+#: The most tokens one generate call may ask for per sequence: its counters and positions are int32,
+#: and a context shift keeps positions below the end of their range however long it runs.
+MAX_NEW_TOKENS = 2**30
+
 
 def _equal_ubatches(pos: np.ndarray, seq_ids, n_ubatch: int, n_seq_max: int):
     """A batch as equal-split ubatches (``kvjax.split_equal``), each slot length a power of two.
@@ -594,10 +598,10 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     prompts = _check_prompts(prompts, engine.vocab_size)
     n_parallel = check_count("n_parallel", n_parallel, 1)
     if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
-        budgets = [check_count(f"max_new_tokens[{i}]", b, 1) for i, b in enumerate(max_new_tokens)]
+        budgets = [check_count(f"max_new_tokens[{i}]", b, 1, MAX_NEW_TOKENS) for i, b in enumerate(max_new_tokens)]
     else:
         budgets = None
-        max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1)
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS)
     device_loop = check_flag("device_loop", device_loop)
     sync_every = check_sync_every(sync_every)
     n_keep = check_count("n_keep", n_keep, 0)

@@ -100,7 +100,7 @@ from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._cells import Cells, has_seq, is_used, n_kv as _cells_n_kv, prefix_sum
 from kvjax._errors import ErrorFlag
 from kvjax._jit import JitTwins, donating
-from kvjax._validate import as_int32, check_seq_id, concrete_int, is_traced
+from kvjax._validate import as_int32, check_real, check_seq_id, concrete_int, is_traced
 
 #: Fragmentation is not measured for windows below this many cells (the seed's rule).
 MIN_WINDOW = 2048
@@ -212,12 +212,7 @@ def defrag_sched(cache: KVCache, thold) -> KVCache:
     """
     require_cache(cache, "defrag_sched")
     if not is_traced(thold):
-        try:
-            value = float(thold)
-        except (TypeError, ValueError):
-            raise ValueError(f"thold={thold!r} must be a real number") from None
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"thold={value} is out of range: allowed a finite float")
+        check_real("thold", thold)
     thold = jnp.asarray(thold, jnp.float32)
     return cache.replace(cells=_defrag_sched(cache.cells, thold, cache.config.padding))
 
