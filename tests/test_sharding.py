@@ -33,7 +33,7 @@ import kvjax
 from kvjax import shard
 from kvjax.nn import LlamaConfig, make_step
 from tests.test_memory_contract import _streams_program, apply_op, leaves_equal, random_program
-from tests.helpers import USER_HLO
+from tests.helpers import USER_HLO, no_recompile
 from tests.test_nn_nnx import make_model
 
 MESH_SHAPES = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
@@ -130,6 +130,56 @@ def test_operations_equal_unsharded_and_keep_shardings(config, mesh_shape):
     one = kvjax.state_read(kvjax.init(config, mesh=mesh), kvjax.state_write(sharded, 3), 3)
     assert kvjax.state_write(one, 3) == kvjax.state_write(plain, 3)
     _assert_kept(one, layout, "state_read of one sequence")
+
+
+def _with_sequences(memory, seed):
+    """Sequences 1 (5 tokens), 2 (3) and 4 (2) placed, then random K/V: a one-sequence read has rows to move."""
+    for s, n in ((1, 5), (2, 3), (4, 2)):
+        memory, ok = apply_op(memory, ("place", [(p, [s]) for p in range(n)]), jitted=False)
+        assert ok
+    return _random_kv(memory, seed)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_one_sequence_restores_on_a_mesh(config, mesh_shape):
+    """A server resuming a parked conversation: ``state_read`` of one sequence into a sharded memory
+    (a fresh one, and a busy one holding other sequences) equals the unsharded read, keeps the
+    layout ``init(config, mesh=)`` chose, and a jitted op compiled before runs on it without a new
+    compile. The rows were put on one device, which a program over the mesh refused ("incompatible
+    devices")."""
+    mesh = shard.make_mesh(*mesh_shape)
+    layout = kvjax.init(config, mesh=mesh)
+    plain = _with_sequences(kvjax.init(config), 1)
+    sharded = shard.reshard_like(plain, layout)
+    blob = kvjax.state_write(sharded, 1)
+    assert blob == kvjax.state_write(plain, 1) and len(blob) > 100
+    probe = jax.jit(kvjax.seq_pos_max)
+    probe(layout, 1)
+    for into_plain, into_sharded, seq_id in ((kvjax.init(config), kvjax.init(config, mesh=mesh), 1),
+                                             (plain, sharded, 2), (plain, sharded, 1)):
+        want = kvjax.state_read(into_plain, blob, seq_id)
+        got = kvjax.state_read(into_sharded, blob, seq_id)
+        assert leaves_equal(got, want), seq_id
+        _assert_kept(got, layout, f"state_read of sequence {seq_id}")
+        with no_recompile():
+            assert int(probe(got, seq_id)) == 4
+    assert leaves_equal(sharded, shard.reshard_like(plain, layout)), "the memory read into was changed"
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_a_llama_cpp_sequence_file_restores_on_a_mesh(mesh_shape):
+    """The same through llama.cpp's sequence file (``'ggsq'``): what ``Engine.load_sequence`` reads."""
+    mesh = shard.make_mesh(*mesh_shape)
+    for config in (UNIFIED, STREAMS, ISWA):
+        plain = _with_sequences(kvjax.init(config), 2)
+        sharded = shard.reshard_like(plain, kvjax.init(config, mesh=mesh))
+        data = kvjax.seq_file_write(sharded, 1, [7, 8, 9, 10, 11])
+        got, tokens = kvjax.seq_file_read(kvjax.init(config, mesh=mesh), data, 3)
+        want, _ = kvjax.seq_file_read(kvjax.init(config), data, 3)
+        assert list(tokens) == [7, 8, 9, 10, 11]
+        assert leaves_equal(got, want)
+        _assert_kept(got, kvjax.init(config, mesh=mesh), "seq_file_read")
 
 
 @pytest.mark.parametrize("config", [pytest.param(UNIFIED, id="unified"), pytest.param(QUANTIZED, id="quantized")])

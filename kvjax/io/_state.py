@@ -530,8 +530,25 @@ def _to_device(x: np.ndarray) -> jax.Array:
     return jnp.asarray(x)
 
 
-def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int):
-    """Parsed K/V rows copied into padded, aligned buffers per layer group, on the device."""
+def _rows_on(buffer: np.ndarray, like: jax.Array, trans: bool) -> jax.Array:
+    """A host row buffer on the devices of the cache array ``like`` (``[L, H, C, D]``), split as it is.
+
+    On one device the buffer is adopted without a copy (``_to_device``). On a mesh the rows go
+    straight to the devices that hold their heads: a buffer committed to one device cannot meet a
+    sharded cache in one program ("incompatible devices"), and a replicated one would be sliced on
+    every device. Rows are ``[L, T, H, D]``, or ``[L, H*Dv, T]`` for a transposed V.
+    """
+    sharding = like.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.device_set) == 1:
+        return _to_device(buffer)
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    layers, heads, _, dims = spec
+    rows_spec = (layers, heads, None) if trans else (layers, None, heads, dims)
+    return jax.device_put(buffer, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*rows_spec)))
+
+
+def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
+    """Parsed K/V rows copied into padded, aligned buffers per layer group, on the cache's devices."""
     n = parsed.n
     k_bufs, v_bufs = [], []
     for grp in config.groups:
@@ -552,7 +569,8 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int):
         else:
             vb[:n] = v
             vb[n:] = 0
-    return tuple(_to_device(b) for b in k_bufs), tuple(_to_device(b) for b in v_bufs)
+    return (tuple(_rows_on(b, like, False) for b, like in zip(k_bufs, cache.k)),
+            tuple(_rows_on(b, like, config.v_trans) for b, like in zip(v_bufs, cache.v)))
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -728,7 +746,7 @@ def _read_whole(cache: KVCache, parsed: _Parsed, donate: bool) -> KVCache:
         head=jnp.asarray(np.int32(0)), defrag=jnp.asarray(np.bool_(False)))
     if n == 0:
         return cache.replace(cells=cells)
-    k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size))
+    k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size), cache)
     k, v = _assemble(cache.k, cache.v, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
     return cache.replace(cells=cells, k=k, v=v)
 
@@ -757,7 +775,7 @@ def _read_seq(cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, do
         raise StateError(f"cell_count: expected at most {run} (the largest contiguous run of free "
                          f"cells once sequence {seq_id} is removed), found {n}; pass "
                          f"contiguous=False to place the cells in any free cells")
-    k_rows, v_rows = _host_rows(cfg, parsed, rows)
+    k_rows, v_rows = _host_rows(cfg, parsed, rows, cache)
     k, v = _place(cache.k, cache.v, slot, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
     return placed.replace(k=k, v=v)
 

@@ -430,7 +430,11 @@ class StreamCache(Memory):
 
     @on_metadata
     def error_bits(self):
-        return self.error | jax.lax.reduce(self.cache.cells.error, jnp.uint32(0), jax.lax.bitwise_or, (0,))
+        # the or over streams as a max per bit: with the streams on a mesh axis this is a
+        # cross-device reduction, and XLA:CPU's collectives have no bitwise-or reducer
+        per_bit = (self.cache.cells.error[:, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+        streams = jnp.sum(jnp.max(per_bit, axis=0) << jnp.arange(32, dtype=jnp.uint32), dtype=jnp.uint32)
+        return self.error | streams
 
     @on_metadata
     def clear_errors(self) -> "StreamCache":
