@@ -294,3 +294,125 @@ def test_shard_params_refuses_a_mesh_that_splits_a_head_group():
     placed = shard.shard_params(nnx.state(model), shard.make_mesh(4, 2), n_kv_heads=2)
     assert placed["layers"][0]["attn"]["k_proj"]["kernel"].get_value().sharding.spec == jax.sharding.PartitionSpec(
         None, "model")
+
+
+# -- what the compiled attention and K-shift communicate ---------------------------------------------
+
+_ANY_COLLECTIVE = re.compile(r"= (\([^)]*\)|\w+\[[0-9,]*\]\S*) (all-gather|all-reduce|all-to-all|collective-permute|"
+                             r"reduce-scatter)(?:-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
+
+
+def kv_collectives(hlo: str, memory) -> list:
+    """The collectives of a compiled program that move K/V-sized data: an operand with at least as
+    many elements as the smallest per-device shard of any K/V buffer of ``memory`` (a sharded
+    softmax's few scalars and the ``[T, Hq, Dv]`` outputs are far below it). Tuple-shaped
+    collectives (XLA combines several) are read element by element."""
+    smallest = min(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(memory.split()[0]))
+    found = []
+    for shapes, kind in _ANY_COLLECTIVE.findall(hlo):
+        for dtype, dims in _ARRAY.findall(shapes):
+            if int(np.prod([int(d) for d in dims.split(",") if d])) >= smallest:
+                found.append(f"{kind} {dtype}[{dims}]")
+    return found
+
+
+_LONG = dict(size=384, n_seq_max=8, n_layer=2, padding=32)
+COLLECTIVE_CASES = {
+    "unified": kvjax.CacheConfig(**_LONG, n_kv_heads=8, head_dim=8, rope=kvjax.RopeConfig(n_rot=8)),
+    "unified-q8_0": kvjax.CacheConfig(**_LONG, n_kv_heads=8, head_dim=32, k_dtype="q8_0", v_dtype="q8_0",
+                                      rope=kvjax.RopeConfig(n_rot=32)),
+    "streams": kvjax.StreamsConfig(kvjax.CacheConfig(**_LONG, n_kv_heads=16, head_dim=4,
+                                                     rope=kvjax.RopeConfig(n_rot=4))),
+    "streams-q4_0": kvjax.StreamsConfig(kvjax.CacheConfig(**_LONG, n_kv_heads=8, head_dim=32, k_dtype="q4_0",
+                                                          v_dtype="q4_0", rope=kvjax.RopeConfig(n_rot=32))),
+}
+
+
+def _attention_programs(memory, rng):
+    """``(what, fn, args)`` for the attention of a 16-token prompt chunk of one sequence and of a
+    decode step of every sequence (the shapes that once all-gathered a streams memory's K/V)."""
+    streams = isinstance(memory, kvjax.StreamCache)
+    heads, dim = memory.part(0).config.n_kv_heads[0], memory.part(0).config.head_dim[0]
+    cases = []
+    for what, slots in (("chunk", [(list(range(100, 116)), [3])]), ("decode", [([200], [s]) for s in range(8)])):
+        ub = kvjax.make_equal_ubatch(slots) if streams else kvjax.make_ubatch(
+            [p for ps, _ in slots for p in ps], [ids for ps, ids in slots for _ in ps], length=16)
+        placed, placement, ok = kvjax.find_slot(memory, ub)
+        assert bool(ok)
+        q = jnp.asarray(rng.normal(size=(ub.length, 2 * heads, dim)), jnp.float32)
+        if streams:
+            mask = kvjax.stream_masks(placed, ub, placement, 384)
+            fn = lambda q, m, mask, p, ub=ub: kvjax.stream_attention(q, m, 0, mask, p, ub)
+            cases.append((what, fn, (q, placed, mask, placement)))
+        else:
+            mask = kvjax.kq_mask(placed, ub, 384)
+            cases.append((what, lambda q, m, mask: kvjax.attention(q, m, 0, mask), (q, placed, mask)))
+    return cases
+
+
+def _k_shift_program(memory):
+    """The program ``kvjax.update`` runs for a pending K-shift (a streams memory runs its copies
+    between streams, which move a stream's K/V to another device by nature, as a separate program
+    only when one is pending)."""
+    if isinstance(memory, kvjax.StreamCache):
+        from kvjax.memory._streams import _apply_shifts
+        return _apply_shifts
+    return kvjax.update
+
+
+@pytest.mark.parametrize("case", sorted(COLLECTIVE_CASES))
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_attention_and_k_shift_move_no_kv_between_devices(case, mesh_shape):
+    """Each device attends to and rotates only the cells, streams and heads it holds: the compiled
+    attention (a prompt chunk and a decode step) and the compiled K-shift have no collective of
+    K/V size, on every mesh, for float and block-quantized storage. Before, the K-shift sliced one
+    head at a time out of the head axis (an all-gather or all-reduce of K on every split mesh) and
+    a streams memory's attention gathered every stream to every device."""
+    config = COLLECTIVE_CASES[case]
+    memory = kvjax.init(config, mesh=shard.make_mesh(*mesh_shape))
+    ub = (kvjax.make_equal_ubatch([(list(range(8)), [s]) for s in range(8)])
+          if isinstance(memory, kvjax.StreamCache) else kvjax.make_ubatch(list(range(8)) * 2, [[0]] * 8 + [[5]] * 8))
+    memory = kvjax.commit(kvjax.find_slot(memory, ub)[0], [ub])
+    rng = np.random.default_rng(0)
+    for what, fn, args in _attention_programs(memory, rng):
+        hlo = jax.jit(fn).lower(*args).compile().as_text()
+        assert kv_collectives(hlo, memory) == [], f"{case} {what} attention moves K/V: {kv_collectives(hlo, memory)}"
+    shifted = kvjax.seq_add(memory, 5, 2, -1, 3)
+    hlo = jax.jit(_k_shift_program(shifted)).lower(shifted).compile().as_text()
+    assert kv_collectives(hlo, shifted) == [], f"{case} K-shift moves K/V: {kv_collectives(hlo, shifted)}"
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_stream_attention_on_a_mesh_equals_one_device(mesh_shape):
+    """The public ``stream_attention`` on a streams memory split over devices gives the one-device
+    result (the per-device path it now takes sums each slot's output from the device holding its stream)."""
+    config = COLLECTIVE_CASES["streams"]
+    plain = _random_kv(kvjax.init(config), 4)
+    ub = kvjax.make_equal_ubatch([(list(range(12)), [s]) for s in range(8)])
+    plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
+    sharded = shard.reshard_like(plain, kvjax.init(config, mesh=shard.make_mesh(*mesh_shape)))
+    one_device = _attention_programs(plain, np.random.default_rng(3))
+    on_mesh = _attention_programs(sharded, np.random.default_rng(3))    # the same queries
+    for (what, fn, args), (_, fn_mesh, args_mesh) in zip(one_device, on_mesh):
+        np.testing.assert_allclose(np.asarray(fn_mesh(*args_mesh)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-5,
+                                   err_msg=what)
+
+
+@pytest.mark.parametrize("case", ["unified", "unified-q8_0", "streams"])
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_k_shift_on_a_mesh_equals_one_device(case, mesh_shape):
+    """The per-layer K-shift a mesh runs (every head of a layer at once) rotates as the per-head one."""
+    config = COLLECTIVE_CASES[case]
+    plain = _random_kv(kvjax.init(config), 5)
+    streams = isinstance(plain, kvjax.StreamCache)
+    ub = (kvjax.make_equal_ubatch([(list(range(8)), [s]) for s in range(8)]) if streams
+          else kvjax.make_ubatch(list(range(8)) * 2, [[0]] * 8 + [[5]] * 8))
+    plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
+    sharded = shard.reshard_like(plain, kvjax.init(config, mesh=shard.make_mesh(*mesh_shape)))
+    want = kvjax.update(kvjax.seq_add(plain, 5, 2, -1, 3))
+    got = kvjax.update(kvjax.seq_add(sharded, 5, 2, -1, 3))
+    _assert_kept(got, sharded, "update")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32),
+                                   rtol=1e-5, atol=1e-5)

@@ -253,6 +253,10 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
     ``docs/architecture.md``.
     """
     n_heads = stored.shape[1]
+    # on a device mesh a step walks the layers only, every head at once: slicing one head out of a
+    # head axis split over devices makes XLA gather (or all-reduce) the whole K to every device,
+    # where rotating the heads a device holds needs nothing from the others
+    per_head = not _on_mesh(stored)
     classes = {}
     for il, r in enumerate(ropes):
         classes.setdefault((r.n_rot, r.mode), []).append(il)
@@ -264,22 +268,30 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
         table_of = jnp.asarray([distinct.index(ropes[il]) for il in layers], jnp.int32)
         layer_of = jnp.asarray(layers, jnp.int32)
 
+        heads = 1 if per_head else n_heads
+
         def step(i, acc, n_rot=n_rot, mode=mode, cos=cos, sin=sin, table_of=table_of, layer_of=layer_of):
-            j, h = i // n_heads, i % n_heads
+            j, h = (i // n_heads, i % n_heads) if per_head else (i, 0)
             l, u = layer_of[j], table_of[j]
             block = jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (l, h) + (0,) * (a.ndim - 2),
-                                                                 (1, 1) + a.shape[2:]), acc)
-            x = k_to_float(block, config)[0, 0]                             # [C, D] float32
+                                                                 (1, heads) + a.shape[2:]), acc)
+            x = k_to_float(block, config)[0]                                # [heads, C, D] float32
             y = _rotate(x, cos[u], sin[u], n_rot, mode)
-            new = k_from_float(y[None, None], config)
+            new = k_from_float(y[None], config)
             if _quant.is_quantized(config.k_dtype):
                 # requantizing is not the identity: only cells with a pending shift are rewritten
                 new = jnp.where((delta != 0)[None, None, :, None], new, block)
             return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice(a, b, (l, h) + (0,) * (a.ndim - 2)),
                                 acc, new)
 
-        out = jax.lax.fori_loop(0, len(layers) * n_heads, step, out)
+        out = jax.lax.fori_loop(0, len(layers) * (n_heads // heads), step, out)
     return out
+
+
+def _on_mesh(x) -> bool:
+    """Whether ``x`` (traced or not) lives on a mesh of more than one device."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return bool(mesh is not None and getattr(mesh, "size", 1) > 1)
 
 
 def _shift_impl(ks, cells, config: CacheConfig):

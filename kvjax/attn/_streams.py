@@ -128,6 +128,11 @@ def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[A
     """
     cache = memory.cache
     g, index = cache.config.locate(int(layer))
+    split = mesh_split(cache.k[g])
+    if split is not None:  # each device over the streams it holds (a gather here fetched every stream)
+        out, _ = _attend_on_mesh(q, None, None, memory, layer, placement, ubatch, slot_masks, split, scale, slopes,
+                                 softcap)
+        return out
     streams = _slot_streams(placement, ubatch)
     live = _slot_extents(cache, streams)
     out = _slots_attention(q, cache.k[g], cache.v[g], index, slot_masks, streams, live, slots_of(ubatch),
@@ -298,7 +303,8 @@ def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
 
 
 def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, split, scale, slopes, softcap):
-    """Write and attend per device, each over the streams it holds (no K/V leaves its device).
+    """Write (unless ``k`` is None) and attend per device, each over the streams it holds (no K/V
+    leaves its device).
 
     Under ``jax.shard_map`` over the ``"data"`` axis: a device writes the rows of its own streams
     (the others' fall out of bounds and are dropped) and runs every slot's attention loop with the
@@ -318,6 +324,9 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
     slots = slots_of(ubatch)
     buf = P(DATA, None, heads, None, None)
     rows = P(None, heads, None)
+    writes = k is not None
+    if not writes:  # attention only: nothing is written (the placement's rows all fall out of bounds)
+        k, v = q[:, :0], q[:, :0]
     operands = [cache.k[g], cache.v[g], q, k, v, placement.stream, placement.cell, streams, live, slot_masks]
     specs = [buf, buf, rows, rows, rows, P(), P(), P(), P(), P()]
     if slopes is not None:  # ALiBi slopes per query head: split like the heads
@@ -327,8 +336,9 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
     def local(k_all, v_all, q, k, v, stream, cell, streams, live, slot_masks, *slopes):
         n_local = k_all.shape[0]
         first = jax.lax.axis_index(DATA) * n_local
-        mine = (stream >= first) & (stream < first + n_local)
-        k_all, v_all = _write_rows(k_all, v_all, index, jnp.where(mine, stream - first, -1), cell, k, v, cfg)
+        if writes:
+            mine = (stream >= first) & (stream < first + n_local)
+            k_all, v_all = _write_rows(k_all, v_all, index, jnp.where(mine, stream - first, -1), cell, k, v, cfg)
         here = (streams >= first) & (streams < first + n_local)
         out = _slots_attention(q, k_all, v_all, index, slot_masks, jnp.where(here, streams - first, -1),
                                jnp.where(here, live, 0), slots, cfg, scale, slopes[0] if slopes else None, softcap,

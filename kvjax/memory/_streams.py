@@ -398,9 +398,14 @@ class StreamCache(Memory):
         return jnp.any(self.copy_from >= 0) | _shift_or_defrag(self.cache.cells)
 
     def update(self, *, donate: bool = False) -> "StreamCache":
-        if not is_traced(self.copy_from) and not bool(self.pending()):
-            return self
-        return _update(self, donate=donating(donate, self.copy_from))
+        if is_traced(self.copy_from) or is_traced(self.cache.cells.delta):
+            return _apply_update(self)
+        copying, shifting = (bool(x) for x in jax.device_get(_pending_work(self)))
+        # two programs, each run only when it has work: on a mesh with the streams split over
+        # devices a copy between streams moves K/V between devices by nature, a K-shift never does
+        donate = donating(donate, self.copy_from)
+        memory = _copy_streams(self, donate=donate) if copying else self
+        return _shift_streams(memory, donate=donate) if shifting else memory
 
     @property
     def can_shift(self) -> bool:
@@ -468,10 +473,19 @@ class StreamCache(Memory):
         return read_streams(self, data, seq_id, **options)
 
 
+@jax.jit
+def _pending_work(memory: StreamCache):
+    """``[copying, shifting]``: whether a stream copy, and whether a K-shift or defrag, is pending."""
+    return jnp.stack([jnp.any(memory.copy_from >= 0), _shift_or_defrag(memory.cache.cells)])
+
+
 def _apply_update(memory: StreamCache) -> StreamCache:
     """Pending stream copies first, then each stream's K-shift and defrag (the seed's order)."""
-    from kvjax.memory._update import apply_update
+    return _apply_shifts(_apply_copies(memory))
 
+
+def _apply_copies(memory: StreamCache) -> StreamCache:
+    """Every pending copy between streams applied (``copy_from`` all -1 after)."""
     cache = memory.cache
     source = jnp.where(memory.copy_from >= 0, memory.copy_from, jnp.arange(memory.n_stream))
     copying = jnp.any(memory.copy_from >= 0)
@@ -479,17 +493,24 @@ def _apply_update(memory: StreamCache) -> StreamCache:
     # the sequence of copies llama.cpp runs (seq_cp composed the chains when they were enqueued)
     k = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.k)
     v = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.v)
-    cache = cache.replace(k=k, v=v)
+    # every copy applied: all -1, derived from copy_from so it keeps its sharding on a mesh (a fresh
+    # constant would come out replicated)
+    return memory.replace(cache=cache.replace(k=k, v=v), copy_from=jnp.minimum(memory.copy_from, -1))
+
+
+def _apply_shifts(memory: StreamCache) -> StreamCache:
+    """Each stream's pending K-shift and defrag (every stream in place: no stream reads another's K/V)."""
+    from kvjax.memory._update import apply_update
+
     # under vmap each stream's K-shift and defrag `cond` turns into a select that runs both branches
     # over every stream's K/V: only enter it when some stream has a shift or a defrag pending (a
     # copy alone, as after sharing a prompt, needs neither)
-    cache = jax.lax.cond(_shift_or_defrag(cache.cells), jax.vmap(apply_update), lambda c: c, cache)
-    # every copy applied: all -1, derived from copy_from so it keeps its sharding on a mesh (a fresh
-    # constant would come out replicated)
-    return memory.replace(cache=cache, copy_from=jnp.minimum(memory.copy_from, -1))
+    cache = jax.lax.cond(_shift_or_defrag(memory.cache.cells), jax.vmap(apply_update), lambda c: c, memory.cache)
+    return memory.replace(cache=cache)
 
 
-_update = JitTwins(_apply_update, donate_argnums=0)
+_copy_streams = JitTwins(_apply_copies, donate_argnums=0)
+_shift_streams = JitTwins(_apply_shifts, donate_argnums=0)
 
 
 def _shift_or_defrag(cells: Cells) -> Bool[Array, ""]:
