@@ -8,7 +8,9 @@ of all 8 devices, the way a multi-host job does. It writes what it saw to ``OUT.
 - the memory's K/V live on all 8 devices, this process holding only its 4 devices' shards, and
   those shards equal the same slices of an unsharded run on this process's own device 0;
 - the cell metadata (replicated) reads on every host and equals the unsharded run's;
-- the reference model's sharded step gives the unsharded logits.
+- the reference model's sharded step gives the unsharded logits;
+- one sequence read back from a state blob into the global memory (a parked conversation resumed)
+  equals the unsharded read, keeps the memory's layout and writes back the same blob.
 """
 
 from __future__ import annotations
@@ -62,7 +64,25 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
         memory = kvjax.seq_cp(memory, 0, 2)
         plain = kvjax.seq_cp(plain, 0, 2)
         memory, plain = kvjax.update(kvjax.seq_add(memory, 5, 0, -1, 3)), kvjax.update(kvjax.seq_add(plain, 5, 0, -1, 3))
+        # a parked conversation resumed: sequence 5 read back from its blob into the global memory
+        # (the rows go to the devices that hold their heads, in both processes)
+        blob = kvjax.state_write(plain, 5)
+        restored = kvjax.state_read(kvjax.seq_rm(memory, 5, 0, -1)[0], blob, 5)
+        plain_restored = kvjax.state_read(kvjax.seq_rm(plain, 5, 0, -1)[0], blob, 5)
+        try:
+            written = kvjax.state_write(restored, 5) == blob
+        except Exception as e:  # noqa: BLE001 - reported, the test says what failed
+            written = f"{type(e).__name__}: {e}"[:300]
         k = memory.k[0]
+        report[name + "-restore"] = {
+            "shards_equal": _shards_equal(restored.k[0], plain_restored.k[0])
+            and _shards_equal(restored.v[0], plain_restored.v[0]),
+            "cells_equal": all(np.array_equal(np.asarray(a), np.asarray(b))
+                               for a, b in zip(jax.tree.leaves(restored.cells), jax.tree.leaves(plain_restored.cells))),
+            "same_shardings": shard.same_shardings(restored, kvjax.init(config, mesh=mesh)),
+            "seq_pos_max": int(kvjax.seq_pos_max(restored, 5)),
+            "written_back": written,
+        }
         report[name] = {
             "ok": bool(ok) and bool(ok_plain),
             "logits_max_diff": float(np.max(np.abs(np.asarray(got) - np.asarray(want)))),

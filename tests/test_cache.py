@@ -76,7 +76,7 @@ def test_write_out_of_range_slot_is_dropped_and_flagged():
     ones = jnp.ones((2, 2, 8))
     out = jax.jit(kvjax.write, static_argnums=1)(cache, 0, jnp.array([64, -5], jnp.int32), ones, ones)
     assert not np.asarray(out.k[0]).any() and not np.asarray(out.v[0]).any()
-    assert kvjax.errors(out) == ["write slot index outside [-1, size) (those rows were dropped)"]
+    assert kvjax.errors(out) == ["slot index outside [-1, size) (a write dropped those rows; a model step was skipped)"]
     with pytest.raises(ValueError, match="error flags"):
         kvjax.check(out)
     assert kvjax.errors(kvjax.clear_errors(out)) == []

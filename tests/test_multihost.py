@@ -54,6 +54,9 @@ def test_two_processes_hold_their_shards_and_agree_with_one_device(tmp_path):
             assert m["k_devices"] == 8 and m["k_local_shards"] == 4 and not m["k_fully_addressable"], (i, mesh, m)
             assert m["k_shards_equal"] and m["cells_equal"] and m["same_shardings"], (i, mesh, json.dumps(m))
             assert m["used"] == 8, (i, mesh, m)  # 8 placed tokens; seq_cp shares cells, it takes none
+            restore = r[mesh + "-restore"]
+            assert restore["shards_equal"] and restore["cells_equal"] and restore["same_shardings"], (i, mesh, restore)
+            assert restore["seq_pos_max"] == 6 and restore["written_back"] is True, (i, mesh, restore)
         heads_seen.append(r["1x8"]["k_local_heads"])
         # 2x4: the model axis lies within each process, so each holds every head (its data row)
         assert r["2x4"]["k_local_heads"] == list(range(8))

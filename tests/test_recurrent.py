@@ -188,6 +188,15 @@ def run_program(ops, size, n_seq_max, n_states, jitted, pad=0):
         elif name == "seq_rm":
             memory, ok = (_OPS[name] if jitted else kvjax.seq_rm)(memory, *op[1:])
             assert bool(ok) == ref.seq_rm(*op[1:]), op
+        elif name == "seq_add" and not ref.shift_keeps_states(*op[1:]):
+            # refused (a state would go below 0): eagerly an error, under jit a flagged no-op
+            if jitted:
+                out = _OPS[name](memory, *op[1:])
+                assert int(out.error_bits()) == kvjax.ErrorFlag.STATE_SHIFT, op
+                memory = kvjax.clear_errors(out)
+            else:
+                with pytest.raises(ValueError, match="was refused"):
+                    kvjax.seq_add(memory, *op[1:])
         else:
             memory = (_OPS[name] if jitted else getattr(kvjax, name))(memory, *op[1:])
             getattr(ref, name)(*op[1:])

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvjax._errors import StateError
 from kvjax.io._state import (_as_view, _check_equal, _check_type, _Cursor, _encode_meta, _parse_meta_seq,
-                             _parse_meta_whole)
+                             _parse_meta_whole, host_array)
 from kvjax.memory import _seqbits
 from kvjax.memory._config import GGML_TYPE_IDS
 from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig
@@ -68,9 +68,9 @@ def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:
     """The recurrent memory's :func:`kvjax.state_write`: every used cell, or ``seq_id``'s tail cell."""
     cfg = memory.config
     seq_id = _check_seq(seq_id, cfg)
-    pos = np.asarray(memory.cells.pos)
-    masks = np.asarray(memory.cells.seq)
-    roll = np.asarray(memory.cells.roll)
+    pos = host_array(memory.cells.pos)
+    masks = host_array(memory.cells.seq)
+    roll = host_array(memory.cells.roll)
     if seq_id < 0:
         cells = np.flatnonzero(masks.any(axis=1))
     else:
@@ -80,7 +80,7 @@ def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:
               struct.pack("<II", 0, cfg.n_layer)]
     rows = cells * cfg.n_states + roll[cells]
     for buffers, shapes, dtype in ((memory.k, cfg.k_shape, cfg.k_dtype), (memory.v, cfg.v_shape, cfg.v_dtype)):
-        host = [np.asarray(b[:, rows]) for b in buffers] if len(cells) else None
+        host = [host_array(b[:, rows]) for b in buffers] if len(cells) else None
         for il, (g, i) in enumerate(_layers(cfg)):
             pieces.append(struct.pack("<iQ", GGML_TYPE_IDS[dtype], _row_bytes(shapes[il], dtype)))
             if host is not None:

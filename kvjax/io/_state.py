@@ -595,9 +595,24 @@ def _members(masks: np.ndarray, seq_id: int) -> np.ndarray:
     return seqbits.host_holds(masks, seq_id)
 
 
+def host_array(x) -> np.ndarray:
+    """``x`` as a numpy array, gathered from every process when it spans other processes' devices.
+
+    In a multi-process job a memory's K/V are split over every host's devices, and no process can
+    read the others' shards directly: every process gathers the whole array (a collective: all of
+    them call this in the same order, as they run every kvjax program), so every host writes the
+    same blob. On one process it is ``np.asarray`` (a view of the device buffer on the CPU backend).
+    """
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def _host_cells(cache: KVCache):
     cells = cache.cells
-    return np.asarray(cells.pos), np.asarray(cells.seq), np.asarray(cells.delta)
+    return host_array(cells.pos), host_array(cells.seq), host_array(cells.delta)
 
 
 def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
@@ -644,8 +659,8 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
         padded = np.zeros(rows, np.int32)
         padded[:n] = idx
         ks, vs = _gather(cache.k, cache.v, jnp.asarray(padded), full=n == cfg.size, v_trans=cfg.v_trans)
-        k_host = [np.asarray(x) for x in ks]  # views of the device buffers on the CPU backend
-        v_host = [np.asarray(x) for x in vs]
+        k_host = [host_array(x) for x in ks]  # views of the device buffers on the CPU backend
+        v_host = [host_array(x) for x in vs]
     for lay in layouts:
         pieces.append(struct.pack("<iQ", lay.k_type, lay.k_row))
         if n:
