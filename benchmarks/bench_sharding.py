@@ -24,7 +24,10 @@ import numpy as np
 from benchmarks.common import table
 
 MESHES = ((None, "unified"), ((1, 8), "unified"), ((2, 4), "unified"), ((8, 1), "unified"),
-          (None, "streams"), ((1, 8), "streams"), ((2, 4), "streams"))
+          (None, "streams"), ((1, 8), "streams"), ((2, 4), "streams"), ((8, 1), "streams"))
+#: the K-shift on a mesh: now (every head of a layer per loop step) against the per-head loop it ran before
+SHIFT_MESHES = ((None, "unified"), ((1, 8), "unified"), ((2, 4), "unified"), (None, "streams"), ((8, 1), "streams"),
+                ((2, 4), "streams"))
 
 
 def _measure(mesh_shape, kind: str, steps: int, repeats: int) -> float:
@@ -66,9 +69,57 @@ def _measure(mesh_shape, kind: str, steps: int, repeats: int) -> float:
     return n_seq / statistics.median(times)
 
 
+def _kv_collectives(hlo: str) -> int:
+    """All-gathers, all-reduces, all-to-alls and collective permutes with an operand of at least 4096
+    elements (the K/V-sized ones here: the scalars a program shares are far smaller)."""
+    import re
+
+    count = 0
+    for shapes in re.findall(r"= (\([^)]*\)|\w+\[[0-9,]*\]\S*) (?:all-gather|all-reduce|all-to-all|"
+                             r"collective-permute|reduce-scatter)(?:-start)?\(", hlo):
+        count += sum(int(np.prod([int(d) for d in dims.split(",") if d])) >= 4096
+                     for dims in re.findall(r"\w+\[([0-9,]*)\]", shapes))
+    return count
+
+
+def _shift(mesh_shape, kind: str, per_head, repeats: int):
+    """Median seconds of the K-shift of every cell of a 4-layer K (``per_head=True``: the loop
+    before issue 44 on a mesh), and its K/V-sized collectives."""
+    import jax
+
+    import kvjax
+    from kvjax import shard
+    from kvjax.attn._rope import _shift_group
+
+    base = kvjax.CacheConfig(size=1024, n_seq_max=8, n_layer=4, n_kv_heads=8, head_dim=64, padding=64,
+                             rope=kvjax.RopeConfig(n_rot=64))
+    config = kvjax.StreamsConfig(base.replace(size=256)) if kind == "streams" else base
+    mesh = None if mesh_shape is None else shard.make_mesh(*mesh_shape)
+    memory = kvjax.init(config, mesh=mesh)
+    k = memory.split()[0][0][0]
+    cells = base.size if kind == "unified" else 256
+    delta = jax.numpy.full((cells,), 3, jax.numpy.int32)
+    ropes = (base.rope[0],) * base.n_layer
+    one = lambda k, d: _shift_group(k, d, ropes, base, per_head)
+    fn = jax.jit(jax.vmap(one, in_axes=(0, None)) if kind == "streams" else one, donate_argnums=0)
+    compiled = fn.lower(k, delta).compile()
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        k = compiled(k, delta)
+        k.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), _kv_collectives(compiled.as_text())
+
+
 def _child(quick: bool) -> None:
     steps, repeats = (4, 2) if quick else (16, 3)
     out = {f"{shape}-{kind}": _measure(shape, kind, steps, repeats) for shape, kind in MESHES}
+    for shape, kind in SHIFT_MESHES:
+        for label, per_head in (("now", None), ("before", True)):
+            if shape is None and label == "before":
+                continue
+            out[f"shift-{shape}-{kind}-{label}"] = _shift(shape, kind, per_head, 3 if quick else 7)
     print("RESULT " + json.dumps(out))
 
 
@@ -87,6 +138,16 @@ def run(quick: bool) -> str:
         one = rates[f"None-{kind}"]
         rows.append([kind, "1 device" if shape is None else f"{shape[0]}x{shape[1]}", f"{rate:.0f}",
                      f"{rate / one:.2f}"])
+    shift_rows = []
+    for shape, kind in SHIFT_MESHES:
+        now, now_coll = rates[f"shift-{shape}-{kind}-now"]
+        one = rates[f"shift-None-{kind}-now"][0]
+        if shape is None:
+            shift_rows.append([kind, "1 device", f"{now * 1e3:.2f}", "", str(now_coll), "", "1.00"])
+            continue
+        before, before_coll = rates[f"shift-{shape}-{kind}-before"]
+        shift_rows.append([kind, f"{shape[0]}x{shape[1]}", f"{now * 1e3:.2f}", f"{before * 1e3:.2f}", str(now_coll),
+                           str(before_coll), f"{now / one:.2f}"])
     return "\n".join([
         "## Sharding: a sanity run on 8 virtual CPU devices",
         "",
@@ -96,6 +157,15 @@ def run(quick: bool) -> str:
         "claim (one device is expected to win here). Median of rounds of steps, compile excluded:",
         "",
         table(["memory", "mesh", "tokens/s", "vs 1 device"], rows),
+        "",
+        "The K-shift of every cell (4 layers, 8 kv heads of 64, float32; unified 1024 cells, streams 8 x 256), "
+        "now (each loop step rotates every head of a layer where K lives on a mesh) against the per-head loop "
+        "it ran before on a mesh (one `(layer, head)` slice per step: slicing a head out of a split head axis "
+        "made XLA gather or all-reduce all of K). Median ms, compile excluded, with the K/V-sized collectives "
+        "in each compiled program:",
+        "",
+        table(["memory", "mesh", "now ms", "before ms", "K/V collectives now", "before", "now vs 1 device"],
+              shift_rows),
     ])
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import kvjax
 from kvjax._validate import POS_END
 from kvjax.testing import HybridRef, IswaRef, RecurrentRef, StreamsRef, UnifiedRef
-from tests.test_memory_contract import ROWS, apply_op, apply_ref, leaves_equal
+from tests.test_memory_contract import ROWS, apply_in_lock_step, apply_op, leaves_equal
 
 
 def _cells_of(ref):
@@ -109,12 +109,7 @@ def _run(row, ops):
         if why == "shift" and not _refused_shift(ref, *op[1:]):
             why = None
         if why is None:
-            want = apply_ref(ref, op)
-            eager, got_eager = apply_op(eager, op, jitted=False)
-            jitted, got_jit = apply_op(jitted, op, jitted=True)
-            assert got_eager == got_jit == want, op
-            row.compare(eager, ref)
-            assert leaves_equal(eager, jitted), f"jit differs from eager after {op}"
+            eager, jitted = apply_in_lock_step(row, ref, eager, jitted, op)
             assert kvjax.errors(jitted) == [], (op, kvjax.errors(jitted))
             continue
         before = jax.device_get(eager)
@@ -132,7 +127,7 @@ def _run(row, ops):
 
 
 @pytest.mark.parametrize("row", ROWS)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_no_program_loses_a_cell(row, data):
     _run(row, data.draw(_programs(row.make().n_seq_max), label="program"))

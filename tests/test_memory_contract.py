@@ -245,6 +245,18 @@ def apply_ref(ref, op):
     return None
 
 
+def apply_in_lock_step(row, ref, eager, jitted, op):
+    """``op`` on the reference, eagerly and under jit; every cell equal to the reference's after it.
+    Returns the new ``(eager, jitted)`` memories."""
+    want = apply_ref(ref, op)
+    eager, got_eager = apply_op(eager, op, jitted=False)
+    jitted, got_jit = apply_op(jitted, op, jitted=True)
+    assert got_eager == got_jit == want, op
+    row.compare(eager, ref)
+    assert leaves_equal(eager, jitted), f"jit differs from eager after {op}"
+    return eager, jitted
+
+
 _JIT = {name: jax.jit(getattr(kvjax, name)) for name in
         ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "find_slot", "commit")}
 
@@ -274,12 +286,7 @@ def test_lock_step_with_the_reference_eager_and_jitted(row, seed):
     ops = row.adapt(random_program(seed, row.make().n_seq_max))
     eager, jitted, ref = row.make(), row.make(), row.reference()
     for op in ops:
-        want = apply_ref(ref, op)
-        eager, got_eager = apply_op(eager, op, jitted=False)
-        jitted, got_jit = apply_op(jitted, op, jitted=True)
-        assert got_eager == got_jit == want, op
-        row.compare(eager, ref)
-        assert leaves_equal(eager, jitted), f"jit differs from eager after {op}"
+        eager, jitted = apply_in_lock_step(row, ref, eager, jitted, op)
         for s in range(-1, eager.n_seq_max):
             assert int(kvjax.seq_pos_min(eager, s)) == ref.seq_pos_min(s)
             assert int(kvjax.seq_pos_max(eager, s)) == ref.seq_pos_max(s)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -242,7 +242,8 @@ def k_from_float(k: Float[Array, "... C D"], config: CacheConfig) -> Array:
 # -- K-shift ------------------------------------------------------------------------------------
 
 
-def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig):
+def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig,
+                 per_head: Optional[bool] = None):
     """Rotate one stacked group ``[L, H, C, D]`` by ``delta`` with each layer's RoPE parameters.
 
     One ``fori_loop`` per kind of rotation (``n_rot``, mode) walks the ``(layer, head)`` slices:
@@ -250,13 +251,14 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
     same leading shape, and writes it back in place. Measured on XLA's CPU backend, one fused
     elementwise op over the whole ``[L, H, C, D]`` array with the tables broadcast over
     ``(L, H)`` ran 8-10x slower than this loop (and recomputed cos/sin per element), see
-    ``docs/architecture.md``.
+    ``docs/architecture.md``. On a mesh a step rotates every head of a layer (``per_head=None``
+    picks; the benchmarks force the per-head loop on a mesh to show what it cost).
     """
     n_heads = stored.shape[1]
     # on a device mesh a step walks the layers only, every head at once: slicing one head out of a
     # head axis split over devices makes XLA gather (or all-reduce) the whole K to every device,
     # where rotating the heads a device holds needs nothing from the others
-    per_head = not _on_mesh(stored)
+    per_head = not _on_mesh(stored) if per_head is None else per_head
     classes = {}
     for il, r in enumerate(ropes):
         classes.setdefault((r.n_rot, r.mode), []).append(il)
