@@ -416,3 +416,36 @@ def test_k_shift_on_a_mesh_equals_one_device(case, mesh_shape):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_a_copy_between_streams_moves_only_the_copied_streams(mesh_shape):
+    """Whole-sequence copies to other streams (``seq_cp`` across streams, applied by ``update``) give
+    the one-device bytes exactly, keep the layout, and their program sends one stream's block per
+    copied source (an all-reduce under a ``cond``) instead of all-gathering every stream to every
+    device. Float16 K and q8_0 V: the blocks travel as unsigned bits."""
+    from kvjax.memory._streams import _apply_copies
+
+    base = kvjax.CacheConfig(size=32, n_seq_max=8, n_layer=2, n_kv_heads=8, head_dim=32, padding=8,
+                             k_dtype="float16", v_dtype="q8_0")
+    config = kvjax.StreamsConfig(base)
+    plain = kvjax.init(config)
+    for s in range(8):
+        ub = kvjax.make_equal_ubatch([(list(range(5)), [s])])
+        plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
+    plain = _random_kv(plain, 6)
+    for src, dst in ((0, 5), (3, 2), (6, 7), (1, 0)):        # across devices and within one
+        plain = kvjax.seq_cp(kvjax.seq_rm(plain, dst, 0, -1)[0], src, dst, -1, -1)
+    layout = kvjax.init(config, mesh=shard.make_mesh(*mesh_shape))
+    sharded = shard.reshard_like(plain, layout)
+    got, want = kvjax.update(sharded), kvjax.update(plain)
+    assert leaves_equal(got, want)
+    assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+               for a, b in zip(jax.tree.leaves(got.split()[0]), jax.tree.leaves(want.split()[0])))
+    _assert_kept(got, layout, "update with copies")
+    hlo = jax.jit(_apply_copies).lower(sharded).compile().as_text()
+    stream_block = max(int(np.prod(x.sharding.shard_shape(x.shape)[1:])) for x in jax.tree.leaves(sharded.split()[0]))
+    found = [(kind, shapes) for shapes, kind in _ANY_COLLECTIVE.findall(hlo)]   # and copy_from's few ids
+    for kind, shapes in found:
+        for _, dims in _ARRAY.findall(shapes):
+            assert int(np.prod([int(d) for d in dims.split(",") if d])) <= stream_block, (kind, shapes)

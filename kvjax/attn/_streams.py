@@ -50,6 +50,7 @@ from kvjax.attn._attention import _attend, blocks_fit, chunk_size
 from kvjax.attn._mask import _mask_additive
 from kvjax.memory import _cells
 from kvjax.memory._config import SwaType
+from kvjax.memory._streams import mesh_split
 from kvjax.memory._unified import KVCache
 from kvjax.storage import _quant
 
@@ -282,25 +283,6 @@ def _write_rows(k_all, v_all, index: int, stream, cell, k, v, cfg):
 
 
 # -- on a device mesh --------------------------------------------------------------------------------
-
-def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
-    """``(mesh, head axis)`` when the stream buffers live on a mesh whose ``"data"`` axis splits the streams.
-
-    The mesh comes from the buffer's type (``jax.typeof(k).sharding.mesh``: known while tracing,
-    no context needed). kvjax's default rules put streams on ``"data"`` and kv heads on
-    ``"model"``; the head axis is ``"model"`` when the mesh has it and it divides the heads, else
-    None. ``None`` for a buffer on one device or a mesh without a ``"data"`` axis that divides
-    the streams.
-    """
-    from kvjax.shard._rules import DATA, MODEL
-
-    mesh = getattr(getattr(jax.typeof(k_all), "sharding", None), "mesh", None)
-    shape = dict(getattr(mesh, "shape", {}) or {})
-    if shape.get(DATA, 1) <= 1 or k_all.shape[0] % shape[DATA]:
-        return None
-    heads = MODEL if shape.get(MODEL, 1) > 1 and k_all.shape[2] % shape[MODEL] == 0 else None
-    return mesh, heads
-
 
 def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, split, scale, slopes, softcap):
     """Write (unless ``k`` is None) and attend per device, each over the streams it holds (no K/V

@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct as _struct
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -484,8 +484,30 @@ def _apply_update(memory: StreamCache) -> StreamCache:
     return _apply_shifts(_apply_copies(memory))
 
 
+def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
+    """``(mesh, head axis)`` when the stream buffers live on a mesh whose ``"data"`` axis splits the streams.
+
+    The mesh comes from the buffer's type (``jax.typeof(k).sharding.mesh``: known while tracing,
+    no context needed). kvjax's default rules put streams on ``"data"`` and kv heads on
+    ``"model"``; the head axis is ``"model"`` when the mesh has it and it divides the heads, else
+    None. ``None`` for a buffer on one device or a mesh without a ``"data"`` axis that divides
+    the streams.
+    """
+    from kvjax.shard._rules import DATA, MODEL
+
+    mesh = getattr(getattr(jax.typeof(k_all), "sharding", None), "mesh", None)
+    shape = dict(getattr(mesh, "shape", {}) or {})
+    if shape.get(DATA, 1) <= 1 or k_all.shape[0] % shape[DATA]:
+        return None
+    heads = MODEL if shape.get(MODEL, 1) > 1 and k_all.shape[2] % shape[MODEL] == 0 else None
+    return mesh, heads
+
+
 def _apply_copies(memory: StreamCache) -> StreamCache:
     """Every pending copy between streams applied (``copy_from`` all -1 after)."""
+    split = mesh_split(memory.cache.k[0]) if memory.cache.k else None
+    if split is not None:
+        return _copies_on_mesh(memory, split)
     cache = memory.cache
     source = jnp.where(memory.copy_from >= 0, memory.copy_from, jnp.arange(memory.n_stream))
     copying = jnp.any(memory.copy_from >= 0)
@@ -495,6 +517,67 @@ def _apply_copies(memory: StreamCache) -> StreamCache:
     v = tuple(jax.lax.cond(copying, lambda x: x[source], lambda x: x, x) for x in cache.v)
     # every copy applied: all -1, derived from copy_from so it keeps its sharding on a mesh (a fresh
     # constant would come out replicated)
+    return memory.replace(cache=cache.replace(k=k, v=v), copy_from=jnp.minimum(memory.copy_from, -1))
+
+
+def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
+    """The pending copies with the streams split over ``"data"``: only copied streams move.
+
+    A gather along a split stream axis makes XLA all-gather every stream to every device. Here,
+    under ``jax.shard_map``, a device copies between its own streams locally, and for each source
+    stream that a stream on another device copies (a static loop over the streams, each step a
+    ``cond`` every device takes alike) the device holding it contributes its block to one ``psum``
+    over ``"data"``: one stream's K/V is sent, and only when a copy needs it. The block is summed as
+    unsigned integers of its width, so every bit arrives as it left (a float sum with zeros would
+    turn -0.0 into 0.0).
+    """
+    from jax.sharding import PartitionSpec as P
+    from kvjax.shard._rules import DATA
+
+    mesh, heads = split
+    n_stream = memory.n_stream
+    buf = P(DATA, None, heads, None, None)
+    cache = memory.cache
+
+    def as_bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")) if x.dtype.kind == "f" else x
+
+    def local(ks, vs, copy_from):
+        # copy_from is whole on every device: every device takes the same branch
+        return jax.lax.cond(jnp.any(copy_from >= 0), copy, lambda ks, vs, _: (ks, vs), ks, vs, copy_from)
+
+    def copy(ks, vs, copy_from):
+        n_local = ks[0].shape[0]
+        device = jax.lax.axis_index(DATA)
+        first = device * n_local
+        mine = jnp.arange(n_local) + first                                   # this device's global streams
+        want = copy_from[mine]                                               # -1: no copy into it
+        same = (want >= 0) & (want // n_local == device)
+        # copies between this device's own streams: a local gather of the old blocks
+        local_src = jnp.where(same, want - first, jnp.arange(n_local))
+        new = [x[local_src] for x in ks + vs]
+        old = list(ks + vs)
+        for src in range(n_stream):
+            owner = src // n_local
+            into = (want == src) & (owner != device)                          # local streams that copy src
+            needed = jnp.any((copy_from == src) & (jnp.arange(n_stream) // n_local != owner))
+
+            def send(new, src=src, owner=owner, into=into):
+                out = []
+                for x_old, x_new in zip(old, new):
+                    block = jnp.where(device == owner, as_bits(x_old[src % n_local]), 0)
+                    block = jax.lax.psum(block, DATA)
+                    block = jax.lax.bitcast_convert_type(block, x_old.dtype) if x_old.dtype.kind == "f" else block
+                    out.append(jnp.where(into.reshape((-1,) + (1,) * block.ndim), block[None], x_new))
+                return out
+
+            new = jax.lax.cond(needed, send, lambda new: list(new), new)
+        n_k = len(ks)
+        return tuple(new[:n_k]), tuple(new[n_k:])
+
+    k, v = jax.shard_map(local, mesh=mesh, in_specs=((buf,) * len(cache.k), (buf,) * len(cache.v), P()),
+                         out_specs=((buf,) * len(cache.k), (buf,) * len(cache.v)),
+                         check_vma=False)(cache.k, cache.v, memory.copy_from)
     return memory.replace(cache=cache.replace(k=k, v=v), copy_from=jnp.minimum(memory.copy_from, -1))
 
 
