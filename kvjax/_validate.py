@@ -7,6 +7,8 @@ values inside ``jit`` pass through untouched and are guarded on device instead (
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,6 +204,9 @@ def check_real(name: str, value, *, above: float = None, optional: bool = False)
         return None
     number = _scalar(value, "iuf")
     allowed = "a finite number" + ("" if above is None else f" > {above:g}") + (" (or None)" if optional else "")
-    require(number is not None and bool(np.isfinite(number)) and (above is None or number > above), name, value,
-            allowed)
-    return float(number)
+    try:
+        real = None if number is None else float(number)   # a Python int past 2**1024 overflows here
+    except OverflowError:
+        real = None
+    require(real is not None and math.isfinite(real) and (above is None or real > above), name, value, allowed)
+    return real

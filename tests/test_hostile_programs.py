@@ -17,7 +17,6 @@ after every operation:
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 

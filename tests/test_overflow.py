@@ -100,3 +100,16 @@ def test_counts_that_would_overflow_are_named(call, match):
     of an OverflowError from inside jit or a 3.6 TiB allocation."""
     with pytest.raises(ValueError, match=match):
         call(kvjax.init(small_config()))
+
+
+def test_an_eager_refusal_raises_even_with_the_bit_already_set():
+    """Error bits are sticky: a memory an earlier jitted call flagged still gets the eager
+    ValueError for a new refused shift (the op runs with the bits cleared, the old bits come back)."""
+    cache = fill(kvjax.init(small_config()), [5, 2**31 - 10], [[0], [0]])
+    flagged = jax.jit(kvjax.seq_add)(cache, 0, 0, -1, 2**31 - 7)
+    assert kvjax.ErrorFlag.OVERFLOW & int(flagged.error_bits())
+    with pytest.raises(ValueError, match="was refused"):
+        kvjax.seq_add(flagged, 0, 0, -1, 2**31 - 7)
+    moved = kvjax.seq_add(flagged, 0, 0, 6, 1)                 # a valid shift keeps the old bit
+    assert int(moved.error_bits()) == int(flagged.error_bits())
+    assert kvjax.cell_table(moved).pos[:2].tolist() == [6, 2**31 - 10]

@@ -423,17 +423,20 @@ def test_a_copy_between_streams_moves_only_the_copied_streams(mesh_shape):
     """Whole-sequence copies to other streams (``seq_cp`` across streams, applied by ``update``) give
     the one-device bytes exactly, keep the layout, and their program sends one stream's block per
     copied source (an all-reduce under a ``cond``) instead of all-gathering every stream to every
-    device. Float16 K and q8_0 V: the blocks travel as unsigned bits."""
+    device. Bfloat16 K (with -0.0 in it) and q8_0 V: the blocks travel as unsigned bits."""
     from kvjax.memory._streams import _apply_copies
 
     base = kvjax.CacheConfig(size=32, n_seq_max=8, n_layer=2, n_kv_heads=8, head_dim=32, padding=8,
-                             k_dtype="float16", v_dtype="q8_0")
+                             k_dtype="bfloat16", v_dtype="q8_0")
     config = kvjax.StreamsConfig(base)
     plain = kvjax.init(config)
     for s in range(8):
         ub = kvjax.make_equal_ubatch([(list(range(5)), [s])])
         plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
     plain = _random_kv(plain, 6)
+    buffers, rest = plain.split()
+    k = buffers[0][0]
+    plain = rest.join(((k.at[:, :, :, :2].set(-0.0),) + buffers[0][1:], buffers[1]))   # a float sum loses -0.0
     for src, dst in ((0, 5), (3, 2), (6, 7), (1, 0)):        # across devices and within one
         plain = kvjax.seq_cp(kvjax.seq_rm(plain, dst, 0, -1)[0], src, dst, -1, -1)
     layout = kvjax.init(config, mesh=shard.make_mesh(*mesh_shape))
@@ -449,3 +452,18 @@ def test_a_copy_between_streams_moves_only_the_copied_streams(mesh_shape):
     for kind, shapes in found:
         for _, dims in _ARRAY.findall(shapes):
             assert int(np.prod([int(d) for d in dims.split(",") if d])) <= stream_block, (kind, shapes)
+
+
+def test_a_memory_on_another_single_device_restores_there():
+    """A cache placed whole on a device other than the default one reads a sequence (and a whole
+    blob) back onto that device: the rows were adopted on device 0, which one program with the
+    cache refused ("incompatible devices"), and a whole read moved the K/V to device 0."""
+    device = jax.devices()[3]
+    plain = _with_sequences(kvjax.init(UNIFIED), 7)
+    placed = jax.device_put(plain, device)
+    for seq_id in (1, -1):
+        blob = kvjax.state_write(plain, seq_id)
+        got = kvjax.state_read(jax.device_put(kvjax.init(UNIFIED), device), blob, seq_id)
+        assert {d for x in jax.tree.leaves(got) for d in x.devices()} == {device}
+        assert leaves_equal(got, kvjax.state_read(kvjax.init(UNIFIED), blob, seq_id))
+    assert leaves_equal(placed, plain)

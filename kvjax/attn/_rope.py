@@ -251,14 +251,14 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
     same leading shape, and writes it back in place. Measured on XLA's CPU backend, one fused
     elementwise op over the whole ``[L, H, C, D]`` array with the tables broadcast over
     ``(L, H)`` ran 8-10x slower than this loop (and recomputed cos/sin per element), see
-    ``docs/architecture.md``. On a mesh a step rotates every head of a layer (``per_head=None``
-    picks; the benchmarks force the per-head loop on a mesh to show what it cost).
+    ``docs/architecture.md``. Where the heads are split over devices a step rotates every head of
+    a layer (``per_head=None`` picks; the benchmarks force the per-head loop there to show what it cost).
     """
     n_heads = stored.shape[1]
-    # on a device mesh a step walks the layers only, every head at once: slicing one head out of a
-    # head axis split over devices makes XLA gather (or all-reduce) the whole K to every device,
-    # where rotating the heads a device holds needs nothing from the others
-    per_head = not _on_mesh(stored) if per_head is None else per_head
+    # with the heads split over devices a step walks the layers only, every head at once: slicing
+    # one head out of a split head axis makes XLA gather (or all-reduce) the whole K to every
+    # device, where rotating the heads a device holds needs nothing from the others
+    per_head = not _heads_split(stored) if per_head is None else per_head
     classes = {}
     for il, r in enumerate(ropes):
         classes.setdefault((r.n_rot, r.mode), []).append(il)
@@ -290,10 +290,19 @@ def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], 
     return out
 
 
-def _on_mesh(x) -> bool:
-    """Whether ``x`` (traced or not) lives on a mesh of more than one device."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    return bool(mesh is not None and getattr(mesh, "size", 1) > 1)
+def _heads_split(stored) -> bool:
+    """Whether the head axis of ``stored [L, H, C, D]`` (traced or not) is split over devices.
+
+    Read from the mesh in the buffer's type (a traced buffer's spec is not known): kvjax's rules put
+    kv heads on a ``"model"`` axis that divides them. Where heads are whole on every device (8x1,
+    streams over ``"data"``) the per-head loop stays: it needs a layer's float32 copy of one head,
+    not of every head.
+    """
+    from kvjax.shard._rules import MODEL
+
+    mesh = getattr(getattr(jax.typeof(stored), "sharding", None), "mesh", None)
+    model = dict(getattr(mesh, "shape", {}) or {}).get(MODEL, 1)
+    return model > 1 and stored.shape[1] % model == 0
 
 
 def _shift_impl(ks, cells, config: CacheConfig):

@@ -325,8 +325,12 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
         out = _slots_attention(q, k_all, v_all, index, slot_masks, jnp.where(here, streams - first, -1),
                                jnp.where(here, live, 0), slots, cfg, scale, slopes[0] if slopes else None, softcap,
                                batched=False)
-        return k_all, v_all, jax.lax.psum(out, DATA)
+        out = jax.lax.psum(out, DATA)
+        return (k_all, v_all, out) if writes else out
 
+    if not writes:  # the buffers are not outputs: eagerly they would come back as fresh copies
+        out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=rows, check_vma=False)(*operands)
+        return out.astype(q.dtype), memory
     k_all, v_all, out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=(buf, buf, rows),
                                       check_vma=False)(*operands)
     return out.astype(q.dtype), memory.replace(cache=_with_group(cache, g, k_all, v_all))

@@ -539,8 +539,12 @@ def _rows_on(buffer: np.ndarray, like: jax.Array, trans: bool) -> jax.Array:
     every device. Rows are ``[L, T, H, D]``, or ``[L, H*Dv, T]`` for a transposed V.
     """
     sharding = like.sharding
-    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.device_set) == 1:
-        return _to_device(buffer)
+    if len(sharding.device_set) == 1:
+        # adopted in place on the default device; a cache placed on another one gets its rows there
+        (device,) = sharding.device_set
+        return _to_device(buffer) if device == jax.devices()[0] else jax.device_put(buffer, device)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return jnp.asarray(buffer)  # uncommitted: the program that reads it places it
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
     layers, heads, _, dims = spec
     rows_spec = (layers, heads, None) if trans else (layers, None, heads, dims)
@@ -823,7 +827,11 @@ def state_read(memory, data, seq_id: int = -1, **options):
 
     memory = require_memory(memory)
     # the blob is decoded on the host: put the result where the memory it replaces lives (read the
-    # placement first, a donated memory's buffers are gone after the read)
-    layout = shardings_of(memory) if spans_devices(memory) else None
+    # placement first, a donated memory's buffers are gone after the read): a mesh, or one device
+    # other than the default one (new host arrays land on the default device)
+    default = jax.devices()[0]
+    placed = spans_devices(memory) or any(isinstance(x, jax.Array) and not is_traced(x) and x.devices() != {default}
+                                          for x in jax.tree.leaves(memory))
+    layout = shardings_of(memory) if placed else None
     restored = memory.state_read(data, seq_id, **options)
     return restored if layout is None else jax.device_put(restored, layout)

@@ -126,25 +126,31 @@ def seq_add(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: In
     check_seq_id("seq_id", seq_id, _check_memory(memory), allow_all=True)
     p0, p1 = _range_args(p0, p1)
     concrete_int("delta", delta)
-    out = memory.seq_add(as_int32(seq_id), p0, p1, as_int32(delta))
-    _raise_refused(memory, out, ErrorFlag.OVERFLOW | ErrorFlag.STATE_SHIFT,
+    args = (as_int32(seq_id), p0, p1, as_int32(delta))
+    if any(is_traced(x) for x in jax.tree.leaves(memory)):
+        return memory.seq_add(*args)
+    # eagerly the op runs on the memory with its bits cleared, so a refusal shows even where an
+    # earlier jitted call left the same (sticky) bit set; the old bits are or-ed back after
+    out = memory.clear_errors().seq_add(*args)
+    _raise_refused(out, ErrorFlag.OVERFLOW | ErrorFlag.STATE_SHIFT,
                    f"seq_add(seq_id={seq_id}, p0={p0}, p1={p1}, delta={delta})")
-    return out
+    return out.flag_errors(memory.error_bits())
 
 
-def _raise_refused(before: Memory, after: Memory, flags: int, call: str) -> None:
-    """Eagerly, an op that its memory refused (a bit of ``flags`` newly set) raises ``ValueError``;
-    under ``jit`` the bit stays set and the op was skipped (the memory passed in is unchanged either way).
+def _raise_refused(out: Memory, flags: int, call: str) -> None:
+    """Eagerly, an op that its memory refused (a bit of ``flags`` set in ``out``, the result of
+    running it with the bits cleared) raises ``ValueError``; under ``jit`` the bit stays set and the
+    op was skipped (the memory passed in is unchanged either way).
 
-    Whether an op is refused depends on the positions the memory holds, so this reads two scalars
-    back from the device; traced memories are never read.
+    Whether an op is refused depends on the positions the memory holds, so this reads one scalar
+    back from the device; traced values are never read.
     """
-    bits_after, bits_before = after.error_bits(), before.error_bits()
-    if is_traced(bits_after) or is_traced(bits_before):
+    bits = out.error_bits()
+    if is_traced(bits):
         return
-    new = int(bits_after) & ~int(bits_before) & int(flags)
-    if new:
-        raise ValueError(f"{call} was refused, the memory is unchanged: " + "; ".join(decode_error_bits(new)))
+    refused = int(bits) & int(flags)
+    if refused:
+        raise ValueError(f"{call} was refused, the memory is unchanged: " + "; ".join(decode_error_bits(refused)))
 
 
 def seq_div(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, d: IntLike) -> Memory:

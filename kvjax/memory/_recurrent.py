@@ -780,7 +780,7 @@ class RecurrentCache(Memory):
         return self.cells.error
 
     def clear_errors(self) -> "RecurrentCache":
-        return self._with(self.cells.replace(error=jnp.zeros((), jnp.uint32)))
+        return self._with(self.cells.replace(error=self.cells.error & jnp.uint32(0)))  # stays where it was
 
     def flag_errors(self, bits) -> "RecurrentCache":
         return self._with(self.cells.replace(error=self.cells.error | jnp.asarray(bits, jnp.uint32)))

@@ -404,7 +404,7 @@ class StreamCache(Memory):
         # two programs, each run only when it has work: on a mesh with the streams split over
         # devices a copy between streams moves K/V between devices by nature, a K-shift never does
         donate = donating(donate, self.copy_from)
-        memory = _copy_streams(self, donate=donate) if copying else self
+        memory = _copy_streams(self, default_layout(self.cache.k[0]), donate=donate) if copying else self
         return _shift_streams(memory, donate=donate) if shifting else memory
 
     @property
@@ -443,8 +443,9 @@ class StreamCache(Memory):
 
     @on_metadata
     def clear_errors(self) -> "StreamCache":
-        cells = self.cache.cells.replace(error=jnp.zeros_like(self.cache.cells.error))
-        return self.replace(cache=self.cache.replace(cells=cells), error=jnp.zeros((), jnp.uint32))
+        # derived from the old words, so they stay where they were on a mesh
+        cells = self.cache.cells.replace(error=self.cache.cells.error & jnp.uint32(0))
+        return self.replace(cache=self.cache.replace(cells=cells), error=self.error & jnp.uint32(0))
 
     def flag_errors(self, bits) -> "StreamCache":
         return self.replace(error=self.error | jnp.asarray(bits, jnp.uint32))
@@ -503,9 +504,29 @@ def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
     return mesh, heads
 
 
-def _apply_copies(memory: StreamCache) -> StreamCache:
-    """Every pending copy between streams applied (``copy_from`` all -1 after)."""
-    split = mesh_split(memory.cache.k[0]) if memory.cache.k else None
+def default_layout(k_all: jax.Array) -> bool:
+    """Whether a concrete stream buffer ``[S, L, H, C, D]`` is laid out as :func:`mesh_split` assumes
+    (streams on ``"data"``, heads on ``"model"`` where it divides them), or lives on one device.
+
+    Traced buffers carry no spec; eager callers check with this before taking a mesh path, whose
+    ``shard_map`` would lay its outputs out by those rules whatever the input's were.
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from kvjax.shard._rules import DATA
+
+    split = mesh_split(k_all)
+    if split is None:
+        return True
+    if not isinstance(k_all.sharding, NamedSharding):
+        return False
+    want = P(DATA, None, split[1], None, None)
+    return k_all.sharding.is_equivalent_to(NamedSharding(split[0], want), k_all.ndim)
+
+
+def _apply_copies(memory: StreamCache, on_mesh: bool = True) -> StreamCache:
+    """Every pending copy between streams applied (``copy_from`` all -1 after); ``on_mesh=False``
+    keeps the one-device gather (a buffer laid out by other rules than the mesh path's)."""
+    split = mesh_split(memory.cache.k[0]) if memory.cache.k and on_mesh else None
     if split is not None:
         return _copies_on_mesh(memory, split)
     cache = memory.cache
@@ -525,11 +546,11 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
 
     A gather along a split stream axis makes XLA all-gather every stream to every device. Here,
     under ``jax.shard_map``, a device copies between its own streams locally, and for each source
-    stream that a stream on another device copies (a static loop over the streams, each step a
-    ``cond`` every device takes alike) the device holding it contributes its block to one ``psum``
-    over ``"data"``: one stream's K/V is sent, and only when a copy needs it. The block is summed as
-    unsigned integers of its width, so every bit arrives as it left (a float sum with zeros would
-    turn -0.0 into 0.0).
+    stream that a stream on another device copies (a ``fori_loop`` over the streams, each step a
+    ``cond`` every device takes alike: one compiled step however many streams) the device holding
+    it contributes its block to one ``psum`` over ``"data"``: one stream's K/V is sent, and only
+    when a copy needs it. The block is summed as unsigned integers of its width, so every bit
+    arrives as it left (a float sum with zeros would turn -0.0 into 0.0).
     """
     from jax.sharding import PartitionSpec as P
     from kvjax.shard._rules import DATA
@@ -540,7 +561,9 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
     cache = memory.cache
 
     def as_bits(x):
-        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")) if x.dtype.kind == "f" else x
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return x
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))   # float16, bfloat16, ...
 
     def local(ks, vs, copy_from):
         # copy_from is whole on every device: every device takes the same branch
@@ -550,30 +573,30 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
         n_local = ks[0].shape[0]
         device = jax.lax.axis_index(DATA)
         first = device * n_local
-        mine = jnp.arange(n_local) + first                                   # this device's global streams
-        want = copy_from[mine]                                               # -1: no copy into it
+        want = copy_from[jnp.arange(n_local) + first]                          # -1: no copy into it
         same = (want >= 0) & (want // n_local == device)
         # copies between this device's own streams: a local gather of the old blocks
-        local_src = jnp.where(same, want - first, jnp.arange(n_local))
-        new = [x[local_src] for x in ks + vs]
-        old = list(ks + vs)
-        for src in range(n_stream):
+        old = tuple(ks + vs)
+        new = tuple(x[jnp.where(same, want - first, jnp.arange(n_local))] for x in old)
+
+        def from_source(src, new):
             owner = src // n_local
             into = (want == src) & (owner != device)                          # local streams that copy src
             needed = jnp.any((copy_from == src) & (jnp.arange(n_stream) // n_local != owner))
 
-            def send(new, src=src, owner=owner, into=into):
+            def send(new):
                 out = []
                 for x_old, x_new in zip(old, new):
-                    block = jnp.where(device == owner, as_bits(x_old[src % n_local]), 0)
-                    block = jax.lax.psum(block, DATA)
-                    block = jax.lax.bitcast_convert_type(block, x_old.dtype) if x_old.dtype.kind == "f" else block
+                    mine = jax.lax.dynamic_index_in_dim(x_old, src % n_local, keepdims=False)
+                    block = jax.lax.psum(jnp.where(device == owner, as_bits(mine), 0), DATA)
+                    block = jax.lax.bitcast_convert_type(block, x_old.dtype)
                     out.append(jnp.where(into.reshape((-1,) + (1,) * block.ndim), block[None], x_new))
-                return out
+                return tuple(out)
 
-            new = jax.lax.cond(needed, send, lambda new: list(new), new)
-        n_k = len(ks)
-        return tuple(new[:n_k]), tuple(new[n_k:])
+            return jax.lax.cond(needed, send, lambda new: new, new)
+
+        new = jax.lax.fori_loop(0, n_stream, from_source, new)
+        return new[:len(ks)], new[len(ks):]
 
     k, v = jax.shard_map(local, mesh=mesh, in_specs=((buf,) * len(cache.k), (buf,) * len(cache.v), P()),
                          out_specs=((buf,) * len(cache.k), (buf,) * len(cache.v)),
@@ -592,7 +615,7 @@ def _apply_shifts(memory: StreamCache) -> StreamCache:
     return memory.replace(cache=cache)
 
 
-_copy_streams = JitTwins(_apply_copies, donate_argnums=0)
+_copy_streams = JitTwins(_apply_copies, static_argnums=1, donate_argnums=0)
 _shift_streams = JitTwins(_apply_shifts, donate_argnums=0)
 
 

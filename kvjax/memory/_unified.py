@@ -186,7 +186,8 @@ class KVCache(Memory):
         return self.cells.error
 
     def clear_errors(self) -> "KVCache":
-        return self._with_cells(self.cells.replace(error=jnp.zeros((), jnp.uint32)))
+        # derived from the old word, so it stays where it was (a fresh zero lands on the default device)
+        return self._with_cells(self.cells.replace(error=self.cells.error & jnp.uint32(0)))
 
     def flag_errors(self, bits) -> "KVCache":
         return self._with_cells(self.cells.replace(error=self.cells.error | jnp.asarray(bits, jnp.uint32)))

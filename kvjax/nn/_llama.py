@@ -152,7 +152,7 @@ class LlamaConfig:
             raise ValueError(f"position={self.position!r} is out of range: allowed 'rope' or 'alibi'")
         if self.rope is not None and self.rope.n_rot > self.head_size:
             raise ValueError(f"rope.n_rot={self.rope.n_rot} is out of range: allowed <= head_dim={self.head_size}")
-        check_real("alibi_max_bias", self.alibi_max_bias, above=0)
+        object.__setattr__(self, "alibi_max_bias", check_real("alibi_max_bias", self.alibi_max_bias, above=0))
         object.__setattr__(self, "norm_eps", check_real("norm_eps", self.norm_eps, above=0))
         layers = tuple(sorted(set(int(il) for il in self.swa_layers)))
         for il in layers:

@@ -44,7 +44,7 @@ from flax import nnx
 
 import kvjax
 from kvjax._typing import Array, Bool, Float, Int
-from kvjax._validate import check_flag, check_real
+from kvjax._validate import check_flag, check_real, require
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._fuse import split_qkv
@@ -272,10 +272,11 @@ def check_heads(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
 
 def check_attention_options(scale, softcap, qk_norm, norm_eps) -> None:
     """Validate the Gemma-style options of an attention layer (shared by the NNX and linen layers)."""
-    for name, value in (("scale", scale), ("softcap", softcap)):
-        check_real(name, value, above=0, optional=True)
+    for name, value in (("scale", scale), ("softcap", softcap), ("norm_eps", norm_eps)):
+        # static options of a layer (a linen module's fields are hashed): host numbers only
+        require(not isinstance(value, jax.Array), name, value, "a Python or numpy number (a static layer option)")
+        check_real(name, value, above=0, optional=name != "norm_eps")
     check_flag("qk_norm", qk_norm)
-    check_real("norm_eps", norm_eps, above=0)
 
 
 def check_layer_cache(memory: Memory, layer: int, n_kv_heads: int, head_dim: int) -> None:
