@@ -298,10 +298,9 @@ def _heads_split(stored) -> bool:
     streams over ``"data"``) the per-head loop stays: it needs a layer's float32 copy of one head,
     not of every head.
     """
-    from kvjax.shard._rules import MODEL
+    from kvjax.shard._rules import MODEL, type_mesh
 
-    mesh = getattr(getattr(jax.typeof(stored), "sharding", None), "mesh", None)
-    model = dict(getattr(mesh, "shape", {}) or {}).get(MODEL, 1)
+    model = type_mesh(stored)[1].get(MODEL, 1)
     return model > 1 and stored.shape[1] % model == 0
 
 

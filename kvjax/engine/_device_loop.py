@@ -55,7 +55,7 @@ from flax import struct
 
 import kvjax
 from kvjax._errors import CacheFullError
-from kvjax._validate import is_int, require
+from kvjax._validate import check_count
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.memory._ubatch import Ubatch, bucket_length
 
@@ -205,9 +205,7 @@ def _jit_loop(jitted_step, equal, contiguous, thold, sampling):
 
 def check_sync_every(sync_every) -> int:
     """``sync_every`` as an int in ``[1, MAX_SYNC_EVERY]``, or ``ValueError`` naming it."""
-    require(is_int(sync_every) and 1 <= sync_every <= MAX_SYNC_EVERY, "sync_every", sync_every,
-            f"an integer in [1, {MAX_SYNC_EVERY}] (tokens per sequence between two host reads)")
-    return int(sync_every)
+    return check_count("sync_every", sync_every, 1, MAX_SYNC_EVERY)
 
 
 def stop_bucket(stop_tokens: Sequence[int]) -> np.ndarray:

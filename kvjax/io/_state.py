@@ -823,15 +823,15 @@ def state_read(memory, data, seq_id: int = -1, **options):
     Options are the memory's (the unified cache: ``contiguous``, ``donate``; see
     :func:`read_unified`). A blob that does not fit raises :class:`kvjax.StateError` naming the field.
     """
-    from kvjax.shard._rules import shardings_of, spans_devices
+    from kvjax.shard._rules import shardings_of
 
     memory = require_memory(memory)
     # the blob is decoded on the host: put the result where the memory it replaces lives (read the
     # placement first, a donated memory's buffers are gone after the read): a mesh, or one device
     # other than the default one (new host arrays land on the default device)
-    default = jax.devices()[0]
-    placed = spans_devices(memory) or any(isinstance(x, jax.Array) and not is_traced(x) and x.devices() != {default}
-                                          for x in jax.tree.leaves(memory))
+    default = {jax.devices()[0]}
+    placed = any(isinstance(x, jax.Array) and not is_traced(x) and x.devices() != default
+                 for x in jax.tree.leaves(memory))
     layout = shardings_of(memory) if placed else None
     restored = memory.state_read(data, seq_id, **options)
     return restored if layout is None else jax.device_put(restored, layout)

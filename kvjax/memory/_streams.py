@@ -395,7 +395,7 @@ class StreamCache(Memory):
 
     @on_metadata
     def pending(self):
-        return jnp.any(self.copy_from >= 0) | _shift_or_defrag(self.cache.cells)
+        return jnp.any(_pending_work(self))
 
     def update(self, *, donate: bool = False) -> "StreamCache":
         if is_traced(self.copy_from) or is_traced(self.cache.cells.delta):
@@ -494,10 +494,9 @@ def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
     None. ``None`` for a buffer on one device or a mesh without a ``"data"`` axis that divides
     the streams.
     """
-    from kvjax.shard._rules import DATA, MODEL
+    from kvjax.shard._rules import DATA, MODEL, type_mesh
 
-    mesh = getattr(getattr(jax.typeof(k_all), "sharding", None), "mesh", None)
-    shape = dict(getattr(mesh, "shape", {}) or {})
+    mesh, shape = type_mesh(k_all)
     if shape.get(DATA, 1) <= 1 or k_all.shape[0] % shape[DATA]:
         return None
     heads = MODEL if shape.get(MODEL, 1) > 1 and k_all.shape[2] % shape[MODEL] == 0 else None

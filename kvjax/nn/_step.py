@@ -218,13 +218,11 @@ class Step:
             placement = _int_rows("slot", slot, t)
         if placement is not None and _on_host(placement):
             for p in range(memory.n_parts):
-                size = memory.part(p).config.size
+                name, size = ("slot" if memory.n_parts == 1 else f"placement (part {p})"), memory.part(p).config.size
                 rows = np.asarray(memory.part_slots(placement, p))
-                _check_host_rows("slot" if memory.n_parts == 1 else f"placement (part {p})", rows, -1, size,
-                                 f"cells in [-1, size={size}) (-1: not written)")
-                _check_host_rows("slot" if memory.n_parts == 1 else f"placement (part {p})", rows, -1,
-                                 windows[p], f"cells inside the window {windows[p]} the step was given (pick "
-                                             f"it with kvjax.nn.window_for)")
+                _check_host_rows(name, rows, -1, size, f"cells in [-1, size={size}) (-1: not written)")
+                _check_host_rows(name, rows, -1, windows[p], f"cells inside the window {windows[p]} the step was "
+                                                              f"given (pick it with kvjax.nn.window_for)")
         if outputs is not None:
             outputs = check_outputs(outputs, t)
         buffers, rest = memory.split()

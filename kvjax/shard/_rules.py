@@ -295,6 +295,16 @@ def reshard_like(tree, like):
     return jax.device_put(tree, shardings_of(like))
 
 
+def type_mesh(x) -> Tuple[Any, Dict[str, int]]:
+    """``(mesh, {axis name: size})`` of the mesh in ``x``'s type, traced or not (``(None, {})`` off a mesh).
+
+    Known while tracing with no mesh context (``jax.typeof(x).sharding.mesh``); the spec is not,
+    under ``Auto`` axes, so callers decide from the mesh and kvjax's rules.
+    """
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return mesh, dict(getattr(mesh, "shape", {}) or {})
+
+
 def spans_devices(tree) -> bool:
     """Whether any array leaf of ``tree`` lives on more than one device (it was placed on a mesh)."""
     return any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1
