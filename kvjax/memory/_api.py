@@ -27,7 +27,7 @@ import numpy as np
 
 from kvjax.memory import _cells
 from kvjax._typing import Array, Bool, Int, IntLike
-from kvjax.memory._protocol import Memory, Placement, require_memory
+from kvjax.memory._protocol import Memory, Placement, on_metadata, require_memory
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._errors import ErrorFlag, decode_error_bits
 from kvjax.memory._ubatch import Ubatch, equal_slots
@@ -129,28 +129,24 @@ def seq_add(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: In
     args = (as_int32(seq_id), p0, p1, as_int32(delta))
     if any(is_traced(x) for x in jax.tree.leaves(memory)):
         return memory.seq_add(*args)
-    # eagerly the op runs on the memory with its bits cleared, so a refusal shows even where an
-    # earlier jitted call left the same (sticky) bit set; the old bits are or-ed back after
-    out = memory.clear_errors().seq_add(*args)
-    _raise_refused(out, ErrorFlag.OVERFLOW | ErrorFlag.STATE_SHIFT,
-                   f"seq_add(seq_id={seq_id}, p0={p0}, p1={p1}, delta={delta})")
-    return out.flag_errors(memory.error_bits())
-
-
-def _raise_refused(out: Memory, flags: int, call: str) -> None:
-    """Eagerly, an op that its memory refused (a bit of ``flags`` set in ``out``, the result of
-    running it with the bits cleared) raises ``ValueError``; under ``jit`` the bit stays set and the
-    op was skipped (the memory passed in is unchanged either way).
-
-    Whether an op is refused depends on the positions the memory holds, so this reads one scalar
-    back from the device; traced values are never read.
-    """
-    bits = out.error_bits()
-    if is_traced(bits):
-        return
-    refused = int(bits) & int(flags)
+    # eagerly a refusal raises: whether the shift is refused depends on the positions held, so
+    # one scalar comes back from the device (one program computes the shift and the refusal)
+    out, refused = _seq_add_checked(memory, *args)
+    refused = int(refused)
     if refused:
-        raise ValueError(f"{call} was refused, the memory is unchanged: " + "; ".join(decode_error_bits(refused)))
+        raise ValueError(f"seq_add(seq_id={seq_id}, p0={p0}, p1={p1}, delta={delta}) was refused, the memory is "
+                         f"unchanged: " + "; ".join(decode_error_bits(refused)))
+    return out
+
+
+@on_metadata
+def _seq_add_checked(memory: Memory, seq_id, p0, p1, delta):
+    """``(memory.seq_add(...), the refusal bits it set)``: the shift runs with the error bits
+    cleared, so a refusal shows where an earlier jitted call left the same (sticky) bit set, and
+    the old bits are or-ed back into the result."""
+    out = memory.clear_errors().seq_add(seq_id, p0, p1, delta)
+    refused = out.error_bits() & jnp.uint32(ErrorFlag.OVERFLOW | ErrorFlag.STATE_SHIFT)
+    return out.flag_errors(memory.error_bits()), refused
 
 
 def seq_div(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, d: IntLike) -> Memory:
