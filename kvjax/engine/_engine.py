@@ -576,8 +576,10 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         prompt_cache: a :class:`kvjax.PromptCache` of this engine's memory: each prompt gets a free
             sequence id (not 0..n-1), reuses the longest parked prefix, and stays parked when
             generation ends (its id is ``stats["seq_ids"]``); least recently used parked sequences
-            are evicted when the request would not fit. Not with ``n_parallel``, a draft or
-            context shifts (``n_ctx``, ``n_keep``).
+            are evicted when the request would not fit (to its host tier, if it has one, from
+            where a better match comes back; with ``idle_to_host`` every parked sequence moves
+            there when the request ends). Not with ``n_parallel``, a draft or context shifts
+            (``n_ctx``, ``n_keep``).
         device_loop: run the decode loop on the device (``kvjax/engine/_device_loop.py``): many
             tokens per dispatch, the host reading them every ``sync_every`` tokens or when it must
             act (a sequence stops, a context shift, a new window bucket, pending work), with the
@@ -789,6 +791,8 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         if prompt_cache is not None:  # the sequences stay in the memory, parked for later requests
             for s in range(n_seq):
                 prompt_cache.park(sid[s], fed[s])
+            if prompt_cache.idle_to_host:   # ... or in host memory (and any brought back), cells freed at once
+                prompt_cache.to_host(engine)
     stats["context_shifts"] = shifts
 
 

@@ -37,16 +37,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import inspect
+from typing import List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax._errors import CacheFullError
+from kvjax._errors import CacheFullError, StateError
 from kvjax._typing import Array, Int
-from kvjax._validate import check_count
+from kvjax._validate import check_count, check_flag
+from kvjax.engine._host_tier import HostTier
 
 __all__ = ["PromptCache", "PromptStore", "match_prefix"]
 
@@ -96,11 +98,24 @@ class PromptCache:
         n_seq_max: sequence ids of the memory it serves.
         max_tokens: most tokens remembered per parked sequence (longer ones keep their first
             ``max_tokens``; a match is never longer than what is remembered).
+        host_bytes: the host tier's budget (0: none). With it, a parked sequence that must leave
+            the device (to free cells or a sequence id) moves to host memory instead of being
+            dropped, and comes back into free cells when a prompt matches it better than anything
+            on the device (:mod:`kvjax.engine._host_tier`); the least recently used host entries
+            leave when the budget is reached. llama.cpp's ``--cache-ram``.
+        idle_to_host: move every parked sequence to the host tier as soon as its request ends,
+            so parked prefixes hold no device cells and widen no window (llama.cpp's
+            ``--cache-idle-slots``); needs ``host_bytes``.
     """
 
-    def __init__(self, n_seq_max: int, max_tokens: int):
+    def __init__(self, n_seq_max: int, max_tokens: int, *, host_bytes: int = 0, idle_to_host: bool = False):
         n_seq_max = check_count("n_seq_max", n_seq_max, 1)
         max_tokens = check_count("max_tokens", max_tokens, 1)
+        host_bytes = check_count("host_bytes", host_bytes, 0)
+        self.idle_to_host = check_flag("idle_to_host", idle_to_host)
+        if idle_to_host and not host_bytes:
+            raise ValueError("idle_to_host=True is out of range with host_bytes=0: allowed with a host tier "
+                             "(host_bytes > 0), where the idle sequences go")
         if n_seq_max * max_tokens > 2**28:
             raise ValueError(f"max_tokens={max_tokens} is out of range: allowed n_seq_max * max_tokens <= 2**28")
         self.n_seq_max, self.max_tokens = n_seq_max, max_tokens
@@ -110,9 +125,16 @@ class PromptCache:
         self.clock = 0
         self._lengths = np.zeros(n_seq_max, np.int64)   # host mirror of store.length (tiny)
         self._used = np.zeros(n_seq_max, np.int64)
-        #: tokens lent to new sequences, and parked sequences evicted, since construction
+        self._tokens: List[List[int]] = [[] for _ in range(n_seq_max)]   # host mirror of store.tokens rows
+        #: the host tier (None without ``host_bytes``)
+        self.host: Optional[HostTier] = HostTier(host_bytes) if host_bytes else None
+        #: tokens lent to new sequences, and parked sequences evicted from the device (dropped, or
+        #: moved to the host tier), since construction
         self.reused_tokens = 0
         self.evictions = 0
+        #: sequences moved to the host tier and brought back from it, since construction
+        self.offloads = 0
+        self.restores = 0
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -138,12 +160,14 @@ class PromptCache:
         self.store = _set(self.store, np.int32(seq_id), row, np.int32(len(tokens)), np.int32(clock))
         self._lengths[seq_id] = len(tokens)
         self._used[seq_id] = clock
+        self._tokens[seq_id] = [int(t) for t in tokens]
 
     def forget(self, seq_id: int) -> None:
         """``seq_id`` is no longer parked (its cells are the caller's business)."""
         self.store = _set(self.store, np.int32(seq_id), np.zeros(self.max_tokens, np.int32), np.int32(0), np.int32(0))
         self._lengths[seq_id] = 0
         self._used[seq_id] = 0
+        self._tokens[seq_id] = []
 
     def _touch(self, seq_id: int) -> None:
         clock = self._tick()
@@ -176,11 +200,16 @@ class PromptCache:
         memory = engine.cache
         if memory.n_seq_max != self.n_seq_max:
             raise ValueError(f"prompt_cache has n_seq_max={self.n_seq_max}: allowed the memory's {memory.n_seq_max}")
-        saved = (self.store, self.clock, self._lengths.copy(), self._used.copy(), self.evictions)
+        saved = (self.store, self.clock, self._lengths.copy(), self._used.copy(), list(self._tokens),
+                 self.evictions, self.offloads, self.restores, self.host.snapshot() if self.host else None)
         try:
+            memory = self._from_host(memory, prompts)
             return self._attach(engine, memory, prompts, max_new_tokens)
         except Exception:
-            self.store, self.clock, self._lengths, self._used, self.evictions = saved
+            (self.store, self.clock, self._lengths, self._used, self._tokens, self.evictions, self.offloads,
+             self.restores, host) = saved
+            if host is not None:
+                self.host.restore(host)
             raise
 
     def _attach(self, engine, memory, prompts, max_new_tokens):
@@ -243,8 +272,76 @@ class PromptCache:
         return seq_ids, held
 
     def _evict(self, memory, victim: int):
+        """``victim`` leaves the device: to the host tier when there is one, else it is dropped."""
+        if self.host is not None:
+            if bool(memory.pending()):     # a blob holds no pending shift: apply it first
+                memory = memory.update()
+            if self.host.put(self._tokens[victim], memory.state_write(victim)):
+                self.offloads += 1
         memory, _ = memory.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
         self.forget(victim)
         self.evictions += 1
         self._last_evicted = victim
+        return memory
+
+    # -- the host tier ------------------------------------------------------------------------------
+
+    def to_host(self, engine, seq_ids: Optional[Sequence[int]] = None) -> List[int]:
+        """Move parked sequences (default: all) from the device to the host tier; their cells are freed.
+
+        Returns:
+            The sequence ids that left the device (a sequence larger than the whole budget is
+            dropped instead, counted in ``host.evictions``).
+        """
+        if self.host is None:
+            raise ValueError("to_host needs a host tier: allowed on a PromptCache(..., host_bytes > 0)")
+        parked = self.parked()
+        moved = parked if seq_ids is None else [int(s) for s in seq_ids]
+        for s in moved:
+            if s not in parked:
+                raise ValueError(f"seq_id={s} is out of range: allowed a parked sequence, one of {parked}")
+        memory = engine.cache
+        for s in moved:
+            memory = self._evict(memory, s)
+        engine.cache = memory
+        return moved
+
+    def _free_ids(self, memory) -> List[int]:
+        parked = set(self.parked())
+        return [s for s in range(self.n_seq_max) if s not in parked and int(memory.seq_pos_max(np.int32(s))) < 0]
+
+    def _from_host(self, memory, prompts):
+        """Bring back, into free cells, each host entry that matches a prompt better than the device does.
+
+        A sequence id or cells are made by moving the least recently used parked sequences that no
+        prompt of this request matches to the host; an entry that still does not fit stays there
+        (the prompt is then evaluated, from the device's best match).
+        """
+        if self.host is None or not len(self.host):
+            return memory
+        wanted = {}
+        for prompt in prompts:
+            key, length = self.host.match(prompt)
+            if key >= 0 and length > self.match(prompt)[1]:
+                wanted[key] = max(wanted.get(key, 0), length)
+        protected = {self.match(p)[0] for p in prompts} - {-1}
+        options = {"contiguous": False} if "contiguous" in inspect.signature(memory.state_read).parameters else {}
+        for key in wanted:
+            entry = self.host.take(key)
+            while True:
+                free = self._free_ids(memory)
+                if free:
+                    try:
+                        memory = memory.state_read(entry.blob, free[0], **options)
+                        self.park(free[0], entry.tokens.tolist())
+                        protected.add(free[0])
+                        self.restores += 1
+                        break
+                    except (StateError, CacheFullError):
+                        pass                  # not enough free cells: make room below, or give up
+                victims = [s for s in self.lru() if s not in protected]
+                if not victims:
+                    self.host.put(entry.tokens, entry.blob)   # it stays on the host
+                    break
+                memory = self._evict(memory, victims[0])
         return memory
