@@ -38,6 +38,7 @@ from kvjax.attn._attention import attention
 from kvjax.attn._streams import attend as stream_attend, attention as stream_attention, masks as stream_masks
 from kvjax.attn._windows import kv_window, window_bucket, window_buckets
 from kvjax.memory._update import update
+from kvjax.memory._sink_window import SinkWindow, sink_window_evict
 from kvjax.io._state import state_read, state_write
 from kvjax.io._session import load, save
 from kvjax.io._checkpoint import checkpoint_restore, checkpoint_save
@@ -81,6 +82,8 @@ __all__ = [
     "kq_mask", "kq_mask_bool", "pos_bucket", "rope", "k_shift", "can_shift", "update", "attention",
     "window_bucket", "window_buckets", "kv_window", "stream_masks", "stream_attention", "stream_attend",
     # defragmentation
+    # sink + window eviction (StreamingLLM): bounded cells per sequence, forever
+    "SinkWindow", "sink_window_evict",
     "fragmentation", "defrag_sched", "defrag", "defrag_plan", "DefragPlan", "compact", "compact_seq",
     # state: the seed's byte format, session files, orbax checkpoints
     "state_write", "state_read", "save", "load", "checkpoint_save", "checkpoint_restore",

@@ -57,6 +57,7 @@ import kvjax
 from kvjax._errors import CacheFullError
 from kvjax._validate import check_count
 from kvjax.engine._sampling import SamplingConfig, sample
+from kvjax.memory._sink_window import SinkWindow, evict_rows
 from kvjax.memory._ubatch import Ubatch, bucket_length
 
 # why a dispatch returned (see the module docstring); RUN only while the loop runs
@@ -99,6 +100,7 @@ class Rows:
         stops: ``i32[S]`` stop tokens, -1 padded.
         n_ctx: ``i32[]`` the context limit (``NO_LIMIT`` for none).
         limit: ``i32[]`` steps per dispatch, at most ``K`` (``sync_every``).
+        n_sink, n_recent: ``i32[]`` the sink + window rule (:class:`kvjax.SinkWindow`; unused without one).
     """
 
     seq_ids: jax.Array
@@ -107,6 +109,8 @@ class Rows:
     stops: jax.Array
     n_ctx: jax.Array
     limit: jax.Array
+    n_sink: jax.Array
+    n_recent: jax.Array
 
 
 def device_sampling_exact(key, sampling: SamplingConfig) -> bool:
@@ -139,8 +143,8 @@ def _window_ok(memory, extent, placement, windows) -> jax.Array:
     return ok
 
 
-def _loop(jitted_step, equal, contiguous, thold, sampling, state, rest, buffers, carry: Carry, rows: Rows, *,
-          windows, k):
+def _loop(jitted_step, equal, contiguous, thold, sampling, window_form, state, rest, buffers, carry: Carry,
+          rows: Rows, *, windows, k):
     t = rows.valid.shape[0]
     memory = rest.join(buffers)
     start = (carry.reason == RUN) | (carry.reason == CHUNK)
@@ -152,6 +156,16 @@ def _loop(jitted_step, equal, contiguous, thold, sampling, state, rest, buffers,
 
     def body(c):
         memory, cur, out, n_done = c
+        if window_form is not None:
+            # sink + window: the oldest token after the sinks leaves before each row's token is placed
+            # (compacted: the rest moves back and K is re-rotated here). Kept even when the step
+            # below does not run: the carry's positions say where the next token goes, and the
+            # host reads them back when the segment ends
+            memory, pos = evict_rows(memory, rows.seq_ids[:, 0], cur.pos, rows.valid, rows.n_sink, rows.n_recent,
+                                     compact=window_form == "compact")
+            if window_form == "compact":
+                memory = memory.update()
+            cur = cur.replace(pos=pos)
         ub = Ubatch(pos=cur.pos, seq_ids=rows.seq_ids, valid=rows.valid, n_seq_tokens=1 if equal else 0)
         placed, placement, ok = memory.find_slot(ub, contiguous=contiguous)
         fits = ok & _window_ok(memory, memory.extent(), placement, windows)
@@ -196,10 +210,11 @@ def _loop(jitted_step, equal, contiguous, thold, sampling, state, rest, buffers,
 
 
 @functools.lru_cache(maxsize=64)
-def _jit_loop(jitted_step, equal, contiguous, thold, sampling):
+def _jit_loop(jitted_step, equal, contiguous, thold, sampling, window_form):
     # one jitted loop per compiled step function (shared by engines of one model structure, as
-    # the step is), placement kind and policy: new prompts, keys, budgets and stops are traced
-    return jax.jit(functools.partial(_loop, jitted_step, equal, contiguous, thold, sampling),
+    # the step is), placement kind, policy and window form: new prompts, keys, budgets, stops
+    # and window sizes are traced
+    return jax.jit(functools.partial(_loop, jitted_step, equal, contiguous, thold, sampling, window_form),
                    static_argnames=("windows", "k"), donate_argnames=("buffers",))
 
 
@@ -217,7 +232,7 @@ def stop_bucket(stop_tokens: Sequence[int]) -> np.ndarray:
 
 def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next_pos: List[int],
                 counts: List[int], budgets: List[int], stops: np.ndarray, n_ctx: Optional[int], key,
-                sampling: SamplingConfig, sync_every: int, info: dict
+                sampling: SamplingConfig, sync_every: int, info: dict, window: Optional[SinkWindow] = None
                 ) -> Iterator[Tuple[int, np.ndarray]]:
     """Feed ``feed`` and keep generating on the device until the host must act.
 
@@ -237,6 +252,7 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
         sync_every: most steps per dispatch.
         info: filled with ``key`` (the key after the last step), ``reason`` (the last dispatch's)
             and ``dispatches`` (added to).
+        window: a :class:`kvjax.SinkWindow` applied before every step (on the device).
 
     Yields:
         ``(step, picked)`` per completed step: ``picked`` the ``i32[B]`` sampled tokens in row order.
@@ -272,11 +288,13 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
 
     rows = Rows(seq_ids=pad([sid[s] for s in active], -1)[:, None], valid=np.arange(t) < b,
                 budgets=pad([budgets[s] for s in active], 0), stops=stops,
-                n_ctx=np.int32(NO_LIMIT if n_ctx is None else n_ctx), limit=np.int32(sync_every))
+                n_ctx=np.int32(NO_LIMIT if n_ctx is None else n_ctx), limit=np.int32(sync_every),
+                n_sink=np.int32(window.n_sink if window else 0), n_recent=np.int32(window.n_recent if window else 1))
     carry = Carry(tokens=pad(feed, 0), pos=pad(pos, 0), counts=pad([counts[s] for s in active], 0), key=key,
                   reason=np.int32(RUN))
+    form = None if window is None else "compact" if window.compact else "masked"
     loop = _jit_loop(engine.step._jitted, memory.ubatch_split == "equal", engine.contiguous, engine.defrag_thold,
-                     sampling)
+                     sampling, form)
 
     def dispatch(carry):
         buffers, rest = engine.cache.split()
@@ -291,15 +309,18 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
         # run ahead: the next chunk is queued before this one is read (a no-op unless this one
         # returned CHUNK), so the device works while the host hands tokens out
         ahead = dispatch(current[0])
-        out, n_done, reason = jax.device_get((current[1], current[2], current[0].reason))
+        out, n_done, reason, pos = jax.device_get((current[1], current[2], current[0].reason, current[0].pos))
         for i in range(int(n_done)):
             for j, s in enumerate(active):
-                next_pos[s] += 1
+                next_pos[s] += 1 - (window.evicted(next_pos[s]) if window else 0)
                 counts[s] += 1
             engine.n_decoded += b
             yield step, out[i, :b]
             step += 1
         if int(reason) != CHUNK:
+            if window is not None:   # an eviction that ran before a step that did not (see _loop)
+                for j, s in enumerate(active):
+                    next_pos[s] = int(pos[j])
             info["reason"] = REASONS[int(reason)]
             info["key"] = ahead[0].key
             return

@@ -55,6 +55,8 @@ from kvjax.engine._device_loop import (check_sync_every, device_sampling_exact, 
 from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax.engine._speculative import check_draft, speculative_stream
 from kvjax.engine._prompt_cache import PromptCache
+from kvjax.memory._sink_window import SinkWindow, check_window_memory, sink_window_evict
+from kvjax.memory._streams import StreamCache
 from kvjax.memory._protocol import Memory, require_memory
 from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
 from kvjax.nn._step import make_step, output_bucket
@@ -545,7 +547,7 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                     share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
                     n_keep: int = 0, draft: Optional["Engine"] = None, n_draft: int = 4,
                     prompt_cache: Optional[PromptCache] = None, device_loop: bool = True, sync_every: int = 32,
-                    stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
+                    window: Optional[SinkWindow] = None, stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
     """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
 
     Args:
@@ -590,6 +592,13 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         sync_every: with the device loop, most tokens per sequence between two host reads, in
             ``[1, 4096]``: tokens are yielded in chunks of up to this many per sequence (rounded up
             to a power of two, it sets a buffer's static shape).
+        window: a :class:`kvjax.SinkWindow`: instead of context shifts, each sequence keeps its
+            first ``n_sink`` and latest ``n_recent`` tokens, the oldest after the sinks leaving as
+            each token is placed (StreamingLLM; ``kvjax/memory/_sink_window.py``), so generation
+            runs without end in ``n_sink + n_recent`` cells per sequence. Not with ``n_ctx``,
+            ``n_keep``, a ``prompt_cache`` or a ``draft``; prompts of at most ``n_sink + n_recent``
+            tokens; with the compacted form only the first ``n_sink`` prompt tokens are shared
+            between sequences (a shift would move shared cells for all of them).
         stats: when given, filled with ``prompt_tokens``, ``ttft``, ``context_shifts``,
             ``dispatches`` (device-loop dispatches) (and ``drafted``, ``accepted`` with a draft).
 
@@ -630,6 +639,13 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     else:
         budgets = [max_new_tokens] * n_seq
     stats = {} if stats is None else stats
+    if window is not None:
+        if not isinstance(window, SinkWindow):
+            raise ValueError(f"window must be a kvjax.SinkWindow, got {type(window).__name__}")
+        if n_ctx is not None or n_keep or prompt_cache is not None or draft is not None:
+            raise ValueError("window= is out of range with n_ctx, n_keep, prompt_cache or draft: a sink + window "
+                             "memory evicts a token per token instead of shifting the context")
+        check_window_memory(engine.cache, window)
     if draft is not None:
         if n_parallel > 1 or n_ctx is not None or n_keep:
             raise ValueError("draft= is out of range with n_parallel > 1, n_ctx or n_keep: speculative decoding "
@@ -664,7 +680,27 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                              f"its continuation must fit in size={limit} cells (nothing is shifted with a prompt cache)")
         sid, held = prompt_cache.attach(engine, prompts, max_new_tokens)
         limit, share_prefix = None, False
-    if limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
+    if window is not None:
+        top = engine.cache.context_per_sequence(n_seq) if limit is not None else 2**31 - 1
+        if window.n_cells > top:
+            raise ValueError(f"window={window} is out of range: allowed n_sink + n_recent <= {top} (the cells per "
+                             f"sequence with {n_seq} sequence{'s' if n_seq != 1 else ''})")
+        if longest > window.n_cells:
+            raise ValueError(f"a prompt of {longest} tokens is out of range: allowed at most n_sink + n_recent = "
+                             f"{window.n_cells} tokens with window=")
+        memory = engine.cache
+        one_per_stream = isinstance(memory, StreamCache) and memory.config.n_stream == memory.n_seq_max
+        if n_seq > 1 and engine.contiguous and not one_per_stream:
+            raise ValueError(f"window= with {n_seq} sequences in one pool of cells is out of range with "
+                             f"Engine(contiguous=True): evictions leave single free cells between the sequences, "
+                             f"where a contiguous ubatch of {n_seq} tokens does not fit; allowed an "
+                             f"Engine(..., contiguous=False), or per-sequence streams (kvjax.StreamsConfig)")
+        if window.compact and n_parallel > 1 and len(prompts[0]) > window.n_sink:
+            raise ValueError(f"n_parallel={n_parallel} is out of range with window=SinkWindow(compact=True) and a "
+                             f"prompt of {len(prompts[0])} tokens: the shared prompt would move for every "
+                             f"continuation; allowed a prompt of at most n_sink={window.n_sink} tokens, or "
+                             f"compact=False")
+    elif limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
         n_ctx = None
     else:
         top = engine.cache.context_per_sequence(n_seq) if limit is not None else (2**31 - 1) // n_seq
@@ -691,6 +727,8 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         shared, own = prompts[0], [[] for _ in range(n_seq)]  # the whole prompt, shared
     elif share_prefix and n_seq > 1:
         n_common = min(_common_prefix(prompts), min(len(p) for p in prompts) - 1)
+        if window is not None and window.compact:   # shared cells must never be shifted
+            n_common = min(n_common, window.n_sink)
         shared, own = prompts[0][:n_common], [p[n_common:] for p in prompts]
     else:
         shared, own = [], prompts
@@ -754,13 +792,18 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
                     n_discard = (next_pos[s] - n_keep) // 2
                     next_pos[s] = engine.context_shift(sid[s], n_keep, n_discard)
                     shifts += 1
+                if window is not None and next_pos[s] >= window.n_cells:
+                    # full: the oldest token after the sinks leaves (the device loop does it for
+                    # the tokens after this one)
+                    engine.cache, _ = sink_window_evict(engine.cache, sid[s], next_pos[s], window)
+                    next_pos[s] -= window.evicted(next_pos[s])
             active, feed = [s for s, _ in still], [t for _, t in still]
             steps = 0
             if on_device and len(active) <= engine.n_ubatch:
                 # many steps per dispatch; it returns when a sequence stops, a shift is due, the
                 # window bucket changes or pending work must be applied (the next round does it)
                 for _, picked in run_segment(engine, active, sid, feed, next_pos, counts, budgets, stops, n_ctx,
-                                             key, sampling, sync_every, info):
+                                             key, sampling, sync_every, info, window):
                     for s, t in zip(active, feed):
                         fed[s].append(t)
                     feed = picked.tolist()
@@ -809,7 +852,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
         sampling: the sampling rule.
         on_token: called with ``(sequence index, token)`` as each token comes (streaming).
         **options: ``n_parallel``, ``share_prefix``, ``stop_tokens``, ``n_ctx``, ``n_keep``, ``draft``,
-            ``n_draft``, ``prompt_cache``, ``device_loop``, ``sync_every``.
+            ``n_draft``, ``prompt_cache``, ``device_loop``, ``sync_every``, ``window``.
     """
     stats: dict = {}
     n_parallel = check_count("n_parallel", options.get("n_parallel", 1), 1)
