@@ -258,6 +258,25 @@ def test_interactive_turns_from_the_input(folder):
     assert report.prompt_text.endswith("the lazy dog<|im_end|>\n<|im_start|>assistant\n")   # the first turn's
 
 
+def test_cache_ram_turns_reuse_the_conversation_from_host_memory(folder):
+    """``--cache-ram``: the turns share one memory and a prompt cache whose host tier holds the
+    conversation between turns (its cells freed), so a later turn evaluates only what the
+    conversation added; the replies are exactly those of fresh memories with every turn recomputed."""
+    lines = "quick brown\nover the fox\n"
+    args = dict(chat=True, chat_template="chatml", system="be brief", interactive=True, max_new_tokens=4, ctx=160)
+    plain = _generate.run(folder, "the lazy dog", inp=io.StringIO(lines), out=io.StringIO(), err=io.StringIO(), **args)
+    err = io.StringIO()
+    cached = _generate.run(folder, "the lazy dog", inp=io.StringIO(lines), out=io.StringIO(), err=err, cache_ram=1,
+                           **args)
+    assert cached.replies == plain.replies and len(cached.replies) == 3
+    tok = Tokenizer.from_pretrained(folder)
+    for turn in (1, 2):
+        _, ids = _generate.chat_prompt(tok, plain.conversation[:2 + 2 * turn], chat_template_by_name("chatml"))
+        assert plain.turn_prompt_tokens[turn] == len(ids)           # recomputed from the first token
+        assert cached.turn_prompt_tokens[turn] < len(ids) // 2      # the conversation so far came back from host
+    assert "prompt cache: 3 turns" in err.getvalue() and "3 moves out, 2 back" in err.getvalue()
+
+
 @pytest.mark.parametrize("lines, max_turns, n_replies", [
     ("one\ntwo\nthree\n", 2, 2),     # --max-turns counts the --prompt turn
     ("one\n\nignored\n", 16, 2),      # an empty line ends the chat
@@ -276,6 +295,10 @@ def test_interactive_ends(folder, lines, max_turns, n_replies):
     (dict(interactive="yes"), r"--interactive 'yes' is out of range: allowed True or False"),
     (dict(interactive=True, ctx=40, inp=io.StringIO("the quick brown fox jumps over the lazy dog again\n")),
      r"--ctx 40 is out of range for the conversation of \d+ tokens at turn 2: allowed > \d+"),
+    (dict(cache_ram=-1), r"--cache-ram -1 is out of range: allowed an integer number of MiB >= 0"),
+    (dict(cache_ram=1, n_parallel=2), r"--n-parallel 2 is out of range with --cache-ram: allowed 1"),
+    (dict(cache_ram=1, ctx=30, max_new_tokens=12),
+     r"--max-new-tokens 12 is out of range with --cache-ram and a prompt of \d+ tokens: allowed <= \d+"),
 ])
 def test_bad_interactive_arguments(folder, kwargs, match):
     args = dict(chat=True, chat_template="chatml", max_new_tokens=2)

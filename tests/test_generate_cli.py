@@ -99,6 +99,25 @@ def test_parallel_greedy_continuations_on_streams_and_one_buffer(folder, kv_unif
     assert got == want[:len(got)]
 
 
+def test_sink_window_generates_past_its_cells(folder):
+    """``--sink-window 2,14``: greedy runs 28 tokens in 16 cells (to its EOS), the tokens of
+    ``kvjax.generate`` with the same
+    :class:`kvjax.SinkWindow` (whose steps are proven against recomputing over the kept tokens in
+    tests/test_sink_window.py), on a memory of 16 cells whatever ``--ctx`` says."""
+    err = io.StringIO()
+    report = _generate.run(folder, "the lazy dog", max_new_tokens=60, temperature=0.0, seed=1, ctx=8,
+                           sink_window=(2, 14), padding=16, out=io.StringIO(), err=err)
+    model = kvjax.nn.from_pretrained(folder)
+    kvjax.nn.fuse_projections(model)
+    ids = Tokenizer.from_pretrained(folder).encode("the lazy dog")
+    memory = kvjax.init(kvjax.nn._pretrained.memory_config_for(model, size=16, n_seq_max=1, padding=16))
+    want = kvjax.generate(kvjax.Engine(model, memory, n_ubatch=64), [ids], max_new_tokens=60,
+                          key=jax.random.PRNGKey(1), stop_tokens=[1], window=kvjax.SinkWindow(2, 14),
+                          sampling=kvjax.SamplingConfig(temperature=0.0))
+    assert report.tokens == want.tokens and len(report.tokens[0]) + len(ids) > 2 * 16
+    assert "16 positions x 1 sequences" in err.getvalue()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n_parallel=0), r"--n-parallel 0 is out of range: allowed an integer in \[1, 64\]"),
     (dict(max_new_tokens=0), r"--max-new-tokens 0 is out of range: allowed an integer >= 1"),
@@ -111,6 +130,10 @@ def test_parallel_greedy_continuations_on_streams_and_one_buffer(folder, kv_unif
     (dict(padding=True), r"--padding True is out of range: allowed an integer >= 1"),
     (dict(kv_unified=1), r"--kv-unified 1 is out of range: allowed True or False"),
     (dict(prompt=""), r"--prompt '' is out of range: allowed a non-empty text"),
+    (dict(sink_window=(2, 0)), r"--sink-window \(2, 0\) is out of range: allowed N_SINK,N_RECENT with N_RECENT >= 1"),
+    (dict(sink_window=(1, 2)), r"--sink-window 1,2 is out of range for a prompt of \d+ tokens: allowed N_SINK \+ "
+                               r"N_RECENT >= \d+"),
+    (dict(sink_window=(2, 8), cache_ram=4), r"--sink-window is out of range with --cache-ram"),
 ])
 def test_run_bad_arguments(folder, kwargs, match):
     args = dict(prompt="the lazy dog jumps over")
@@ -178,3 +201,5 @@ def test_command_line(folder):
     assert "tokens/s" in done.stderr and "compile " in done.stderr
     bad = subprocess.run(cmd[:-2] + ["--ctx", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "error: --ctx 2 is out of range" in bad.stderr
+    bad = subprocess.run(cmd + ["--sink-window", "4"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "--sink-window: '4' is out of range: allowed N_SINK,N_RECENT" in bad.stderr

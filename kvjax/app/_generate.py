@@ -26,7 +26,7 @@ import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, TextIO
+from typing import List, Optional, TextIO, Tuple
 
 # jax and kvjax are imported inside the functions: ``python -m kvjax`` builds this parser for every
 # subcommand and should not pay for them there
@@ -60,6 +60,9 @@ class Report:
     #: turn's reply (one turn, or several with ``--interactive``; the speeds above are the first's)
     conversation: List[dict] = field(default_factory=list)
     replies: List[str] = field(default_factory=list)
+    #: prompt tokens evaluated at each turn (with ``--cache-ram`` a turn evaluates only what the
+    #: prompt cache does not hold of its conversation)
+    turn_prompt_tokens: List[int] = field(default_factory=list)
 
 
 def load(path, dtype: str = "float32"):
@@ -186,8 +189,8 @@ def chat_prompt(tok, messages, template: str):
 def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 64, temperature: float = 0.0,
         cache_type: str = "float32", ctx: int = 512, seed: int = 0, dtype: str = "float32", n_ubatch: int = 64,
         padding: int = DEFAULT_PADDING, kv_unified: bool = False, chat: bool = False, system: Optional[str] = None,
-        chat_template: Optional[str] = None, interactive: bool = False, max_turns: int = 16,
-        out: TextIO = sys.stdout, err: TextIO = sys.stderr, inp: TextIO = sys.stdin) -> Report:
+        chat_template: Optional[str] = None, interactive: bool = False, max_turns: int = 16, cache_ram: int = 0,
+        sink_window: Optional[Tuple[int, int]] = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr, inp: TextIO = sys.stdin) -> Report:
     """Load, generate with streaming to ``out``, report to ``err``; the measured :class:`Report`.
 
     With ``chat`` the prompt is the user's turn (after a ``system`` message when given), rendered
@@ -196,6 +199,17 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     ``interactive`` each further line of ``inp`` is the user's next turn (after a ``> `` prompt on
     ``out``), answered with the whole conversation as the prompt, until the end of ``inp``, an
     empty line or ``max_turns`` user turns in all.
+
+    With ``cache_ram`` (MiB, llama.cpp's ``--cache-ram``) the turns share one memory and a
+    :class:`kvjax.PromptCache` with a host tier of that many MiB: when a turn ends its sequence
+    moves to host memory (its cells freed, llama.cpp's ``--cache-idle-slots``), and the next turn
+    brings it back and evaluates only the tokens the conversation added. Nothing is shifted then,
+    so a turn's prompt and ``max_new_tokens`` must fit in ``ctx`` positions.
+
+    With ``sink_window = (n_sink, n_recent)`` each sequence keeps its first ``n_sink`` and latest
+    ``n_recent`` tokens (:class:`kvjax.SinkWindow`, StreamingLLM: the oldest other token leaves as
+    each one is placed, the rest re-rotated to compacted positions), in ``n_sink + n_recent``
+    cells per sequence instead of ``ctx``: generation runs as long as ``max_new_tokens`` asks.
 
     Raises:
         ValueError: a bad argument (named with its allowed values) or a bad checkpoint.
@@ -227,6 +241,19 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
         raise ValueError(f"--n-parallel {n_parallel} is out of range with --interactive: allowed 1")
     _check("--max-turns", max_turns, isinstance(max_turns, int) and not isinstance(max_turns, bool) and max_turns >= 1,
            "an integer >= 1")
+    _check("--cache-ram", cache_ram, isinstance(cache_ram, int) and not isinstance(cache_ram, bool) and
+           0 <= cache_ram <= 2**40, "an integer number of MiB >= 0 (0: no prompt cache)")
+    if cache_ram and n_parallel != 1:
+        raise ValueError(f"--n-parallel {n_parallel} is out of range with --cache-ram: allowed 1 (a cached request "
+                         f"is one sequence)")
+    if sink_window is not None:
+        ok = (isinstance(sink_window, tuple) and len(sink_window) == 2 and
+              all(isinstance(v, int) and not isinstance(v, bool) for v in sink_window) and
+              sink_window[0] >= 0 and sink_window[1] >= 1)
+        _check("--sink-window", sink_window, ok, "N_SINK,N_RECENT with N_RECENT >= 1 and N_SINK >= 0")
+        if cache_ram:
+            raise ValueError("--sink-window is out of range with --cache-ram: allowed one of them (a window "
+                             "evicts what a prompt cache would reuse)")
     # a bad --chat-template fails before the model loads (the model's own is read with its tokenizer)
     template = resolve_chat_template(None, chat_template) if chat_template is not None else None
 
@@ -258,8 +285,25 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     if max(ids) >= vocab:
         raise ValueError(f"the tokenizer gives id {max(ids)} for the prompt but the model has vocab_size={vocab}: "
                          f"allowed a tokenizer that matches the model")
-    if len(ids) >= ctx:
+    window = None
+    if sink_window is not None:
+        window = kvjax.SinkWindow(*sink_window)
+        ctx = window.n_cells   # the cells per sequence: the window replaces the context
+        if len(ids) > ctx:
+            raise ValueError(f"--sink-window {sink_window[0]},{sink_window[1]} is out of range for a prompt of "
+                             f"{len(ids)} tokens: allowed N_SINK + N_RECENT >= {len(ids)}")
+    elif len(ids) >= ctx:
         raise ValueError(f"--ctx {ctx} is out of range for a prompt of {len(ids)} tokens: allowed > {len(ids)}")
+
+    def check_fits(n_prompt, turn=1):
+        # with a prompt cache nothing is shifted: the prompt and its whole reply take cells
+        if cache_ram and n_prompt + max_new_tokens > ctx:
+            where = f" at turn {turn}" if turn > 1 else ""
+            raise ValueError(f"--max-new-tokens {max_new_tokens} is out of range with --cache-ram and a prompt of "
+                             f"{n_prompt} tokens{where}: allowed <= {ctx - n_prompt} (nothing is shifted with a "
+                             f"prompt cache: raise --ctx, or leave --cache-ram out for context shifts)")
+
+    check_fits(len(ids))
 
     from kvjax.nn._mamba import Mamba
 
@@ -270,19 +314,37 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
                              f"allowed 'float32'")
     else:
         overrides = dict(k_dtype=cache_type, v_dtype=cache_type, padding=padding)
-    mem_cfg = memory_config_for(model, size=ctx * n_parallel, n_seq_max=n_parallel, **overrides)
+    if window is not None and isinstance(model, Mamba):
+        raise ValueError("--sink-window is out of range for a Mamba: its state is not made of cells to evict; "
+                         "allowed with attention models")
+    # with a prompt cache a second sequence id takes a turn whose prompt differs from the parked
+    # conversation (their cells shared as far as they agree)
+    mem_cfg = memory_config_for(model, size=ctx * n_parallel, n_seq_max=n_parallel + (1 if cache_ram else 0),
+                                **overrides)
     if n_parallel > 1 and not kv_unified and isinstance(mem_cfg, kvjax.CacheConfig):
         # llama.cpp's default for several sequences: a stream of ctx cells per sequence, so each
         # sequence attends over its own cells only (the prompt is evaluated once and its stream copied)
         mem_cfg = kvjax.StreamsConfig(memory_config_for(model, size=ctx, n_seq_max=n_parallel, **overrides))
     stop = [i for i in (chat_stop_ids(tok, chat_template) if chat else tok.eos_ids) if i < vocab]
-    options = dict(n_parallel=n_parallel, stop_tokens=stop, n_ctx=ctx,
-                   sampling=kvjax.SamplingConfig(temperature=float(temperature)))
+    options = dict(n_parallel=n_parallel, stop_tokens=stop, sampling=kvjax.SamplingConfig(temperature=float(temperature)))
+
+    def context(n_prompt, cache=None):
+        # a context shift (n_ctx, n_keep) without a prompt cache; with one, the cache's parked turns
+        if cache_ram:
+            return dict(prompt_cache=cache)
+        if window is not None:
+            return dict(window=window)
+        return dict(n_ctx=ctx, n_keep=min(n_prompt, ctx // 4))
+
+    def prompt_cache():
+        return kvjax.PromptCache(mem_cfg.n_seq_max, ctx, host_bytes=cache_ram * 2**20, idle_to_host=True)
+
     # warm-up on a memory of its own: the prompt's programs and the first decode step compile here,
     # so the timed run below measures evaluation (new window buckets later are counted apart)
     warm = generate(Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch), [ids], max_new_tokens=min(2, max_new_tokens),
-                    key=jax.random.PRNGKey(seed), n_keep=min(len(ids), ctx // 4), **options)
+                    key=jax.random.PRNGKey(seed), **context(len(ids), prompt_cache() if cache_ram else None), **options)
     engine = Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch)
+    cache = prompt_cache() if cache_ram else None
     streamer = [tok.stream()]   # one per turn
 
     def on_token(seq, token):
@@ -293,7 +355,8 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     out.write(shown)
     out.flush()
     result = generate(engine, [ids], max_new_tokens=max_new_tokens, key=jax.random.PRNGKey(seed), on_token=on_token,
-                      n_keep=min(len(ids), ctx // 4), **options)
+                      **context(len(ids), cache), **options)
+    turn_prompt_tokens = [result.prompt_tokens]
     out.write(streamer[0].flush() + "\n")
     texts = [tok.decode(t) for t in result.tokens]
     for i in range(1, len(texts)):
@@ -303,9 +366,10 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     if chat:
         messages.append({"role": "assistant", "content": texts[0]})
     for turn in range(2, max_turns + 1) if interactive else ():
-        # the next user turn; the whole conversation is the prompt of a fresh memory (the programs
+        # the next user turn; the whole conversation is the prompt, of a fresh memory (the programs
         # compiled above are cached across engines and reused; a longer conversation may add a
-        # larger window bucket's)
+        # larger window bucket's), or with --cache-ram of the one memory, where the prompt cache
+        # brings the conversation so far back from the host
         out.write("> ")
         out.flush()
         line = inp.readline()
@@ -319,10 +383,13 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
         if len(turn_ids) >= ctx:
             raise ValueError(f"--ctx {ctx} is out of range for the conversation of {len(turn_ids)} tokens at turn "
                              f"{turn}: allowed > {len(turn_ids)}")
+        check_fits(len(turn_ids), turn)
         streamer[0] = tok.stream()
-        answer = generate(Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch), [turn_ids],
-                          max_new_tokens=max_new_tokens, key=jax.random.fold_in(jax.random.PRNGKey(seed), turn),
-                          on_token=on_token, n_keep=min(len(turn_ids), ctx // 4), **options)
+        turn_engine = engine if cache_ram else Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch)
+        answer = generate(turn_engine, [turn_ids], max_new_tokens=max_new_tokens,
+                          key=jax.random.fold_in(jax.random.PRNGKey(seed), turn), on_token=on_token,
+                          **context(len(turn_ids), cache), **options)
+        turn_prompt_tokens.append(answer.prompt_tokens)
         out.write(streamer[0].flush() + "\n")
         out.flush()
         replies.append(tok.decode(answer.tokens[0]))
@@ -333,7 +400,7 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     n_gen = sum(len(t) for t in result.tokens)
     report = Report(texts, result.tokens, result.prompt_tokens, load_seconds, compile_seconds, prompt_tps,
                     result.steady_tokens_per_second, prompt_text=text, prompt_ids=list(ids), conversation=messages,
-                    replies=replies)
+                    replies=replies, turn_prompt_tokens=turn_prompt_tokens)
     cfg = model.config
     n_shift = result.context_shifts
     shifts = f"; {n_shift} context shift{'s' if n_shift != 1 else ''}" if n_shift else ""
@@ -346,8 +413,26 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     n_seq = len(result.tokens)
     err.write(f"prompt: {result.prompt_tokens} tokens, {prompt_tps:.1f} tokens/s; generated: {n_gen} tokens over "
               f"{n_seq} sequence{'s' if n_seq != 1 else ''}, {result.steady_tokens_per_second:.1f} tokens/s{shifts}\n")
+    if cache is not None:
+        held = sum(len(cache.host.entry(k).tokens) for k in cache.host.keys())
+        n_turns = len(turn_prompt_tokens)
+        err.write(f"prompt cache: {n_turns} turn{'s' if n_turns != 1 else ''}, {sum(turn_prompt_tokens)} prompt "
+                  f"tokens evaluated; host tier {cache.host.nbytes / 2**20:.2f} "
+                  f"of {cache_ram} MiB ({held} tokens), {cache.offloads} moves out, {cache.restores} back\n")
     err.flush()
     return report
+
+
+def _sink_window_arg(text: str) -> Tuple[int, int]:
+    """``--sink-window``'s ``N_SINK,N_RECENT`` as two integers (the ranges are checked by :func:`run`)."""
+    import argparse
+
+    try:
+        n_sink, n_recent = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range: allowed N_SINK,N_RECENT, two integers "
+                                         f"(for example 4,252)") from None
+    return n_sink, n_recent
 
 
 def main(argv_args) -> int:
@@ -357,7 +442,7 @@ def main(argv_args) -> int:
         run(a.model, a.prompt, n_parallel=a.n_parallel, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
             cache_type=a.cache_type, ctx=a.ctx, seed=a.seed, dtype=a.dtype, n_ubatch=a.ubatch, padding=a.padding,
             kv_unified=a.kv_unified, chat=a.chat, system=a.system, chat_template=a.chat_template,
-            interactive=a.interactive, max_turns=a.max_turns)
+            interactive=a.interactive, max_turns=a.max_turns, cache_ram=a.cache_ram, sink_window=a.sink_window)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -399,3 +484,12 @@ def add_parser(sub) -> None:
                         "of --ctx cells per sequence, llama.cpp's default; models with window layers always "
                         "share one)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--cache-ram", type=int, default=0, metavar="MIB",
+                   help="a prompt cache with a host-memory tier of MIB MiB (llama.cpp's --cache-ram): each turn's "
+                        "sequence moves to host memory when it ends and the next --interactive turn evaluates only "
+                        "what the conversation added; nothing is shifted, so prompt + --max-new-tokens must fit "
+                        "--ctx (default 0: no prompt cache)")
+    g.add_argument("--sink-window", type=_sink_window_arg, default=None, metavar="N_SINK,N_RECENT",
+                   help="keep each sequence's first N_SINK and latest N_RECENT tokens (StreamingLLM; the rest "
+                        "re-rotated to compacted positions), in N_SINK + N_RECENT cells instead of --ctx: "
+                        "generation runs as long as --max-new-tokens asks")
