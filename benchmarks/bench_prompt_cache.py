@@ -31,6 +31,17 @@ def _workload(model, tok, users, turns, with_cache):
     cfg = model.config
     engine = kvjax.Engine(model, kvjax.init(cfg.cache_config(size=2048, n_seq_max=users + 2, padding=64)), n_ubatch=64)
     cache = kvjax.PromptCache(n_seq_max=users + 2, max_tokens=2048) if with_cache else None
+    ttft, evaluated, chats = multi_turn(engine, tok, users, turns, cache)
+    return statistics.median(ttft), evaluated, sum(len(c) for c in chats)
+
+
+def multi_turn(engine, tok, users, turns, cache):
+    """Users interleaved round-robin, each request its user's conversation so far plus a new turn.
+
+    Returns:
+        ``(time to first token of each request, prompt tokens evaluated, the conversations)``;
+        without a ``cache`` every request runs on a cleared memory.
+    """
     chats = [f"User {u}: The file " for u in range(users)]
     ttft, evaluated = [], 0
     for t in range(turns):
@@ -46,7 +57,7 @@ def _workload(model, tok, users, turns, with_cache):
             ttft.append(out.time_to_first_token)
             evaluated += out.prompt_tokens
             chats[u] += tok.decode(out.tokens[0]) + TURNS[(t + u) % len(TURNS)]
-    return statistics.median(ttft), evaluated, sum(len(c) for c in chats)
+    return ttft, evaluated, chats
 
 
 def _match_cost(repeats):

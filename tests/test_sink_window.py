@@ -25,6 +25,7 @@ V = 24
 GREEDY = kvjax.SamplingConfig(temperature=0)
 ONE_LAYER = LlamaConfig(vocab_size=V, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)
 TWO_LAYERS = LlamaConfig(vocab_size=V, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1)
+SWA = LlamaConfig(vocab_size=V, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1, swa_layers=(0,), n_swa=6)
 MODELS = {}
 
 
@@ -37,6 +38,10 @@ def model(cfg):
 
 
 def make_engine(kind, cfg=TWO_LAYERS, n_seq=2, per_seq=16):
+    if kind == "iswa":            # layer 0 windowed (6 positions), layer 1 full: the rule runs on both parts
+        memory = kvjax.init(kvjax.IswaConfig(SWA.cache_config(size=per_seq * n_seq, n_seq_max=n_seq, padding=16),
+                                             swa_layers=(0,), n_swa=6, n_batch=16))
+        return kvjax.Engine(model(SWA), memory, contiguous=False)
     if kind == "streams":
         return kvjax.Engine(model(cfg), kvjax.init(kvjax.StreamsConfig(cfg.cache_config(size=per_seq, n_seq_max=n_seq,
                                                                                           padding=16))))
@@ -45,6 +50,10 @@ def make_engine(kind, cfg=TWO_LAYERS, n_seq=2, per_seq=16):
 
 
 def positions_of(memory, seq):
+    if isinstance(memory, kvjax.IswaCache):
+        # the window part holds a subset of the full part's cells (its own window prunes more)
+        assert set(positions_of(memory.swa, seq)) <= set(positions_of(memory.base, seq))
+        return positions_of(memory.base, seq)
     part = memory.stream(memory.stream_of(seq)) if isinstance(memory, kvjax.StreamCache) else memory
     table = kvjax.cell_table(part)
     return sorted(table.pos[table.seqs[:, seq]].tolist())
@@ -60,7 +69,7 @@ def expected_positions(n_fed, window):
     return kept[:window.n_sink] + kept[n_fed - window.n_recent:]
 
 
-@pytest.mark.parametrize("kind", ["unified", "streams"])
+@pytest.mark.parametrize("kind", ["unified", "streams", "iswa"])
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "masked"])
 def test_cells_follow_the_rule_after_every_step(kind, compact):
     eng = make_engine(kind)
