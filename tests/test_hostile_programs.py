@@ -126,7 +126,7 @@ def _run(row, ops):
 
 
 @pytest.mark.parametrize("row", ROWS)
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_no_program_loses_a_cell(row, data):
     _run(row, data.draw(_programs(row.make().n_seq_max), label="program"))

@@ -209,8 +209,8 @@ def run_program(ops, size, n_seq_max, n_states, jitted, pad=0):
     return memory
 
 
-# 10 programs by default; the long run below draws 400 with -m slow
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 6 programs by default; the long run below draws 400 with -m slow
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), size=st.sampled_from([1, 2, 3, 5]), n_states=st.sampled_from([1, 3]))
 def test_lock_step_with_the_reference(data, size, n_states):
     """Every cell, tail, input row and kept state equals the reference's after every operation."""
