@@ -95,6 +95,30 @@ def test_cached_generation_equals_fresh_generation(kind, sampling, n_requests):
     assert len(cache.parked()) <= 4
 
 
+@pytest.mark.parametrize("kind", ["unified", "recurrent", "hybrid"])
+def test_a_generator_closed_while_the_device_runs_ahead_parks_a_true_prefix(kind):
+    """The device loop runs chunks ahead of the tokens handed out; closing the generator early
+    parks the tokens handed out and fed while the memory may hold more cells (or a later state).
+    A later request that extends what was handed out gets exactly a fresh memory's tokens."""
+    eng = engine(kind)
+    cache = kvjax.PromptCache(n_seq_max=4, max_tokens=64)
+    prompt = [1, 2, 3, 4, 5]
+    stream = kvjax.generate_stream(eng, [prompt], max_new_tokens=30, key=jax.random.PRNGKey(0), sampling=GREEDY,
+                                   prompt_cache=cache, sync_every=16)
+    handed = [next(stream)[1] for _ in range(4)]
+    stream.close()
+    (parked,) = cache.parked()
+    held = int(kvjax.seq_pos_max(eng.cache, parked)) + 1
+    assert cache.match(prompt + handed)[1] == len(prompt) + 3   # fed: the prompt and 3 of the 4 tokens handed out
+    if kind == "unified":
+        assert held > len(prompt) + 3                             # the device had run ahead
+    follow = prompt + handed + [6, 7]
+    got = kvjax.generate(eng, [follow], max_new_tokens=6, key=jax.random.PRNGKey(1), sampling=GREEDY,
+                         prompt_cache=cache)
+    want = kvjax.generate(engine(kind), [follow], max_new_tokens=6, key=jax.random.PRNGKey(1), sampling=GREEDY)
+    assert got.tokens == want.tokens
+
+
 def test_reuse_and_eviction_on_a_small_memory():
     """More conversations than sequence ids and cells: the least recently used are evicted."""
     eng = engine("unified", size=48, n_seq=3)

@@ -586,7 +586,7 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
             tokens per dispatch, the host reading them every ``sync_every`` tokens or when it must
             act (a sequence stops, a context shift, a new window bucket, pending work), with the
             same tokens as the host loop for the same key. The host loop runs instead (False, or
-            where the device loop cannot: a ``draft``, a ``prompt_cache``, more live sequences than
+            where the device loop cannot: a ``draft``, more live sequences than
             ``engine.n_ubatch``, a key whose device draws would differ, see
             ``device_sampling_exact``).
         sync_every: with the device loop, most tokens per sequence between two host reads, in
@@ -768,10 +768,12 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     counts = [0] * n_seq
     fed = [list(p) for p in (prompts * n_seq if n_parallel > 1 else prompts)]   # the tokens each sequence holds
     shifts = 0
-    # the device loop, where it gives the host loop's tokens (see kvjax/engine/_device_loop.py); a
-    # prompt cache parks what each sequence holds when the generator is closed, which the host
-    # loop knows token by token
-    on_device = device_loop and prompt_cache is None and device_sampling_exact(key, sampling)
+    # the device loop, where it gives the host loop's tokens (see kvjax/engine/_device_loop.py). A
+    # prompt cache parks ``fed``, the tokens handed out and fed; a generator closed early may have
+    # left the device a step or a chunk ahead, so a parked sequence then holds cells past its
+    # tokens: only a prefix is ever lent (share_prefix up to the match), and a sequence whose
+    # cells do not end at its tokens is never continued in place (PromptCache._attach checks)
+    on_device = device_loop and device_sampling_exact(key, sampling)
     stops = stop_bucket(sorted(stop)) if on_device else None
     info: dict = {}
     stats["dispatches"] = 0
