@@ -33,17 +33,20 @@ from kvjax.app import _charlm
 GREEDY = kvjax.SamplingConfig(temperature=0)
 
 
-def _trace(model, tok, users, turns, variant):
+# the multi-turn trace's prompt caches: (label, on, host_bytes, idle_to_host)
+TRACE_VARIANTS = [("no prompt cache", False, 0, False), ("PromptCache, device only", True, 0, False),
+                  ("PromptCache + host tier", True, 256 * 2**20, False),
+                  ("PromptCache + host tier, idle_to_host", True, 256 * 2**20, True)]
+
+
+def _trace(model, tok, users, turns, on, host_bytes, idle_to_host):
     """One pass of the multi-turn trace: (median TTFT, prompt tokens evaluated, moves out, back)."""
     n_seq = 4
     engine = kvjax.Engine(model, kvjax.init(model.config.cache_config(size=2048, n_seq_max=n_seq, padding=64)),
                           n_ubatch=64)
-    cache = None
-    if variant != "none":
-        host = 256 * 2**20 if variant.startswith("host") else 0
-        cache = kvjax.PromptCache(n_seq, 2048, host_bytes=host, idle_to_host=variant == "host, idle moved out")
+    cache = kvjax.PromptCache(n_seq, 2048, host_bytes=host_bytes, idle_to_host=idle_to_host) if on else None
     ttft, evaluated, _ = multi_turn(engine, tok, users, turns, cache)
-    moved = (cache.offloads, cache.restores) if cache is not None and cache.host is not None else (0, 0)
+    moved = (cache.offloads, cache.restores) if cache is not None else (0, 0)
     return statistics.median(ttft), evaluated, *moved
 
 
@@ -99,12 +102,10 @@ def run(quick: bool) -> str:
     n_stream, chunk = (2000, 500) if quick else (10000, 1000)
     model, tok, trained = _charlm.load(verbose=False)
     rows = []
-    for variant in ("none", "device only", "host", "host, idle moved out"):
-        _trace(model, tok, users, 1, variant)                             # compile everything once
-        ttft, evaluated, out_, back = _trace(model, tok, users, turns, variant)
-        label = {"none": "no prompt cache", "device only": "PromptCache, device only",
-                 "host": "PromptCache + host tier", "host, idle moved out": "PromptCache + host tier, idle_to_host"}
-        rows.append([label[variant], f"{ttft * 1e3:.1f} ms", f"{evaluated}", f"{out_}", f"{back}"])
+    for label, *variant in TRACE_VARIANTS:
+        _trace(model, tok, users, 1, *variant)                            # compile everything once
+        ttft, evaluated, moved_out, back = _trace(model, tok, users, turns, *variant)
+        rows.append([label, f"{ttft * 1e3:.1f} ms", f"{evaluated}", f"{moved_out}", f"{back}"])
 
     idle_rows = []
     n_idle, idle_len, n_new = (4, 256, 64) if quick else (8, 512, 128)

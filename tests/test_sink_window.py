@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,7 +181,8 @@ def test_bad_input_is_refused_by_name_with_the_memory_unchanged():
     key = jax.random.PRNGKey(0)
     for options, message in ((dict(window=window, n_ctx=8), "window= is out of range with n_ctx"),
                              (dict(window=(2, 4)), "window must be a kvjax.SinkWindow"),
-                             (dict(window=kvjax.SinkWindow(2, 40)), r"allowed n_sink \+ n_recent <= 32 \(the cells per sequence with 1 sequence\)")):
+                             (dict(window=kvjax.SinkWindow(2, 40)),
+                              r"allowed n_sink \+ n_recent <= 32 \(the cells per sequence with 1 sequence\)")):
         with pytest.raises(ValueError, match=message):
             kvjax.generate(eng, [[5, 6]], max_new_tokens=4, key=key, **options)
     with pytest.raises(ValueError, match="a prompt of 7 tokens is out of range"):
@@ -190,7 +192,7 @@ def test_bad_input_is_refused_by_name_with_the_memory_unchanged():
         kvjax.generate(contiguous, [[5], [6]], max_new_tokens=4, key=key, window=window)
     with pytest.raises(ValueError, match="n_parallel=2 is out of range with window=SinkWindow"):
         kvjax.generate(make_engine("unified"), [[5, 6, 7]], max_new_tokens=4, key=key, window=window, n_parallel=2)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(eng.cache))))
+    chex.assert_trees_all_equal(before, jax.device_get(eng.cache))
     mamba = kvjax.init(MambaConfig(vocab_size=V, d_model=16, n_layer=1, d_state=4).memory_config(2))
     with pytest.raises(ValueError, match="memory='RecurrentCache' is out of range"):
         kvjax.sink_window_evict(mamba, 0, 3, window)

@@ -190,7 +190,8 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
         cache_type: str = "float32", ctx: int = 512, seed: int = 0, dtype: str = "float32", n_ubatch: int = 64,
         padding: int = DEFAULT_PADDING, kv_unified: bool = False, chat: bool = False, system: Optional[str] = None,
         chat_template: Optional[str] = None, interactive: bool = False, max_turns: int = 16, cache_ram: int = 0,
-        sink_window: Optional[Tuple[int, int]] = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr, inp: TextIO = sys.stdin) -> Report:
+        sink_window: Optional[Tuple[int, int]] = None, out: TextIO = sys.stdout, err: TextIO = sys.stderr,
+        inp: TextIO = sys.stdin) -> Report:
     """Load, generate with streaming to ``out``, report to ``err``; the measured :class:`Report`.
 
     With ``chat`` the prompt is the user's turn (after a ``system`` message when given), rendered
@@ -285,25 +286,25 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     if max(ids) >= vocab:
         raise ValueError(f"the tokenizer gives id {max(ids)} for the prompt but the model has vocab_size={vocab}: "
                          f"allowed a tokenizer that matches the model")
-    window = None
-    if sink_window is not None:
-        window = kvjax.SinkWindow(*sink_window)
+    window = kvjax.SinkWindow(*sink_window) if sink_window is not None else None
+    if window is not None:
         ctx = window.n_cells   # the cells per sequence: the window replaces the context
-        if len(ids) > ctx:
-            raise ValueError(f"--sink-window {sink_window[0]},{sink_window[1]} is out of range for a prompt of "
-                             f"{len(ids)} tokens: allowed N_SINK + N_RECENT >= {len(ids)}")
-    elif len(ids) >= ctx:
-        raise ValueError(f"--ctx {ctx} is out of range for a prompt of {len(ids)} tokens: allowed > {len(ids)}")
 
-    def check_fits(n_prompt, turn=1):
+    def check_prompt(n_prompt, turn=1):
+        """A turn's prompt of ``n_prompt`` tokens fits the memory (and, with --cache-ram, its reply)."""
+        what = f"the conversation of {n_prompt} tokens at turn {turn}" if turn > 1 else f"a prompt of {n_prompt} tokens"
+        if window is not None and n_prompt > ctx:
+            raise ValueError(f"--sink-window {window.n_sink},{window.n_recent} is out of range for {what}: allowed "
+                             f"N_SINK + N_RECENT >= {n_prompt}")
+        if window is None and n_prompt >= ctx:
+            raise ValueError(f"--ctx {ctx} is out of range for {what}: allowed > {n_prompt}")
         # with a prompt cache nothing is shifted: the prompt and its whole reply take cells
         if cache_ram and n_prompt + max_new_tokens > ctx:
-            where = f" at turn {turn}" if turn > 1 else ""
-            raise ValueError(f"--max-new-tokens {max_new_tokens} is out of range with --cache-ram and a prompt of "
-                             f"{n_prompt} tokens{where}: allowed <= {ctx - n_prompt} (nothing is shifted with a "
-                             f"prompt cache: raise --ctx, or leave --cache-ram out for context shifts)")
+            raise ValueError(f"--max-new-tokens {max_new_tokens} is out of range with --cache-ram and {what}: "
+                             f"allowed <= {ctx - n_prompt} (nothing is shifted with a prompt cache: raise --ctx, "
+                             f"or leave --cache-ram out for context shifts)")
 
-    check_fits(len(ids))
+    check_prompt(len(ids))
 
     from kvjax.nn._mamba import Mamba
 
@@ -326,25 +327,29 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
         # sequence attends over its own cells only (the prompt is evaluated once and its stream copied)
         mem_cfg = kvjax.StreamsConfig(memory_config_for(model, size=ctx, n_seq_max=n_parallel, **overrides))
     stop = [i for i in (chat_stop_ids(tok, chat_template) if chat else tok.eos_ids) if i < vocab]
-    options = dict(n_parallel=n_parallel, stop_tokens=stop, sampling=kvjax.SamplingConfig(temperature=float(temperature)))
+    options = dict(n_parallel=n_parallel, stop_tokens=stop,
+                   sampling=kvjax.SamplingConfig(temperature=float(temperature)))
 
-    def context(n_prompt, cache=None):
-        # a context shift (n_ctx, n_keep) without a prompt cache; with one, the cache's parked turns
-        if cache_ram:
+    def context(n_prompt, cache):
+        # what replaces running out of context: the prompt cache's parked turns (nothing shifted),
+        # the sink window's evictions, or else a context shift (n_ctx, n_keep)
+        if cache is not None:
             return dict(prompt_cache=cache)
         if window is not None:
             return dict(window=window)
         return dict(n_ctx=ctx, n_keep=min(n_prompt, ctx // 4))
 
-    def prompt_cache():
+    def new_prompt_cache():
+        if not cache_ram:
+            return None
         return kvjax.PromptCache(mem_cfg.n_seq_max, ctx, host_bytes=cache_ram * 2**20, idle_to_host=True)
 
     # warm-up on a memory of its own: the prompt's programs and the first decode step compile here,
     # so the timed run below measures evaluation (new window buckets later are counted apart)
     warm = generate(Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch), [ids], max_new_tokens=min(2, max_new_tokens),
-                    key=jax.random.PRNGKey(seed), **context(len(ids), prompt_cache() if cache_ram else None), **options)
+                    key=jax.random.PRNGKey(seed), **context(len(ids), new_prompt_cache()), **options)
     engine = Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch)
-    cache = prompt_cache() if cache_ram else None
+    cache = new_prompt_cache()
     streamer = [tok.stream()]   # one per turn
 
     def on_token(seq, token):
@@ -380,10 +385,7 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
             break
         messages.append({"role": "user", "content": line.rstrip("\r\n")})
         _, turn_ids = chat_prompt(tok, messages, template)
-        if len(turn_ids) >= ctx:
-            raise ValueError(f"--ctx {ctx} is out of range for the conversation of {len(turn_ids)} tokens at turn "
-                             f"{turn}: allowed > {len(turn_ids)}")
-        check_fits(len(turn_ids), turn)
+        check_prompt(len(turn_ids), turn)
         streamer[0] = tok.stream()
         turn_engine = engine if cache_ram else Engine(model, kvjax.init(mem_cfg), n_ubatch=n_ubatch)
         answer = generate(turn_engine, [turn_ids], max_new_tokens=max_new_tokens,

@@ -46,7 +46,7 @@ rounded up to a power of two (the token buffer), ``V`` vocabulary, ``S`` stop-to
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -256,7 +256,8 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
 
     Yields:
         ``(step, picked)`` per completed step: ``picked`` the ``i32[B]`` sampled tokens in row order.
-        ``next_pos`` and ``counts`` are already advanced when it is yielded.
+        ``counts`` is already advanced when it is yielded; ``next_pos`` holds the positions at
+        the end of the step's dispatch (its steps taken and, with a window, its evictions made).
 
     Raises:
         kvjax.CacheFullError: the first placement does not fit (nothing placed), as ``decode``.
@@ -310,17 +311,17 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
         # returned CHUNK), so the device works while the host hands tokens out
         ahead = dispatch(current[0])
         out, n_done, reason, pos = jax.device_get((current[1], current[2], current[0].reason, current[0].pos))
+        # the carry's positions: one per step taken and, with a window, the evictions made (also
+        # one before a step that did not run, see _loop)
+        for j, s in enumerate(active):
+            next_pos[s] = int(pos[j])
         for i in range(int(n_done)):
-            for j, s in enumerate(active):
-                next_pos[s] += 1 - (window.evicted(next_pos[s]) if window else 0)
+            for s in active:
                 counts[s] += 1
             engine.n_decoded += b
             yield step, out[i, :b]
             step += 1
         if int(reason) != CHUNK:
-            if window is not None:   # an eviction that ran before a step that did not (see _loop)
-                for j, s in enumerate(active):
-                    next_pos[s] = int(pos[j])
             info["reason"] = REASONS[int(reason)]
             info["key"] = ahead[0].key
             return

@@ -94,8 +94,9 @@ def check_window_memory(memory, window: SinkWindow) -> None:
     from kvjax.memory._recurrent import RecurrentCache
 
     name = type(memory).__name__
-    require(not isinstance(memory, (RecurrentCache, HybridCache)), "memory", name, "a memory with a cell per token (unified, streams, "
-            "iSWA): a recurrent state holds its whole sequence in a fixed size already, nothing to evict")
+    require(not isinstance(memory, (RecurrentCache, HybridCache)), "memory", name,
+            "a memory with a cell per token (unified, streams, iSWA): a recurrent state holds its whole "
+            "sequence in a fixed size already, nothing to evict")
     require(not window.compact or memory.can_shift, "window", window, f"compact=False (masking only) on this {name}: "
             f"it cannot shift positions (kvjax.can_shift is False)")
 
