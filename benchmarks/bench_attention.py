@@ -322,8 +322,8 @@ def _bench_attention(quick: bool, rng) -> str:
     return "\n".join([
         "### Decode attention",
         "",
-        f"32 query heads over 8 kv heads, head size 64, float32, every cell visible; public eager "
-        f"`kvjax.attention`; \"read\" = a jitted sum over the same K+V bytes, measured in this run.",
+        "32 query heads over 8 kv heads, head size 64, float32, every cell visible; public eager "
+        "`kvjax.attention`; \"read\" = a jitted sum over the same K+V bytes, measured in this run.",
         "",
         table(["T", "n_kv", "K+V bytes", "kvjax", "K+V bytes/s", "of read", "of fresh copy"], rows),
         "",

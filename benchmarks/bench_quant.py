@@ -58,7 +58,7 @@ def _write_rows(quick: bool):
         tm = median_time(step, repeats=repeats)
         rows.append([t, t_rows, fmt_time(tm), fmt_rate(n_bytes / tm), fmt_rate(copy_bps),
                      f"{n_bytes / tm / copy_bps:.2f}"])
-        del holder
+        holder = None  # free this type's cache before the next one
         gc.collect()
     return table(["type", "rows (x8 heads, D=128)", "write (K+V)", "f32 bytes/s", "copy", "ratio"], rows)
 
@@ -80,7 +80,7 @@ def _k_shift(quick: bool):
         ref = inplace_copy_bandwidth(stored, repeats=repeats)
         rows.append([t, f"{stored / 2**20:.0f} MiB", fmt_time(tm), fmt_rate(stored / tm), fmt_rate(floats / tm),
                      fmt_rate(ref), f"{stored / tm / ref:.2f}"])
-        del cache
+        cache = None
         gc.collect()
     return table(["type", "stored K", "k_shift (all cells)", "stored bytes/s", "f32-equivalent bytes/s",
                   "in-place copy", "ratio"], rows)

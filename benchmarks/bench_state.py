@@ -83,14 +83,14 @@ def run(quick: bool) -> str:
 
     _, t_first = _first(donated)
     row("state_read (whole cache, donate=True)", size, n_whole, donated, copy_whole, t_first)
-    del holder, fresh, blob
+    holder = fresh = blob = None  # free the whole-cache buffers before the next section
     gc.collect()
 
     # -- one sequence -------------------------------------------------------------------------
     seq_blob, t_first = _first(lambda: kvjax.state_write(cache, 3))
     n_seq = len(seq_blob)
     copy_seq = copy_bandwidth(n_seq, repeats=repeats)
-    row(f"state_write (one sequence)", per_seq, n_seq, lambda: kvjax.state_write(cache, 3), copy_seq, t_first)
+    row("state_write (one sequence)", per_seq, n_seq, lambda: kvjax.state_write(cache, 3), copy_seq, t_first)
     _, t_first = _first(lambda: kvjax.state_read(cache, seq_blob, 7))
     row("state_read (one sequence into another id)", per_seq, n_seq,
         lambda: kvjax.state_read(cache, seq_blob, 7), copy_seq, t_first)
@@ -103,7 +103,7 @@ def run(quick: bool) -> str:
     _, t_first = _first(seq_donated)
     row("state_read (one sequence, donate=True)", per_seq, n_seq, seq_donated, copy_seq, t_first)
     cache = holder[0]
-    del holder
+    holder = None
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "seq.kvjax")
         tokens = np.arange(per_seq)

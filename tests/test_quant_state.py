@@ -8,7 +8,6 @@ import pytest
 import jax.numpy as jnp
 
 import kvjax
-from kvjax.io import _state
 from kvjax.storage import _quant as Q
 
 QTYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]

@@ -126,7 +126,7 @@ def is_masked_swa(p0: Int[Array, "..."], p1: Int[Array, "..."], swa_type: SwaTyp
     return masked
 
 
-def _member(cells: Cells, n_kv: int, seq0: Int[Array, "T"]) -> Bool[Array, "T N"]:
+def _member(cells: Cells, n_kv: int, seq0: Int[Array, " T"]) -> Bool[Array, "T N"]:
     """Whether each of the first ``n_kv`` cells holds each token's sequence (False for id < 0)."""
     return holds(cells.seq[:n_kv].T, seq0)  # padding (-1) and ids >= 32 W: held by no cell
 

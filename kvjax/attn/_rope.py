@@ -242,7 +242,7 @@ def k_from_float(k: Float[Array, "... C D"], config: CacheConfig) -> Array:
 # -- K-shift ------------------------------------------------------------------------------------
 
 
-def _shift_group(stored, delta: Int[Array, "C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig,
+def _shift_group(stored, delta: Int[Array, " C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig,
                  per_head: Optional[bool] = None):
     """Rotate one stacked group ``[L, H, C, D]`` by ``delta`` with each layer's RoPE parameters.
 

@@ -65,7 +65,7 @@ def slots_of(ubatch) -> Tuple[int, int]:
     return ubatch.length // t, t
 
 
-def _slot_streams(placement, ubatch) -> Int[Array, "n_slots"]:
+def _slot_streams(placement, ubatch) -> Int[Array, " n_slots"]:
     """The stream of each slot (its first row's; -1 for a padding or unplaced slot)."""
     n_slots, t = slots_of(ubatch)
     return placement.stream.reshape(n_slots, t)[:, 0]
@@ -141,7 +141,7 @@ def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[A
     return out.astype(q.dtype)
 
 
-def _slot_extents(cache: KVCache, streams: Int[Array, "n_slots"]) -> Int[Array, "n_slots"]:
+def _slot_extents(cache: KVCache, streams: Int[Array, " n_slots"]) -> Int[Array, " n_slots"]:
     """Cells each slot's attention must read: its stream's ``cell_max`` (0 for a padding slot)."""
     n_stream = cache.cells.pos.shape[0]
     return jnp.where(streams >= 0, jax.vmap(_cells.cell_max)(cache.cells)[jnp.clip(streams, 0, n_stream - 1)], 0)
@@ -152,7 +152,7 @@ def _slot_extents(cache: KVCache, streams: Int[Array, "n_slots"]) -> Int[Array, 
 ONE_LOOP_READ_FACTOR = 1.5
 
 
-def one_loop_pays(live: Int[Array, "n_slots"], group: int, c_one: int, c_own: int) -> Bool[Array, ""]:
+def one_loop_pays(live: Int[Array, " n_slots"], group: int, c_one: int, c_own: int) -> Bool[Array, ""]:
     """Whether loops over groups of slots read at most :data:`ONE_LOOP_READ_FACTOR` times the cells of a loop per slot.
 
     A loop over ``group`` consecutive slots runs chunks of ``c_one`` cells up to the group's longest

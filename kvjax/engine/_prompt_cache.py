@@ -64,12 +64,12 @@ class PromptStore:
     """
 
     tokens: Int[Array, "S L"]
-    length: Int[Array, "S"]
-    last_used: Int[Array, "S"]
+    length: Int[Array, " S"]
+    last_used: Int[Array, " S"]
 
 
 @jax.jit
-def match_prefix(store: PromptStore, prompt: Int[Array, "L"], n: Int[Array, ""]):
+def match_prefix(store: PromptStore, prompt: Int[Array, " L"], n: Int[Array, ""]):
     """The parked sequence sharing the longest prefix with ``prompt[:n]``, and that length.
 
     Ties go to the most recently used sequence. Returns ``(seq i32[], length i32[])``; the length

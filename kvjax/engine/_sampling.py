@@ -89,7 +89,7 @@ def _greedy(logits):
 
 
 def sample(logits: Float[Array, "B V"], key: jax.Array, config: SamplingConfig = SamplingConfig()
-           ) -> Int[Array, "B"]:
+           ) -> Int[Array, " B"]:
     """Draw one token per row.
 
     Args:

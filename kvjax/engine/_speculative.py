@@ -47,7 +47,7 @@ __all__ = ["accept_drafts", "speculative_stream"]
 @functools.partial(jax.jit, static_argnames="config")
 def accept_drafts(target_logits: Float[Array, "B K1 V"], draft_logits: Float[Array, "B K V"],
                   drafts: Int[Array, "B K"], key: jax.Array, config: SamplingConfig
-                  ) -> Tuple[Int[Array, "B"], Int[Array, "B"]]:
+                  ) -> Tuple[Int[Array, " B"], Int[Array, " B"]]:
     """The acceptance rule for ``B`` sequences of ``K`` drafts each.
 
     Args:

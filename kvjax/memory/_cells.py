@@ -50,9 +50,9 @@ class Cells:
         n_seq_max: static number of sequence ids S.
     """
 
-    pos: Int[Array, "C"]
+    pos: Int[Array, " C"]
     seq: UInt32[Array, "C W"]
-    delta: Int[Array, "C"]
+    delta: Int[Array, " C"]
     head: Int[Array, ""]
     error: UInt32[Array, ""]
     defrag: Bool[Array, ""]
@@ -100,7 +100,7 @@ def empty_cells(size: int, n_seq_max: int) -> Cells:
 # -- building blocks ----------------------------------------------------------------------------
 
 
-def prefix_sum(x: Int[Array, "C"]) -> Int[Array, "C"]:
+def prefix_sum(x: Int[Array, " C"]) -> Int[Array, " C"]:
     """Inclusive prefix sum as int32 (``jnp.cumsum``'s result, computed faster).
 
     ``jnp.cumsum`` lowers to a ``reduce_window`` as wide as the array, which XLA's CPU backend
@@ -113,12 +113,12 @@ def prefix_sum(x: Int[Array, "C"]) -> Int[Array, "C"]:
     return jax.lax.associative_scan(jnp.add, x.astype(jnp.int32))
 
 
-def is_used(cells: Cells) -> Bool[Array, "C"]:
+def is_used(cells: Cells) -> Bool[Array, " C"]:
     """Cells that hold at least one sequence."""
     return jnp.any(cells.seq != 0, axis=-1)
 
 
-def has_seq(cells: Cells, seq_id: Int[Array, ""]) -> Bool[Array, "C"]:
+def has_seq(cells: Cells, seq_id: Int[Array, ""]) -> Bool[Array, " C"]:
     """Cells that hold ``seq_id``; for ``seq_id == -1`` every non-empty cell.
 
     Any other id outside ``[0, n_seq_max)`` is held by no cell (as in the seed), so a traced
@@ -135,16 +135,16 @@ def _bounds(p0, p1):
     return p0, p1
 
 
-def _in_range(cells: Cells, p0, p1) -> Bool[Array, "C"]:
+def _in_range(cells: Cells, p0, p1) -> Bool[Array, " C"]:
     return (cells.pos >= p0) & (cells.pos < p1)
 
 
-def _first(mask: Bool[Array, "C"]):
+def _first(mask: Bool[Array, " C"]):
     """(any, index of the first True) of a mask."""
     return jnp.any(mask), jnp.argmax(mask).astype(jnp.int32)
 
 
-def _free(cells: Cells, freed: Bool[Array, "C"]) -> Cells:
+def _free(cells: Cells, freed: Bool[Array, " C"]) -> Cells:
     """Empty the cells in ``freed`` (position -1, no sequence, no pending shift)."""
     return cells.replace(
         pos=jnp.where(freed, -1, cells.pos),
@@ -180,11 +180,11 @@ def _valid_seq(cells: Cells, seq_id, allow_all: bool):
 # field between the old and the new value, which was one more pass over every array.
 
 
-def _cell_index(cells: Cells) -> Int[Array, "C"]:
+def _cell_index(cells: Cells) -> Int[Array, " C"]:
     return jnp.arange(cells.size, dtype=jnp.int32)
 
 
-def _first_index(mask: Bool[Array, "C"]) -> Int[Array, ""]:
+def _first_index(mask: Bool[Array, " C"]) -> Int[Array, ""]:
     """Index of the first True of ``mask``, ``C`` when none (a min, cheaper than ``argmax``).
 
     ``jnp.argmax`` lowers to a two-operand reduce that XLA's CPU backend runs as a scalar loop
@@ -193,7 +193,7 @@ def _first_index(mask: Bool[Array, "C"]) -> Int[Array, ""]:
     return jnp.min(jnp.where(mask, jnp.arange(mask.shape[0], dtype=jnp.int32), mask.shape[0]))
 
 
-def _member(cells: Cells, seq_id) -> Bool[Array, "C"]:
+def _member(cells: Cells, seq_id) -> Bool[Array, " C"]:
     """:func:`has_seq` reading one word per cell, and the positions for ``seq_id == -1``.
 
     A cell is non-empty iff its position is >= 0 (placement refuses negative positions and a

@@ -127,8 +127,8 @@ class DefragPlan:
         head: ``i32[]`` the cache's ``head`` after the plan is applied.
     """
 
-    src: Int[Array, "C"]
-    moved: Bool[Array, "C"]
+    src: Int[Array, " C"]
+    moved: Bool[Array, " C"]
     n_moves: Int[Array, ""]
     head: Int[Array, ""]
 
@@ -271,7 +271,7 @@ def _seed_plan(cells: Cells, max_moves) -> DefragPlan:
     return DefragPlan(src=src, moved=moved, n_moves=n_moves, head=head)
 
 
-def _partition_plan(cells: Cells, key: Int[Array, "C"]) -> DefragPlan:
+def _partition_plan(cells: Cells, key: Int[Array, " C"]) -> DefragPlan:
     """Stable partition of the cells by ``key`` (0 first, then 1, ...; empty cells must sort last)."""
     size = cells.size
     idx = jnp.arange(size, dtype=jnp.int32)

@@ -222,15 +222,15 @@ class Memory(abc.ABC):
         """This memory with attention part ``index`` replaced by ``cache``."""
 
     @abc.abstractmethod
-    def part_slots(self, placement: Placement, index: int) -> Int[Array, "T"]:
+    def part_slots(self, placement: Placement, index: int) -> Int[Array, " T"]:
         """The cells of attention part ``index`` where a ubatch went (``i32[T]``, -1 = not written)."""
 
     @abc.abstractmethod
-    def extent(self) -> Int[Array, "P"]:
+    def extent(self) -> Int[Array, " P"]:
         """Per attention part, one past its last non-empty cell (``cell_max``)."""
 
     @abc.abstractmethod
-    def extent_after(self, n_tokens) -> Int[Array, "P"]:
+    def extent_after(self, n_tokens) -> Int[Array, " P"]:
         """Per attention part, a bound on the extent after ``n_tokens`` more tokens are placed.
 
         With ``n_tokens == 0`` it equals :meth:`extent`; it lets a caller pick a window before

@@ -218,11 +218,11 @@ class RecurrentCells:
         n_seq_max: static S.
     """
 
-    pos: Int[Array, "C"]
+    pos: Int[Array, " C"]
     seq: UInt32[Array, "C W"]
-    roll: Int[Array, "C"]
-    hist: Int[Array, "C"]
-    tail: Int[Array, "S"]
+    roll: Int[Array, " C"]
+    hist: Int[Array, " C"]
+    tail: Int[Array, " S"]
     head: Int[Array, ""]
     error: UInt32[Array, ""]
     n_seq_max: int = struct.field(pytree_node=False)
@@ -273,9 +273,9 @@ class RecurrentPlacement:
     head: Int[Array, ""]
     n: Int[Array, ""]
     n_seqs: Int[Array, ""]
-    s_copy: Int[Array, "C"]
-    s_roll: Int[Array, "C"]
-    s_mask: Bool[Array, "C"]
+    s_copy: Int[Array, " C"]
+    s_roll: Int[Array, " C"]
+    s_mask: Bool[Array, " C"]
 
     def nothing(self, keep: Bool[Array, ""]) -> "RecurrentPlacement":
         """This placement where ``keep``, else one that copies and writes nothing."""
@@ -286,11 +286,11 @@ def _popcount(words: UInt32[Array, "... W"]) -> Int[Array, "..."]:
     return jnp.sum(jax.lax.population_count(words), axis=-1).astype(jnp.int32)
 
 
-def _used(cells: RecurrentCells) -> Bool[Array, "C"]:
+def _used(cells: RecurrentCells) -> Bool[Array, " C"]:
     return jnp.any(cells.seq != 0, axis=-1)
 
 
-def _holds(cells: RecurrentCells, seq_id) -> Bool[Array, "C"]:
+def _holds(cells: RecurrentCells, seq_id) -> Bool[Array, " C"]:
     """Cells holding ``seq_id``; every used cell for -1; none for another id out of range."""
     member = jnp.any((cells.seq & _seqbits.seq_bits(seq_id, cells.n_words)) != 0, axis=-1)
     return jnp.where(seq_id == -1, _used(cells), member)
@@ -300,7 +300,7 @@ def _bounds(p0, p1):
     return jnp.where(p0 < 0, 0, p0), jnp.where(p1 < 0, _I32_MAX, p1)
 
 
-def _free(cells: RecurrentCells, freed: Bool[Array, "C"]) -> RecurrentCells:
+def _free(cells: RecurrentCells, freed: Bool[Array, " C"]) -> RecurrentCells:
     """Empty the cells in ``freed`` and forget every tail naming one of them."""
     tail_freed = (cells.tail >= 0) & jnp.take(freed, jnp.clip(cells.tail, 0, cells.size - 1))
     return cells.replace(pos=jnp.where(freed, -1, cells.pos),
@@ -309,7 +309,7 @@ def _free(cells: RecurrentCells, freed: Bool[Array, "C"]) -> RecurrentCells:
                          tail=jnp.where(tail_freed, -1, cells.tail))
 
 
-def _head_back(cells: RecurrentCells, old_head, mask: Bool[Array, "C"]) -> RecurrentCells:
+def _head_back(cells: RecurrentCells, old_head, mask: Bool[Array, " C"]) -> RecurrentCells:
     """``head`` moves back to the first cell of ``mask`` when that is before it."""
     first = jnp.argmax(mask).astype(jnp.int32)
     return cells.replace(head=jnp.where(jnp.any(mask) & (first < old_head), first, old_head))
@@ -398,7 +398,7 @@ def rc_seq_keep(cells: RecurrentCells, seq_id) -> RecurrentCells:
     return _guard(cells, new, (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 
-def _shifted(cells: RecurrentCells, seq_id, p0, p1) -> Bool[Array, "C"]:
+def _shifted(cells: RecurrentCells, seq_id, p0, p1) -> Bool[Array, " C"]:
     """The cells a position change of ``seq_id`` moves: its tail cell (every used cell for -1)."""
     in_range = (cells.pos >= p0) & (cells.pos < p1)
     t, has_t = _tail_of(cells, seq_id)
@@ -671,7 +671,7 @@ class RecurrentCache(Memory):
         rows = self._slot_rows(placement, n_slots)
         return tuple(_started(_take_rows(x, rows), placement, self.size) for x in (self.k[group], self.v[group]))
 
-    def _slot_rows(self, placement: RecurrentPlacement, n_slots: int) -> Int[Array, "n_slots"]:
+    def _slot_rows(self, placement: RecurrentPlacement, n_slots: int) -> Int[Array, " n_slots"]:
         """Row 0 of each slot's cell ``head + s`` (clipped into the buffer for padding slots)."""
         return jnp.clip((placement.head + jnp.arange(n_slots)) * self.config.n_states, 0, self.config.rows - 1)
 
@@ -853,7 +853,7 @@ def moving_rows_bound(config: RecurrentConfig, n_slots: int, *, slots_rewritten:
 _INT32_END = 2**31 - 1
 
 
-def _flat_rows(x, rows: Int[Array, "n"]) -> Int[Array, "Lg*n"]:
+def _flat_rows(x, rows: Int[Array, " n"]) -> Int[Array, " Lg*n"]:
     """Rows ``rows`` of every layer of ``x [Lg, R, ...]`` as indices into ``x`` viewed as ``[Lg * R, ...]``
     (layer major); rows outside ``[0, R)`` map past the end (a scatter drops them)."""
     lg, r = x.shape[:2]
@@ -861,7 +861,7 @@ def _flat_rows(x, rows: Int[Array, "n"]) -> Int[Array, "Lg*n"]:
     return jnp.where(((rows >= 0) & (rows < r))[None, :], idx, lg * r).reshape(-1)
 
 
-def _take_rows(x, rows: Int[Array, "n"]):
+def _take_rows(x, rows: Int[Array, " n"]):
     """``x[:, rows]`` of a state buffer ``x [Lg, R, ...]`` (rows in range).
 
     A gather of the ``Lg * n`` rows of ``x`` viewed as ``[Lg * R, ...]``: its result comes out in
@@ -894,7 +894,7 @@ def _started(got, placement: RecurrentPlacement, size: int):
     return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
 
-def _set_rows(x, rows: Int[Array, "n"], values):
+def _set_rows(x, rows: Int[Array, " n"], values):
     """``x`` with ``x[:, rows] = values`` (``values [Lg, n, ...]``), rows outside ``[0, R)`` dropped.
 
     A scatter of ``Lg * n`` rows into ``x`` viewed as ``[Lg * R, ...]`` (the updates in their own
@@ -924,7 +924,7 @@ def _set_rows(x, rows: Int[Array, "n"], values):
     return out.reshape(x.shape)
 
 
-def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, "R"]:
+def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, " R"]:
     """For every state row, the row it is copied from (itself when nothing moves)."""
     kk, size = config.n_states, config.size
     row = jnp.arange(config.rows)

@@ -52,7 +52,7 @@ def ids_mask(ids: Int[Array, "T M"], n_words: int) -> UInt32[Array, "T W"]:
     return jnp.bitwise_or.reduce(seq_bits(ids, n_words), axis=-2)
 
 
-def holds(words: UInt32[Array, "W N"], seq_id: Int[Array, "T"]) -> Bool[Array, "T N"]:
+def holds(words: UInt32[Array, "W N"], seq_id: Int[Array, " T"]) -> Bool[Array, "T N"]:
     """Whether each of ``N`` masks (stored word-major, ``[W, N]``) holds each row's ``seq_id``.
 
     An id < 0 or >= 32 W is held by no mask. Reads one word per row (a gather), not all W.

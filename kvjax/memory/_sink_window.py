@@ -112,7 +112,7 @@ def _evict_one(memory, seq_id, next_pos, n_new, n_sink, n_recent, *, compact: bo
     return memory, next_pos
 
 
-def evict_rows(memory, seq_ids: Int[Array, "T"], next_pos: Int[Array, "T"], valid, n_sink, n_recent, *,
+def evict_rows(memory, seq_ids: Int[Array, " T"], next_pos: Int[Array, " T"], valid, n_sink, n_recent, *,
                compact: bool):
     """:func:`sink_window_evict` for each row of a decode ubatch (one token per live row), traced.
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Bool, Int
-from kvjax.memory._cells import Cells, is_used, prefix_sum
+from kvjax.memory._cells import Cells, prefix_sum
 from kvjax._errors import ErrorFlag
 from kvjax.memory._ubatch import Ubatch
 
@@ -53,7 +53,7 @@ def _reset_head(cells: Cells, n) -> Int[Array, ""]:
     return jnp.where(cells.head > used + 2 * n, 0, cells.head)
 
 
-def _window_free(cells: Cells, n, length: int) -> Bool[Array, "C"]:
+def _window_free(cells: Cells, n, length: int) -> Bool[Array, " C"]:
     """``bool[C]``: whether the ``n`` cells from each start are free and inside the cache."""
     size = cells.size
     free = cells.pos < 0
@@ -134,7 +134,7 @@ def _find_slot(cells: Cells, ubatch: Ubatch, contiguous: bool):
 
 
 def find_slot_cells(cells: Cells, ubatch: Ubatch, contiguous: bool = True
-                    ) -> Tuple[Cells, Int[Array, "T"], Bool[Array, ""]]:
+                    ) -> Tuple[Cells, Int[Array, " T"], Bool[Array, ""]]:
     """Place a ubatch into the cells.
 
     Args:

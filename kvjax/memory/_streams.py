@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import struct as _struct
 from typing import Optional, Tuple
 
 import jax
@@ -54,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax._errors import ErrorFlag, StateError
+from kvjax._errors import ErrorFlag
 from kvjax._typing import Array, Bool, Int
 from kvjax._jit import JitTwins, donating
 from kvjax._validate import is_traced
@@ -123,8 +122,8 @@ class StreamPlacement:
         cell: ``i32[T]`` the token's cell within its stream (-1 likewise).
     """
 
-    stream: Int[Array, "T"]
-    cell: Int[Array, "T"]
+    stream: Int[Array, " T"]
+    cell: Int[Array, " T"]
 
 
 def _select(mask, new, old):
@@ -150,7 +149,7 @@ class StreamCache(Memory):
     """
 
     cache: KVCache
-    copy_from: Int[Array, "S"]
+    copy_from: Int[Array, " S"]
     error: Int[Array, ""]
     config: StreamsConfig = struct.field(pytree_node=False)
 
@@ -314,7 +313,7 @@ class StreamCache(Memory):
 
     # -- placement --------------------------------------------------------------------------------
 
-    def token_streams(self, ubatch) -> Tuple[Int[Array, "T"], Bool[Array, ""]]:
+    def token_streams(self, ubatch) -> Tuple[Int[Array, " T"], Bool[Array, ""]]:
         """``(stream i32[T], ok)``: each valid token's stream (-1 for padding) and whether every
         token's sequence ids lie in one stream."""
         ids = jnp.asarray(ubatch.seq_ids)
@@ -379,7 +378,7 @@ class StreamCache(Memory):
         return jnp.max(jax.vmap(_cells.cell_max)(self.cache.cells))[None]
 
     @on_metadata
-    def stream_extent(self) -> Int[Array, "S"]:
+    def stream_extent(self) -> Int[Array, " S"]:
         """One past the last non-empty cell of each stream (what each stream's attention reads)."""
         return jax.vmap(_cells.cell_max)(self.cache.cells)
 

@@ -47,9 +47,9 @@ class Ubatch:
             :func:`make_equal_ubatch`) the tokens of each sequence slot, else 0.
     """
 
-    pos: Int[Array, "T"]
+    pos: Int[Array, " T"]
     seq_ids: Int[Array, "T M"]
-    valid: Bool[Array, "T"]
+    valid: Bool[Array, " T"]
     #: tokens per sequence slot of an equal-split ubatch (:func:`make_equal_ubatch`), 0 otherwise.
     #: Static: rows ``[s * n_seq_tokens, (s + 1) * n_seq_tokens)`` are slot ``s``.
     n_seq_tokens: int = struct.field(pytree_node=False, default=0)
@@ -60,7 +60,7 @@ class Ubatch:
         return self.pos.shape[0]
 
     @property
-    def seq0(self) -> Int[Array, "T"]:
+    def seq0(self) -> Int[Array, " T"]:
         """``i32[T]`` the first sequence id of each token (-1 for padding)."""
         return jnp.where(self.valid, self.seq_ids[:, 0], -1)
 

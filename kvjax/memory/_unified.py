@@ -310,7 +310,7 @@ def _check_rows(name, rows, grp_heads, grp_dim, n_tokens):
                          f"cache's storage dtype)")
 
 
-def write(cache: KVCache, layer, slot: Int[Array, "T"], k: Float[Array, "T H D"],
+def write(cache: KVCache, layer, slot: Int[Array, " T"], k: Float[Array, "T H D"],
           v: Float[Array, "T H Dv"]) -> KVCache:
     """Write a ubatch's K and V rows into the cells chosen by ``find_slot``.
 

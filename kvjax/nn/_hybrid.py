@@ -139,7 +139,7 @@ class HybridLM(nnx.Module):
     def _logits(self, x):
         return self.lm_head(self.norm(x)).astype(jnp.float32)
 
-    def __call__(self, tokens: Int[Array, "T"], memory: HybridCache, inputs: UbatchInputs
+    def __call__(self, tokens: Int[Array, " T"], memory: HybridCache, inputs: UbatchInputs
                  ) -> Tuple[Float[Array, "T V"], HybridCache]:
         """One equal-split ubatch through a :class:`kvjax.HybridCache` (the model call of ``make_step``).
 

@@ -99,7 +99,7 @@ class LlamaLinen(nn.Module):
     def _logits(self, x):
         return output_logits(self, x)
 
-    def __call__(self, tokens: Int[Array, "T"], memory: Memory, inputs: UbatchInputs
+    def __call__(self, tokens: Int[Array, " T"], memory: Memory, inputs: UbatchInputs
                  ) -> Tuple[Float[Array, "T V"], Memory]:
         """Run a placed ubatch through the memory; returns ``(logits f32[T, V], memory)``.
 

@@ -240,7 +240,7 @@ class MambaConfig:
 
 # -- the state gather of the recurrent memory ------------------------------------------------
 
-def select_states(states_all, s_copy: Int[Array, "n"], s_mask):
+def select_states(states_all, s_copy: Int[Array, " n"], s_mask):
     """Gather per-cell states by ``s_copy`` and zero them by ``s_mask`` (the seed's ``build_copy_mask_state``).
 
     For the ubatch's window of n cells starting at ``head``, llama.cpp's recurrent memory gives
@@ -465,7 +465,7 @@ class MambaMixer(nnx.Module):
         for rollback.
         """
         c = self.config
-        T, Di, N, R = x.shape[1], c.d_inner, c.d_state, c.dt_rank
+        T, N, R = x.shape[1], c.d_state, c.dt_rank
         xs, z = jnp.split(self.in_proj(x), 2, axis=-1)           # [S, T, Di] each
         # causal depthwise conv over the K-1 stored inputs followed by the new ones
         window = jnp.concatenate([conv_state.astype(xs.dtype), xs], axis=1)   # [S, K-1+T, Di]
@@ -544,7 +544,7 @@ class Mamba(nnx.Module):
         logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32), jnp.stack(convs), jnp.stack(ssms)
 
-    def __call__(self, tokens: Int[Array, "T"], memory, inputs) -> Tuple[Float[Array, "T V"], Any]:
+    def __call__(self, tokens: Int[Array, " T"], memory, inputs) -> Tuple[Float[Array, "T V"], Any]:
         """One equal-split ubatch through a recurrent memory: the model call of ``kvjax.nn.make_step``.
 
         The states of the ubatch's sequences are read from the memory (after the copies the

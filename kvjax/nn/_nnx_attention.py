@@ -50,7 +50,6 @@ from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._fuse import split_qkv
 from kvjax.nn._norm import OffsetRMSNorm
 from kvjax.memory._config import RopeConfig, SwaType
-from kvjax.memory._ubatch import Ubatch
 
 __all__ = ["CachedAttention", "KVCacheVar", "alibi_slopes", "attend_cached", "attend_uncached", "swa_visible"]
 

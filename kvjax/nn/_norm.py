@@ -38,7 +38,7 @@ def _check_eps(epsilon) -> float:
     return float(epsilon)
 
 
-def offset_rms_norm(x: Float[Array, "... F"], weight: Float[Array, "F"], epsilon: float) -> Float[Array, "... F"]:
+def offset_rms_norm(x: Float[Array, "... F"], weight: Float[Array, " F"], epsilon: float) -> Float[Array, "... F"]:
     """``x / sqrt(mean(x^2) + epsilon) * (1 + weight)`` over the last dim, in float32, cast back.
 
     Args:

@@ -51,7 +51,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -168,10 +168,10 @@ class Step:
         self.contiguous = check_flag("contiguous", contiguous)
         self._jitted = _jit_run(apply, self.contiguous, self.vocab_size)
 
-    def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, "T"], *,
+    def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, " T"], *,
                  n_kv: Optional[int] = None, windows: Optional[Tuple[int, ...]] = None,
-                 placement: Optional[Placement] = None, slot: Optional[Int[Array, "T"]] = None,
-                 outputs: Optional[Int[Array, "R"]] = None
+                 placement: Optional[Placement] = None, slot: Optional[Int[Array, " T"]] = None,
+                 outputs: Optional[Int[Array, " R"]] = None
                  ) -> Tuple[Float[Array, "T V"], Memory, Bool[Array, ""]]:
         """Place ``ubatch`` (unless a placement is given), run the model, return the new memory.
 
