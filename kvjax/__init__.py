@@ -29,15 +29,14 @@ from kvjax._inspect import CellTable, cell_map, cell_table
 from kvjax.memory._protocol import Memory, NotDefinedError
 from kvjax.memory._api import (can_shift, cell_max, check, clear, clear_errors, commit, errors, find_slot, has_shift, n_kv,
                        n_tokens, pos_max, prepare, seq_add, seq_cp, seq_div, seq_keep, seq_pos_max,
-                       seq_pos_min, seq_rm, used_cells)
+                       seq_pos_min, seq_rm, used_cells, kv_window, update)
 from kvjax.memory._ubatch import (Ubatch, bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_seq,
                                   split_simple)
-from kvjax.attn._mask import kq_mask, kq_mask_bool, pos_bucket
-from kvjax.attn._rope import k_shift, rope
+from kvjax.memory._part_ops import k_shift, kq_mask, kq_mask_bool, pos_bucket
+from kvjax.attn._rope import rope
 from kvjax.attn._attention import attention
 from kvjax.attn._streams import attend as stream_attend, attention as stream_attention, masks as stream_masks
-from kvjax.attn._windows import kv_window, window_bucket, window_buckets
-from kvjax.memory._update import update
+from kvjax.attn._windows import window_bucket, window_buckets
 from kvjax.memory._sink_window import SinkWindow, sink_window_evict
 from kvjax.io._state import state_read, state_write
 from kvjax.io._session import load, save

@@ -48,53 +48,21 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
 
-from kvjax._typing import Array, Bool, Float, Int
-from kvjax.memory._unified import KVCache, require_cache
+from kvjax._typing import Array, Bool, Int
 from kvjax.memory._seqbits import holds
 from kvjax.memory._cells import Cells
 from kvjax.memory._config import SwaType
 from kvjax.memory._ubatch import Ubatch
-from kvjax._validate import check_count, check_flag, check_window
 
 #: T5's default ``max_distance`` (the seed hard-codes 128 as well).
 T5_MAX_DISTANCE = 128
 
-
-# -- validation ---------------------------------------------------------------------------------
-
-
-def _check_args(cache, ubatch, n_kv) -> int:
-    require_cache(cache, "a mask")
-    if not isinstance(ubatch, Ubatch):
-        raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
-    cfg = cache.config
-    return check_window(n_kv, cfg.padding, cfg.size)
-
-
-def _swa_args(cache: KVCache, swa_type, n_swa):
-    """The sliding window to apply: the config's, or the per-call override (validated)."""
-    cfg = cache.config
-    kind = cfg.swa_type if swa_type is None else swa_type
-    try:
-        kind = SwaType(kind)
-    except ValueError:
-        raise ValueError(f"swa_type={swa_type!r} is not a sliding-window kind: allowed "
-                         f"{[s.value for s in SwaType]}") from None
-    if n_swa is None:
-        n_swa = cfg.n_swa
-    if isinstance(n_swa, bool) or not hasattr(n_swa, "__index__"):
-        raise ValueError(f"n_swa={n_swa!r} must be a Python int")
-    n_swa = int(n_swa)
-    if kind != SwaType.NONE and n_swa <= 0:
-        raise ValueError(f"n_swa={n_swa} is out of range: allowed > 0 when swa_type={kind.value!r}")
-    if n_swa < 0:
-        raise ValueError(f"n_swa={n_swa} is out of range: allowed >= 0")
-    return kind, (n_swa if kind != SwaType.NONE else 0)
+# The formulas below take the cells and the ubatch as arrays; the public functions of a cache
+# (kvjax.kq_mask, kq_mask_bool, pos_bucket) validate it and call them (kvjax.memory._part_ops).
 
 
 # -- building blocks ----------------------------------------------------------------------------
@@ -158,76 +126,6 @@ def _mask_additive(cells, ubatch, n_kv, causal, alibi, swa_type, n_swa):
     return jnp.where(visible, value, -jnp.inf).astype(jnp.float32)
 
 
-# -- public -------------------------------------------------------------------------------------
-
-
-def kq_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True, alibi: bool = False,
-            swa_type: Union[None, SwaType, str] = None, n_swa: Optional[int] = None
-            ) -> Float[Array, "T N"]:
-    """The additive attention mask of a ubatch over the first ``n_kv`` cells (``set_input_kq_mask``).
-
-    Args:
-        cache: the cache, with the ubatch already placed (``find_slot``).
-        ubatch: the tokens; padded rows come out fully masked.
-        n_kv: static window N, a positive multiple of ``padding``, at most ``size`` (see
-            :func:`kvjax.kv_window`).
-        causal: mask cells in the future of the token (``p_cell > p_token``).
-        alibi: visible entries carry ``-|p_cell - p_token|`` instead of 0 (the ALiBi distance,
-            to be scaled per head by the model's slopes).
-        swa_type: sliding-window kind; default ``cache.config.swa_type``. Models with per-layer
-            windows pass it per call (one compilation per distinct window).
-        n_swa: sliding-window size; default ``cache.config.n_swa``.
-
-    Returns:
-        ``f32[T, N]``: 0 (or the ALiBi distance) where visible, ``-inf`` elsewhere.
-
-    Raises:
-        ValueError: for a bad ``n_kv``, an unknown ``swa_type``, or ``n_swa <= 0`` with a window.
-
-    Example:
-        >>> import kvjax
-        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
-        >>> ub = kvjax.make_ubatch([0, 1, 2], [[0]] * 3)
-        >>> cache, _, _ = kvjax.find_slot(cache, ub)
-        >>> kvjax.kq_mask(cache, ub, 32, alibi=True)[2, :4].tolist()
-        [-2.0, -1.0, 0.0, -inf]
-        >>> kvjax.kq_mask(cache, ub, 32, swa_type="standard", n_swa=2)[2, :4].tolist()
-        [-inf, 0.0, 0.0, -inf]
-    """
-    n_kv = _check_args(cache, ubatch, n_kv)
-    kind, window = _swa_args(cache, swa_type, n_swa)
-    return _mask_additive(cache.cells, ubatch, n_kv=n_kv, causal=check_flag("causal", causal), alibi=check_flag("alibi", alibi),
-                          swa_type=kind, n_swa=window)
-
-
-def kq_mask_bool(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True,
-                 alibi: bool = False, swa_type: Union[None, SwaType, str] = None,
-                 n_swa: Optional[int] = None) -> Bool[Array, "T N"]:
-    """The visibility form of :func:`kq_mask` (``True`` = visible), for boolean-mask attention.
-
-    Takes the same arguments as :func:`kq_mask`. ALiBi is a bias, not a visibility rule, so it
-    cannot be expressed here: ``alibi=True`` raises (use :func:`kq_mask`, or pass the distances as
-    ``bias`` to :func:`kvjax.attention`).
-
-    Returns:
-        ``bool[T, N]``.
-
-    Example:
-        >>> import kvjax
-        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
-        >>> ub = kvjax.make_ubatch([0, 1], [[0]] * 2)
-        >>> cache, _, _ = kvjax.find_slot(cache, ub)
-        >>> kvjax.kq_mask_bool(cache, ub, 32, causal=False)[:, :3].tolist()
-        [[True, True, False], [True, True, False]]
-    """
-    n_kv = _check_args(cache, ubatch, n_kv)
-    if alibi:
-        raise ValueError("alibi=True has no boolean form: use kvjax.kq_mask for the additive mask "
-                         "with ALiBi distances")
-    kind, window = _swa_args(cache, swa_type, n_swa)
-    return _mask_bool(cache.cells, ubatch, n_kv=n_kv, causal=check_flag("causal", causal), swa_type=kind, n_swa=window)
-
-
 def _relative_bucket(rel: Int[Array, "..."], n_buckets: int, bidirectional: bool,
                      max_distance: int) -> Int[Array, "..."]:
     """T5's bucket of ``rel = memory_position - query_position``.
@@ -260,46 +158,3 @@ def _pos_bucket(cells, ubatch, n_kv, n_buckets, bidirectional, max_distance):
     return _relative_bucket(rel, n_buckets, bidirectional, max_distance)
 
 
-def pos_bucket(cache: KVCache, ubatch: Ubatch, n_kv: int, n_buckets: int, *, bidirectional: bool = False,
-               max_distance: int = T5_MAX_DISTANCE) -> Int[Array, "T N"]:
-    """T5 relative-position buckets between each token and the first ``n_kv`` cells.
-
-    The seed's ``set_input_pos_bucket``: bucket of ``p_cell - p_token`` for every pair, empty
-    cells included (their ``pos`` is -1; the mask hides them anyway), padded rows at position 0.
-
-    Args:
-        cache: the cache.
-        ubatch: the tokens.
-        n_kv: static window N (as for :func:`kq_mask`).
-        n_buckets: number of buckets (``n_rel_attn_bkts``), >= 2, >= 4 when bidirectional.
-        bidirectional: separate buckets for cells after the token (encoders).
-        max_distance: distance from which everything shares the last bucket (T5: 128).
-
-    Returns:
-        ``i32[T, N]`` buckets in ``[0, n_buckets)``.
-
-    Example:
-        >>> import kvjax
-        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
-        >>> ub = kvjax.make_ubatch(range(0, 320, 10), [[0]] * 32)
-        >>> cache, _, _ = kvjax.find_slot(cache, ub)
-        >>> kvjax.pos_bucket(cache, ub, 32, 32)[31, ::4].tolist()
-        [31, 31, 31, 31, 31, 30, 27, 20]
-    """
-    n_kv = _check_args(cache, ubatch, n_kv)
-    n_buckets = _positive_int("n_buckets", n_buckets)
-    lowest = 4 if bidirectional else 2
-    if n_buckets < lowest:
-        raise ValueError(f"n_buckets={n_buckets} is out of range: allowed >= {lowest}"
-                         f"{' when bidirectional' if bidirectional else ''}")
-    max_exact = (n_buckets // 2 if bidirectional else n_buckets) // 2
-    max_distance = _positive_int("max_distance", max_distance)
-    if max_distance <= max_exact:
-        raise ValueError(f"max_distance={max_distance} is out of range: allowed > {max_exact} "
-                         f"(the exact buckets)")
-    return _pos_bucket(cache.cells, ubatch, n_kv=n_kv, n_buckets=n_buckets,
-                       bidirectional=check_flag("bidirectional", bidirectional), max_distance=max_distance)
-
-
-def _positive_int(name, value) -> int:
-    return check_count(name, value, 1)

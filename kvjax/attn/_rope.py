@@ -55,10 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Float, Int
-from kvjax._jit import JitTwins, donating
+from kvjax._jit import JitTwins
 from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values
 from kvjax.storage import _quant
-from kvjax.memory._unified import KVCache, require_cache
+from kvjax._mesh import MODEL, type_mesh
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 
 # -- the per-pair constants (host, float64) ------------------------------------------------------
@@ -298,8 +298,6 @@ def _heads_split(stored) -> bool:
     streams over ``"data"``) the per-head loop stays: it needs a layer's float32 copy of one head,
     not of every head.
     """
-    from kvjax.shard._rules import MODEL, type_mesh
-
     model = type_mesh(stored)[1].get(MODEL, 1)
     return model > 1 and stored.shape[1] % model == 0
 
@@ -315,49 +313,9 @@ def _shift_impl(ks, cells, config: CacheConfig):
 _shift = JitTwins(_shift_impl, static_argnums=2, donate_argnums=0)
 
 
-def _k_shift(cache: KVCache) -> KVCache:
+def _k_shift(cache):
     """The K-shift as a function of the cache (traceable; used by ``update`` inside ``lax.cond``)."""
     ks, cells = _shift_impl(cache.k, cache.cells, cache.config)
     return cache.replace(k=ks, cells=cells)
 
 
-def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
-    """Rotate every cell's K by its pending ``delta`` in every cached layer; clear the deltas.
-
-    The seed's ``build_graph_shift``. Cells with ``delta == 0`` (empty ones included) are rotated
-    by 0, which leaves them exactly as they are. With ``donate=True`` (or under
-    ``jax.jit(..., donate_argnums=0)``) K is rotated in place: the input cache's K buffers become
-    invalid, and so does every older snapshot sharing them. Otherwise the result is a new K
-    buffer and the input cache is untouched, which costs a fresh allocation of all of K (2-4x the
-    in-place time for a 268 MB K here, depending on the allocator; see
-    ``benchmarks/bench_attention.py``).
-    :func:`kvjax.update` calls this only when some delta is non-zero.
-
-    Args:
-        cache: a cache whose config has ``rope`` set.
-        donate: reuse the K buffers of ``cache`` for the result.
-
-    Returns:
-        The cache with K rotated and every ``delta`` 0.
-
-    Raises:
-        ValueError: when ``cache.config.rope`` is None (the cache cannot shift).
-
-    Example:
-        >>> import jax.numpy as jnp, kvjax
-        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=2,
-        ...                         rope=kvjax.RopeConfig(n_rot=2))
-        >>> cache, slot, _ = kvjax.find_slot(kvjax.init(cfg), kvjax.make_ubatch([5], [[0]]))
-        >>> x = jnp.array([[[0.6, 0.8]]])                                   # K before RoPE
-        >>> k5 = kvjax.rope(x, jnp.array([5]), cfg.rope[0])                 # cached at position 5
-        >>> cache = kvjax.write(cache, 0, slot, k5, k5)
-        >>> shifted = kvjax.k_shift(kvjax.seq_add(cache, 0, 0, -1, -5))   # moved to position 0
-        >>> bool(jnp.allclose(shifted.k[0][0, 0, 0], x[0, 0], atol=1e-6)), int(shifted.cells.delta[0])
-        (True, 0)
-    """
-    require_cache(cache, "k_shift")
-    if cache.config.rope is None:
-        raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
-                         "model's kvjax.RopeConfig (one for all layers or one per layer)")
-    ks, cells = _shift(cache.k, cache.cells, cache.config, donate=donating(donate, cache.cells.pos))
-    return cache.replace(k=ks, cells=cells)

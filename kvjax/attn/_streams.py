@@ -295,7 +295,7 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
     Heads stay split over ``"model"`` as the projections left them.
     """
     from jax.sharding import PartitionSpec as P
-    from kvjax.shard._rules import DATA
+    from kvjax._mesh import DATA
 
     mesh, heads = split
     cache = memory.cache

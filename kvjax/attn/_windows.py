@@ -28,8 +28,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from kvjax._validate import check_count
-from kvjax.memory._unified import KVCache, require_cache
-from kvjax.memory._api import n_kv as _n_kv
 
 
 def _check_geometry(size, padding, min_window):
@@ -92,21 +90,3 @@ def window_bucket(n_kv: int, size: int, padding: int, *, min_window: Optional[in
         raise ValueError(f"n_kv={n_kv!r} is out of range: allowed an int in [0, size={size}]")
     n = int(n_kv)
     return next(b for b in buckets if b >= n)
-
-
-def kv_window(cache: KVCache, *, min_window: Optional[int] = None) -> int:
-    """Read the cache's ``n_kv`` (one scalar device-to-host transfer) and return its bucket.
-
-    Call it after ``find_slot`` and before the step that builds masks and attends, and pass the
-    result as the static window.
-
-    Example:
-        >>> import kvjax
-        >>> cache = kvjax.init(kvjax.CacheConfig(size=256, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
-        >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(70), [[0]] * 70))
-        >>> int(kvjax.n_kv(cache)), kvjax.kv_window(cache)
-        (96, 128)
-    """
-    require_cache(cache, "kv_window")
-    cfg = cache.config
-    return window_bucket(int(_n_kv(cache)), cfg.size, cfg.padding, min_window=min_window)

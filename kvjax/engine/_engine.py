@@ -57,7 +57,8 @@ from kvjax.engine._speculative import check_draft, speculative_stream
 from kvjax.engine._prompt_cache import PromptCache
 from kvjax.memory._sink_window import SinkWindow, check_window_memory, sink_window_evict
 from kvjax.memory._streams import StreamCache
-from kvjax.memory._protocol import Memory, require_memory
+from kvjax.memory._init import require_memory
+from kvjax.memory._protocol import Memory
 from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_simple
 from kvjax.nn._step import make_step, output_bucket
 

@@ -88,7 +88,13 @@ import numpy as np
 from kvjax._errors import StateError
 from kvjax._validate import require
 from kvjax.io._attn_rot import rotate_section, rotate_streams
-from kvjax.io._state import state_read, state_write
+from kvjax.io._blob import Cursor
+from kvjax.io._session import write_atomic
+from kvjax.io._stream_section import _parse_streams, _Stream, _stream_blob, _to_seed
+from kvjax.io._streams_state import read_streams, write_streams
+from kvjax.io._state import state_read
+from kvjax.memory._iswa import IswaCache
+from kvjax.memory._streams import StreamCache
 from kvjax.memory._unified import KVCache
 
 __all__ = ["stream_state_write", "stream_state_read", "memory_state_write", "memory_state_read", "session_write",
@@ -101,36 +107,6 @@ SESSION_VERSIONS = (9, 10)   # what is read and can be written
 SEQ_MAGIC = 0x67677371       # 'ggsq'
 SEQ_VERSION = 3
 SEQ_VERSIONS = (2, 3)
-
-
-class _Reader:
-    """Fields off a byte view; a short read raises :class:`StateError` naming the field."""
-
-    def __init__(self, data):
-        self.buf = memoryview(data).cast("B")
-        self.off = 0
-
-    def take(self, n: int, field: str) -> memoryview:
-        if n < 0 or n > len(self.buf) - self.off:
-            raise StateError(f"{field}: expected {n} bytes at offset {self.off}, found "
-                             f"{len(self.buf) - self.off} (truncated blob)")
-        out = self.buf[self.off:self.off + n]
-        self.off += n
-        return out
-
-    def u32(self, field: str) -> int:
-        return struct.unpack("<I", self.take(4, field))[0]
-
-    def i32(self, field: str) -> int:
-        return struct.unpack("<i", self.take(4, field))[0]
-
-    def u64(self, field: str) -> int:
-        return struct.unpack("<Q", self.take(8, field))[0]
-
-    def finish(self, what: str) -> None:
-        if self.off != len(self.buf):
-            raise StateError(f"{what} length: expected {self.off} bytes, found {len(self.buf)} "
-                             f"({len(self.buf) - self.off} trailing bytes)")
 
 
 def _require_cache(cache) -> KVCache:
@@ -149,34 +125,6 @@ def _seq_arg(seq_id, memory) -> int:
 
 
 # -- the memory blob ----------------------------------------------------------------------------
-
-
-def _split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes]:
-    """A seed blob of ours as ``(n, pos, meta bytes, data bytes)`` (its cells are well formed)."""
-    n = struct.unpack_from("<I", blob)[0]
-    if seq_id >= 0:  # every record is (pos, 0)
-        meta = blob[4:4 + 8 * n]
-        pos = np.frombuffer(meta, "<i4")[0::2].copy()
-    else:            # (pos, k, k ids): walk the records
-        off = 4
-        pos = np.empty(n, np.int32)
-        for i in range(n):
-            pos[i], k = struct.unpack_from("<iI", blob, off)
-            off += 8 + 4 * k
-        meta = blob[4:off]
-    return n, pos, meta, blob[4 + len(meta):]
-
-
-def _stream_blob(cache: KVCache, seq_id: int) -> bytes:
-    """The one-stream blob of ``cache``'s bytes as kvjax stores them (no rotation)."""
-    n, pos, meta, data = _split_seed(state_write(cache, seq_id), seq_id)
-    if n == 0:  # an empty stream is its count alone
-        return struct.pack("<II", 1, 0)
-    if seq_id >= 0:
-        rec = np.empty((n, 3), "<i4")
-        rec[:, 0], rec[:, 1], rec[:, 2] = pos, 1, seq_id
-        meta = rec.tobytes()
-    return struct.pack("<II", 1, n) + meta + data
 
 
 def _attn_rot_arg(attn_rot) -> bool:
@@ -208,140 +156,6 @@ def stream_state_write(cache, seq_id: int = -1, *, attn_rot: bool = True) -> byt
     return rotate_section(blob, cache.config) if _attn_rot_arg(attn_rot) else blob
 
 
-class _Stream:
-    """One stream of a parsed memory blob: its cells, its data section and where that starts in the blob."""
-
-    def __init__(self, n: int, pos: np.ndarray, ids: List[np.ndarray], data: memoryview, offset: int = 0):
-        self.n, self.pos, self.ids, self.data, self.offset = n, pos, ids, data, offset
-
-
-def _walk_data(r: _Reader, n: int, s: int) -> memoryview:
-    """Skip one stream's data section (checking only what its length needs); return its bytes."""
-    start = r.off
-    v_trans = r.u32(f"stream {s} v_trans")
-    n_layer = r.u32(f"stream {s} n_layer")
-    for il in range(n_layer):
-        r.i32(f"stream {s} layer {il} K type")
-        row = r.u64(f"stream {s} layer {il} K row size")
-        r.take(row * n, f"stream {s} layer {il} K rows")
-    for il in range(n_layer):
-        r.i32(f"stream {s} layer {il} V type")
-        if v_trans == 1:
-            el = r.u32(f"stream {s} layer {il} V element size")
-            width = r.u32(f"stream {s} layer {il} V width")
-            r.take(el * width * n, f"stream {s} layer {il} V elements")
-        else:
-            row = r.u64(f"stream {s} layer {il} V row size")
-            r.take(row * n, f"stream {s} layer {il} V rows")
-    return r.buf[start:r.off]
-
-
-def _parse_streams(r: _Reader, single: bool, keep_empty: bool = False) -> List[_Stream]:
-    """The streams of a memory blob that hold cells (every stream, None for an empty one, with
-    ``keep_empty``)."""
-    n_stream = r.u32("n_stream")
-    if not 1 <= n_stream <= 4096:
-        raise StateError(f"n_stream: expected a stream count in [1, 4096], found {n_stream}")
-    streams = []
-    for s in range(n_stream):
-        n = r.u32(f"stream {s} cell_count")
-        if n == 0:
-            if keep_empty:
-                streams.append(None)
-            continue
-        pos = np.empty(n, np.int32)
-        ids = []
-        for i in range(n):
-            pos[i] = r.i32(f"stream {s} cell {i} pos")
-            k = r.u32(f"stream {s} cell {i} n_seq_id")
-            if single and k != 1:
-                raise StateError(f"stream {s} cell {i} n_seq_id: expected 1 in a single-sequence blob "
-                                 f"(today's llama.cpp names the sequence), found {k}")
-            if k > 4096:
-                raise StateError(f"stream {s} cell {i} n_seq_id: expected at most 4096, found {k}")
-            ids.append(np.frombuffer(r.take(4 * k, f"stream {s} cell {i} seq ids"), "<i4"))
-        start = r.off
-        streams.append(_Stream(n, pos, ids, _walk_data(r, n, s), start))
-    return streams
-
-
-def _merge_data(streams: List[_Stream]) -> bytes:
-    """One data section holding the rows of every stream, in stream order."""
-    if len(streams) == 1:
-        return bytes(streams[0].data)
-    parts, heads = [], None
-    layers = []
-    for s, st in enumerate(streams):
-        r = _Reader(st.data)
-        v_trans, n_layer = r.u32("v_trans"), r.u32("n_layer")
-        if heads is None:
-            heads = (v_trans, n_layer)
-        elif heads != (v_trans, n_layer):
-            raise StateError(f"stream {s} v_trans, n_layer: expected {heads} as in stream 0, found "
-                             f"{(v_trans, n_layer)}")
-        ks = []
-        for il in range(n_layer):
-            t, row = r.i32("K type"), r.u64("K row size")
-            ks.append((t, row, bytes(r.take(row * st.n, "K rows"))))
-        vs = []
-        for il in range(n_layer):
-            t = r.i32("V type")
-            if v_trans == 1:
-                el, width = r.u32("V element size"), r.u32("V width")
-                vs.append((t, el, width, np.frombuffer(r.take(el * width * st.n, "V"), np.uint8)
-                           .reshape(width, st.n * el)))
-            else:
-                row = r.u64("V row size")
-                vs.append((t, row, bytes(r.take(row * st.n, "V rows"))))
-        layers.append((ks, vs))
-    v_trans, n_layer = heads
-    parts.append(struct.pack("<II", v_trans, n_layer))
-    for il in range(n_layer):
-        heads_k = {(ks[il][0], ks[il][1]) for ks, _ in layers}
-        if len(heads_k) != 1:
-            raise StateError(f"layer {il} K type / row size: expected one for every stream, found {sorted(heads_k)}")
-        t, row = heads_k.pop()
-        parts.append(struct.pack("<iQ", t, row) + b"".join(ks[il][2] for ks, _ in layers))
-    for il in range(n_layer):
-        if v_trans == 1:
-            heads_v = {vs[il][:3] for _, vs in layers}
-            if len(heads_v) != 1:
-                raise StateError(f"layer {il} V header: expected one for every stream, found {sorted(heads_v)}")
-            t, el, width = heads_v.pop()
-            # transposed V is [width, n] per stream: the merged rows put each stream's cells side by side
-            merged = np.concatenate([vs[il][3] for _, vs in layers], axis=1)
-            parts.append(struct.pack("<iII", t, el, width) + merged.tobytes())
-        else:
-            heads_v = {vs[il][:2] for _, vs in layers}
-            if len(heads_v) != 1:
-                raise StateError(f"layer {il} V type / row size: expected one for every stream, found {sorted(heads_v)}")
-            t, row = heads_v.pop()
-            parts.append(struct.pack("<iQ", t, row) + b"".join(vs[il][2] for _, vs in layers))
-    return b"".join(parts)
-
-
-def _to_seed(streams: List[_Stream], seq_id: int, cache: KVCache) -> bytes:
-    """The seed blob holding the cells of ``streams`` (for :func:`kvjax.state_read`)."""
-    if not streams:
-        # no cell at all: the seed's empty blob of this cache's layout
-        from kvjax.memory._api import clear
-        return state_write(clear(cache), -1)
-    if seq_id >= 0:
-        if len(streams) > 1:
-            raise StateError(f"single-sequence blob: expected cells in one stream, found {len(streams)} streams "
-                             f"with cells")
-        st = streams[0]
-        rec = np.zeros((st.n, 2), "<i4")
-        rec[:, 0] = st.pos
-        return struct.pack("<I", st.n) + rec.tobytes() + bytes(st.data)
-    n = sum(st.n for st in streams)
-    meta = []
-    for st in streams:
-        for p, ids in zip(st.pos, st.ids):
-            meta.append(struct.pack("<iI", int(p), len(ids)) + ids.tobytes())
-    return struct.pack("<I", n) + b"".join(meta) + _merge_data(streams)
-
-
 def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
     """A cache restored from a memory blob of today's llama.cpp (the cache passed in is unchanged).
 
@@ -364,7 +178,7 @@ def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
     cache = _require_cache(cache)
     seq_id = _seq_arg(seq_id, cache)
     attn_rot = _attn_rot_arg(options.pop("attn_rot", True))
-    r = _Reader(data)
+    r = Cursor(data)
     out = _read_unified_part(cache, r, seq_id, "", attn_rot)(options)
     r.finish("blob")
     return out
@@ -373,16 +187,8 @@ def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
 # -- the memories llama.cpp writes as K/V cells ---------------------------------------------------
 
 
-def _memory_kinds():
-    from kvjax.memory._iswa import IswaCache
-    from kvjax.memory._streams import StreamCache
-
-    return IswaCache, StreamCache
-
-
 def _require_kv_memory(memory):
     """The memory, if llama.cpp writes its state as K/V cells (a unified cache, the iSWA pair, streams)."""
-    IswaCache, StreamCache = _memory_kinds()
     if not isinstance(memory, (KVCache, IswaCache, StreamCache)):
         raise ValueError(f"memory must be a kvjax.KVCache, IswaCache or StreamCache (the memories llama.cpp saves "
                          f"as K/V cells: llama_kv_cache, llama_kv_cache_iswa), got {type(memory).__name__}")
@@ -391,7 +197,6 @@ def _require_kv_memory(memory):
 
 def _unified_parts(memory) -> List[KVCache]:
     """The unified caches of a memory in llama.cpp's write order (the iSWA pair: base, then window)."""
-    IswaCache, _ = _memory_kinds()
     return [memory.base, memory.swa] if isinstance(memory, IswaCache) else [memory]
 
 
@@ -402,7 +207,6 @@ def _with_v_trans(memory, v_trans, like=None):
     so a file of either layout is read, and either layout written, by changing the flag alone.
     ``like``: put back the configs of that memory (after a read with another flag).
     """
-    IswaCache, StreamCache = _memory_kinds()
     if v_trans is None and like is None:
         return memory
 
@@ -451,12 +255,9 @@ def memory_state_write(memory, seq_id: int = -1, *, v_trans=None, attn_rot: bool
             block-quantized V.
         kvjax.StateError: a pending K-shift or stream copy (apply :func:`kvjax.update` first).
     """
-    _, StreamCache = _memory_kinds()
     memory = _with_v_trans(_require_kv_memory(memory), _v_trans_arg(v_trans))
     attn_rot = _attn_rot_arg(attn_rot)
     if isinstance(memory, StreamCache):
-        from kvjax.io._streams_state import write_streams
-
         blob = write_streams(memory, seq_id)
         return rotate_section(blob, memory.config.base) if attn_rot else blob
     parts = _unified_parts(memory)
@@ -474,7 +275,7 @@ def _blob_v_trans(streams: List[_Stream]):
     return struct.unpack_from("<I", streams[0].data)[0] if streams else None
 
 
-def _read_unified_part(part: KVCache, r: _Reader, seq_id: int, label: str, attn_rot: bool):
+def _read_unified_part(part: KVCache, r: Cursor, seq_id: int, label: str, attn_rot: bool):
     """Parse one unified cache's section; return a function that restores it (nothing is read yet)."""
     try:
         streams = _parse_streams(r, single=seq_id >= 0)
@@ -500,18 +301,15 @@ def _read_unified_part(part: KVCache, r: _Reader, seq_id: int, label: str, attn_
     return restore
 
 
-def _read_memory_section(memory, r: _Reader, seq_id: int, options):
+def _read_memory_section(memory, r: Cursor, seq_id: int, options):
     """Read a memory section off ``r`` (every part is parsed and checked before any is kept)."""
-    IswaCache, StreamCache = _memory_kinds()
     options = dict(options)
     attn_rot = _attn_rot_arg(options.pop("attn_rot", True))
     if isinstance(memory, StreamCache):
-        from kvjax.io._streams_state import read_streams
-
         rest = bytes(r.take(len(r.buf) - r.off, "memory"))
         if attn_rot:
             rest = rotate_section(rest, memory.config.base)
-        streams = _parse_streams(_Reader(rest), single=seq_id >= 0)
+        streams = _parse_streams(Cursor(rest), single=seq_id >= 0)
         flag = _blob_v_trans(streams)
         out = read_streams(_with_v_trans(memory, None if flag is None else bool(flag)), rest, seq_id,
                            **{k: v for k, v in options.items() if k == "contiguous"})
@@ -538,7 +336,7 @@ def memory_state_read(memory, data, seq_id: int = -1, **options):
     """
     memory = _require_kv_memory(memory)
     _seq_arg(seq_id, memory)
-    r = _Reader(data)
+    r = Cursor(data)
     out = _read_memory_section(memory, r, int(seq_id), options)
     r.finish("memory section")
     return out
@@ -587,7 +385,7 @@ def _version_arg(version, allowed: Tuple[int, ...], what: str) -> int:
     return int(version)
 
 
-def _header(r: _Reader, magic: int, versions: Tuple[int, ...], what: str) -> Tuple[int, np.ndarray]:
+def _header(r: Cursor, magic: int, versions: Tuple[int, ...], what: str) -> Tuple[int, np.ndarray]:
     found_magic = r.u32(f"{what} magic")
     if found_magic != magic:
         raise StateError(f"{what} magic: expected {magic:#010x} ({struct.pack('>I', magic).decode()!r}), found "
@@ -675,7 +473,7 @@ def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
             memory passed in is unchanged.
     """
     cache = _require_kv_memory(cache)
-    r = _Reader(_bytes_of(data))
+    r = Cursor(_bytes_of(data))
     version, tokens = _header(r, SESSION_MAGIC, SESSION_VERSIONS, "session file")
     n_name = r.u32("arch name length")
     if n_name > 256:
@@ -746,7 +544,7 @@ def seq_file_read(cache, data, seq_id: int, **options) -> Tuple[object, np.ndarr
     seq_id = _seq_arg(seq_id, cache)
     if seq_id < 0:
         raise ValueError("seq_id=-1 is out of range for a sequence file: allowed [0, n_seq_max)")
-    r = _Reader(_bytes_of(data))
+    r = Cursor(_bytes_of(data))
     _, tokens = _header(r, SEQ_MAGIC, SEQ_VERSIONS, "sequence file")
     out = _read_memory_section(cache, r, seq_id, options)
     r.finish("sequence file")
@@ -762,13 +560,9 @@ def session_save_file(path, cache, tokens: Sequence[int], **options) -> None:
         tokens: its tokens.
         **options: :func:`session_write`'s (``arch`` is required).
     """
-    from kvjax.io._session import write_atomic
-
     write_atomic(path, (session_write(cache, tokens, **options),))
 
 
 def seq_save_file(path, cache, seq_id: int, tokens: Sequence[int], **options) -> None:
     """Write :func:`seq_file_write`'s bytes to ``path`` atomically (``llama_state_seq_save_file``)."""
-    from kvjax.io._session import write_atomic
-
     write_atomic(path, (seq_file_write(cache, seq_id, tokens, **options),))

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._errors import StateError
-from kvjax.io._state import (_as_view, _check_equal, _check_type, _Cursor, _encode_meta, _parse_meta_seq,
-                             _parse_meta_whole, host_array)
+from kvjax.io._blob import (Cursor, as_view, check_equal, check_type, encode_meta, host_array, parse_meta_seq,
+                            parse_meta_whole)
+from kvjax.memory._protocol import register_state_format
 from kvjax.memory import _seqbits
 from kvjax.memory._config import GGML_TYPE_IDS
 from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig
@@ -76,7 +77,7 @@ def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:
     else:
         cells = np.flatnonzero(_seqbits.host_holds(masks, seq_id))
     pieces = [struct.pack("<I", len(cells)),
-              _encode_meta(pos[cells], masks[cells] if seq_id < 0 else None, cfg.n_seq_max),
+              encode_meta(pos[cells], masks[cells] if seq_id < 0 else None, cfg.n_seq_max),
               struct.pack("<II", 0, cfg.n_layer)]
     rows = cells * cfg.n_states + roll[cells]
     for buffers, shapes, dtype in ((memory.k, cfg.k_shape, cfg.k_dtype), (memory.v, cfg.v_shape, cfg.v_dtype)):
@@ -88,25 +89,27 @@ def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:
     return b"".join(pieces)
 
 
-def _parse_rows(cur: _Cursor, cfg: RecurrentConfig, n: int, which: str) -> List[np.ndarray]:
+def _parse_rows(cur: Cursor, cfg: RecurrentConfig, n: int, which: str) -> List[np.ndarray]:
     shapes, dtype = (cfg.k_shape, cfg.k_dtype) if which == "k" else (cfg.v_shape, cfg.v_dtype)
     out = []
     for il in range(cfg.n_layer):
-        _check_type(f"layer {il} {which} type", GGML_TYPE_IDS[dtype], cur.scalar("<i", f"layer {il} {which} type"))
-        _check_equal(f"layer {il} {which} row size", _row_bytes(shapes[il], dtype),
+        check_type(f"layer {il} {which} type", GGML_TYPE_IDS[dtype], cur.scalar("<i", f"layer {il} {which} type"))
+        check_equal(f"layer {il} {which} row size", _row_bytes(shapes[il], dtype),
                      cur.scalar("<Q", f"layer {il} {which} row size"), f" bytes ({dtype} {list(shapes[il])})")
         raw = cur.array(np.dtype(jnp.dtype(dtype)), n * int(np.prod(shapes[il])), f"layer {il} {which} rows")
         out.append(raw.reshape((n,) + shapes[il]))
     return out
 
 
-def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, donate: bool = False) -> RecurrentCache:
+def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, contiguous: bool = True,
+                   donate: bool = False) -> RecurrentCache:
     """The recurrent memory's :func:`kvjax.state_read` (see the module docstring for the rules).
 
     With ``seq_id = -1`` the memory is emptied and blob cell ``i`` goes to cell ``i``; with
     ``seq_id >= 0`` the sequence's state is replaced by the blob's single cell, placed as a
-    one-token ubatch would be. Restored cells keep one state (``hist = 1``). ``donate`` is
-    accepted for symmetry with the other memories and changes nothing (states are small).
+    one-token ubatch would be. Restored cells keep one state (``hist = 1``). ``contiguous`` and
+    ``donate`` are accepted for symmetry with the other memories and change nothing (a sequence's
+    state is one cell; states are small).
 
     Raises:
         kvjax.StateError: the blob does not fit this memory (the field, expected and found value
@@ -114,8 +117,9 @@ def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, donate: bo
     """
     cfg = memory.config
     seq_id = _check_seq(seq_id, cfg)
+    check_flag("contiguous", contiguous)
     check_flag("donate", donate)
-    pos, masks, k_rows, v_rows, _ = _parse(cfg, _as_view(data), seq_id, trailing=False)
+    pos, masks, k_rows, v_rows, _ = _parse(cfg, as_view(data), seq_id, trailing=False)
     if seq_id < 0:
         return _read_whole(memory, pos, masks, k_rows, v_rows)
     return _read_seq(memory, seq_id, pos, k_rows, v_rows)
@@ -123,13 +127,13 @@ def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, donate: bo
 
 def _parse(cfg: RecurrentConfig, view, seq_id: int, trailing: bool):
     """Every field of a blob checked: ``(pos, masks or None, k_rows, v_rows, bytes read)``."""
-    cur = _Cursor(view)
+    cur = Cursor(view)
     n = cur.scalar("<I", "cell_count")
     masks = None
     if seq_id < 0:
         if n > cfg.size:
             raise StateError(f"cell_count: expected at most size={cfg.size}, found {n}")
-        pos, masks = _parse_meta_whole(cur, n, cfg.n_seq_max, _seqbits.n_words(cfg.n_seq_max))
+        pos, masks = parse_meta_whole(cur, n, cfg.n_seq_max, _seqbits.n_words(cfg.n_seq_max))
         members = _seqbits.unpack(masks, cfg.n_seq_max) if n else np.zeros((0, cfg.n_seq_max), bool)
         twice = np.flatnonzero(members.sum(axis=0) > 1)
         if twice.size:
@@ -138,9 +142,9 @@ def _parse(cfg: RecurrentConfig, view, seq_id: int, trailing: bool):
     else:
         if n > 1:
             raise StateError(f"cell_count: expected 0 or 1 (a sequence has one state), found {n}")
-        pos = _parse_meta_seq(cur, n)
-    _check_equal("v_trans", 0, cur.scalar("<I", "v_trans"), " (recurrent states are never transposed)")
-    _check_equal("n_layer", cfg.n_layer, cur.scalar("<I", "n_layer"))
+        pos = parse_meta_seq(cur, n)
+    check_equal("v_trans", 0, cur.scalar("<I", "v_trans"), " (recurrent states are never transposed)")
+    check_equal("n_layer", cfg.n_layer, cur.scalar("<I", "n_layer"))
     k_rows = _parse_rows(cur, cfg, n, "k")
     v_rows = _parse_rows(cur, cfg, n, "v")
     if not trailing:
@@ -150,7 +154,7 @@ def _parse(cfg: RecurrentConfig, view, seq_id: int, trailing: bool):
 
 def recurrent_blob_size(memory: RecurrentCache, data, seq_id: int = -1) -> int:
     """Bytes of the recurrent memory's blob at the start of ``data`` (checked as a read checks it)."""
-    return _parse(memory.config, _as_view(data), _check_seq(seq_id, memory.config), trailing=True)[-1]
+    return _parse(memory.config, as_view(data), _check_seq(seq_id, memory.config), trailing=True)[-1]
 
 
 def _stack(rows: List[np.ndarray], cfg: RecurrentConfig, g: int) -> jnp.ndarray:
@@ -200,3 +204,6 @@ def _read_seq(memory: RecurrentCache, seq_id: int, pos, k_rows, v_rows) -> Recur
         v_new = _stack(v_rows, cfg, g)[:, :, None]
         placed = placed.write_states(placement, k_new, v_new, group=g)
     return placed
+
+
+register_state_format(RecurrentCache, write=write_recurrent, read=read_recurrent, size=recurrent_blob_size)

@@ -74,18 +74,17 @@ import numpy as np
 from kvjax.memory import _api as ops
 from kvjax.storage import _quant
 from kvjax.memory import _seqbits as seqbits
-from kvjax.memory._protocol import require_memory
+from kvjax.memory._init import require_memory
+from kvjax.memory._protocol import register_state_format
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import GGML_TYPE_IDS, CacheConfig
 from kvjax._errors import StateError
+from kvjax.io._blob import (QUANTIZED_TYPE_IDS, Cursor, as_view, check_equal, check_type, encode_meta,
+                            host_array, parse_meta_seq, parse_meta_whole)
 from kvjax.memory._ubatch import Ubatch, bucket_length
 from kvjax._jit import JitTwins
-from kvjax._validate import POS_END, check_flag, check_seq_id, is_traced
+from kvjax._validate import check_flag, check_seq_id, is_traced
 
-#: ggml type ids of quantized types that llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1,
-#: Q8_0, IQ4_NL): recognised in messages, refused until block-quantized K/V lands.
-QUANTIZED_TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
-_GGML_NAMES = {0: "F32", 1: "F16", 30: "BF16", **QUANTIZED_TYPE_IDS}
 # K/V bytes travel as unsigned ints of the element size: bit-exact (no float conversion can
 # touch a NaN payload) and exportable through dlpack, which knows no bfloat16.
 _UINT = {4: np.dtype("<u4"), 2: np.dtype("<u2"), 1: np.dtype("u1")}
@@ -194,43 +193,6 @@ def layout_fingerprint(config: CacheConfig) -> bytes:
 # -- parsing ------------------------------------------------------------------------------------
 
 
-class _Cursor:
-    """Reads fields off a byte view; a short read raises :class:`StateError`."""
-
-    def __init__(self, buf: memoryview):
-        self.buf = buf
-        self.off = 0
-
-    @property
-    def left(self) -> int:
-        return len(self.buf) - self.off
-
-    def take(self, nbytes: int, field: str) -> memoryview:
-        if nbytes > self.left:
-            raise StateError(f"{field}: expected {nbytes} bytes at offset {self.off}, found "
-                             f"{self.left} (truncated blob)")
-        view = self.buf[self.off:self.off + nbytes]
-        self.off += nbytes
-        return view
-
-    def scalar(self, fmt: str, field: str) -> int:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), field))[0]
-
-    def array(self, dtype: np.dtype, count: int, field: str) -> np.ndarray:
-        return np.frombuffer(self.take(count * dtype.itemsize, field), dtype)
-
-    def words(self) -> Tuple[np.ndarray, memoryview]:
-        """Every whole i32 word left, as numpy and as a memoryview (neither advances)."""
-        n = self.left // 4
-        view = self.buf[self.off:self.off + 4 * n]
-        return np.frombuffer(view, "<i4"), view.cast("i")
-
-    def finish(self) -> None:
-        if self.left:
-            raise StateError(f"blob length: expected {self.off} bytes, found {len(self.buf)} "
-                             f"({self.left} trailing bytes)")
-
-
 class _Parsed(NamedTuple):
     """A validated blob: host views into its bytes (nothing copied yet)."""
 
@@ -242,24 +204,6 @@ class _Parsed(NamedTuple):
     size: int                       # bytes of the blob
 
 
-def _type_name(type_id: int) -> str:
-    return _GGML_NAMES.get(type_id, "unknown ggml type")
-
-
-def _check_type(field: str, expected: int, found: int) -> None:
-    if found == expected:
-        return
-    msg = f"{field}: expected {expected} ({_type_name(expected)}), found {found} ({_type_name(found)})"
-    names = {i: n for n, i in GGML_TYPE_IDS.items()}
-    if found in QUANTIZED_TYPE_IDS:
-        fix = (f"make the cache with that {field.split()[-2].lower()}_dtype={names[found]!r}" if found in names
-               else "kvjax has no storage of that type")
-        msg += f": quantized K/V state is not supported by a cache of another storage type ({fix})"
-    elif expected in QUANTIZED_TYPE_IDS:
-        msg += ": the cache stores block-quantized K/V and the blob does not (make the cache with its float dtype)"
-    raise StateError(msg)
-
-
 def _row_why(n_heads: int, head_dim: int, width: int, size: int) -> str:
     """How a row size is made up, for a refusal message."""
     if width == head_dim:
@@ -268,101 +212,13 @@ def _row_why(n_heads: int, head_dim: int, width: int, size: int) -> str:
     return f" bytes ({n_heads} heads x head size {head_dim} = {n_blocks} blocks of {width // n_blocks} bytes)"
 
 
-def _check_equal(field: str, expected: int, found: int, why: str = "") -> None:
-    if found != expected:
-        raise StateError(f"{field}: expected {expected}{why}, found {found}")
-
-
-def _parse_meta_seq(cur: _Cursor, n: int) -> np.ndarray:
-    """Cells of a single-sequence blob: ``n`` records of (pos, n_seq_id = 0)."""
-    words, _ = cur.words()
-    have = min(2 * n, words.size)
-    counts = words[1:have:2]
-    named = np.flatnonzero(counts)
-    if named.size:  # the records before it are all two words, so its index is exact
-        i = int(named[0])
-        raise StateError(f"cell {i} n_seq_id: expected 0 (a single-sequence blob names no "
-                         f"sequence), found {int(counts[i]) & 0xFFFFFFFF}; a whole-cache blob is "
-                         f"read with seq_id=-1")
-    words = cur.array(np.dtype("<i4"), 2 * n, f"cell metadata of {n} cells")
-    pos = words[0::2]
-    _check_positions(pos)
-    return pos
-
-
-def _check_positions(pos: np.ndarray) -> None:
-    bad = np.flatnonzero((pos < 0) | (pos >= POS_END))
-    if bad.size:
-        i = int(bad[0])
-        raise StateError(f"cell {i} pos: expected in [0, {POS_END}) (2**31 - 1 is the seed's 'to infinity'), "
-                         f"found {int(pos[i])}")
-
-
-def _record_offsets(cur: _Cursor, n: int, n_seq_max: int) -> np.ndarray:
-    """Word offset of each cell record of a whole-cache blob (records have variable length)."""
-    words, ints = cur.words()
-    if words.size >= 2:
-        k0 = int(words[1])
-        r = 2 + k0
-        # fast path: every cell has the same number of sequences (the common case)
-        if 1 <= k0 <= n_seq_max and n * r <= words.size and np.all(words[1:n * r:r] == k0):
-            return np.arange(n, dtype=np.int64) * r
-    # general case: one cheap step per cell over the metadata words (about 16 ms at 32768 cells
-    # on the 2-core CPU this was written on); K/V bytes are never looped over
-    offsets = [0] * n
-    off, m = 0, words.size
-    for i in range(n):
-        if off + 2 > m:
-            raise StateError(f"cell {i} pos and n_seq_id: expected 8 bytes at offset "
-                             f"{cur.off + 4 * off}, found {cur.left - 4 * off} (truncated blob)")
-        k = ints[off + 1]
-        if not 1 <= k <= n_seq_max:
-            raise StateError(f"cell {i} n_seq_id: expected 1 to n_seq_max={n_seq_max} (every cell of "
-                             f"a whole-cache blob names its sequences), found {k & 0xFFFFFFFF}"
-                             + ("; a single-sequence blob is read with seq_id >= 0" if k == 0 else ""))
-        offsets[i] = off
-        off += 2 + k
-    if off > m:
-        raise StateError(f"cell {n - 1} seq ids: expected {4 * (off - offsets[-1] - 2)} bytes, found "
-                         f"{cur.left - 4 * (offsets[-1] + 2)} (truncated blob)")
-    return np.asarray(offsets, np.int64)
-
-
-def _parse_meta_whole(cur: _Cursor, n: int, n_seq_max: int, n_words: int):
-    """Cells of a whole-cache blob: positions ``i32[n]`` and sequence bitmasks ``u32[n, W]``."""
-    if n == 0:
-        return np.zeros(0, np.int32), np.zeros((0, n_words), np.uint32)
-    offsets = _record_offsets(cur, n, n_seq_max)
-    words, _ = cur.words()
-    pos = words[offsets]
-    counts = words[offsets + 1].astype(np.int64)
-    _check_positions(pos)
-    total = int(counts.sum())
-    cell = np.repeat(np.arange(n), counts)
-    first = np.cumsum(counts) - counts
-    ids = words[np.repeat(offsets + 2 - first, counts) + np.arange(total)]
-    bad = np.flatnonzero((ids < 0) | (ids >= n_seq_max))
-    if bad.size:
-        j = int(bad[0])
-        raise StateError(f"cell {int(cell[j])} seq id: expected [0, n_seq_max={n_seq_max}), found {int(ids[j])}")
-    masks = seqbits.host_pack(cell, ids, n, n_words)
-    distinct = np.unpackbits(masks.view(np.uint8), axis=1).sum(axis=1)  # popcount, numpy 1.x too
-    dup = np.flatnonzero(distinct != counts)
-    if dup.size:
-        i = int(dup[0])
-        raise StateError(f"cell {i} seq ids: expected {int(counts[i])} distinct ids, found "
-                         f"{sorted(ids[cell == i].tolist())}")
-    cur.take(4 * int(offsets[-1] + 2 + counts[-1]), "cell metadata")
-    return pos, masks
-
-
 def blob_size(cache: KVCache, data, seq_id: int = -1) -> int:
     """Bytes of the unified cache blob at the start of ``data`` (a composite memory's parts follow it).
 
     Every field is checked as :func:`read_unified` checks it (:class:`kvjax.StateError` otherwise).
     """
     cfg = _check_host_cache(cache, "state_read")
-    return _parse(cfg, _as_view(data), _check_seq(seq_id, cfg), cfg.size, "the cache size", trailing=True).size
+    return _parse(cfg, as_view(data), _check_seq(seq_id, cfg), cfg.size, "the cache size", trailing=True).size
 
 
 def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str,
@@ -371,38 +227,38 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
 
     With ``trailing`` the blob may be followed by more bytes (another part's blob).
     """
-    cur = _Cursor(buf)
+    cur = Cursor(buf)
     n = cur.scalar("<I", "cell_count")
     if n > capacity:
         raise StateError(f"cell_count: expected at most {capacity} ({why}), found {n}")
     if seq_id < 0:
-        pos, seq = _parse_meta_whole(cur, n, config.n_seq_max, config.n_words)
+        pos, seq = parse_meta_whole(cur, n, config.n_seq_max, config.n_words)
     else:
-        pos, seq = _parse_meta_seq(cur, n), None
+        pos, seq = parse_meta_seq(cur, n), None
     v_trans = cur.scalar("<I", "v_trans")
-    _check_equal("v_trans", int(config.v_trans), v_trans, " (config.v_trans)")
+    check_equal("v_trans", int(config.v_trans), v_trans, " (config.v_trans)")
     layouts = layer_layouts(config)
     n_layer = cur.scalar("<I", "n_layer")
-    _check_equal("n_layer", len(layouts), n_layer, f" (cached layers {list(config.cached_layers)})")
+    check_equal("n_layer", len(layouts), n_layer, f" (cached layers {list(config.cached_layers)})")
     ks, vs = [], []
     for lay in layouts:
         name = f"layer {lay.layer}"
-        _check_type(f"{name} K type", lay.k_type, cur.scalar("<i", f"{name} K type"))
-        _check_equal(f"{name} K row size", lay.k_row, cur.scalar("<Q", f"{name} K row size"),
+        check_type(f"{name} K type", lay.k_type, cur.scalar("<i", f"{name} K type"))
+        check_equal(f"{name} K row size", lay.k_row, cur.scalar("<Q", f"{name} K row size"),
                      _row_why(lay.n_kv_heads, lay.head_dim, lay.k_width, lay.k_size))
         rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.k_width, f"{name} K rows")
         ks.append(rows.reshape(n, lay.n_kv_heads, lay.k_width))
     for lay in layouts:
         name = f"layer {lay.layer}"
-        _check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
+        check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
         if not config.v_trans:
-            _check_equal(f"{name} V row size", lay.v_row, cur.scalar("<Q", f"{name} V row size"),
+            check_equal(f"{name} V row size", lay.v_row, cur.scalar("<Q", f"{name} V row size"),
                          _row_why(lay.n_kv_heads, lay.head_dim_v, lay.v_width, lay.v_size))
             rows = cur.array(_UINT[lay.v_size], n * lay.n_kv_heads * lay.v_width, f"{name} V rows")
             vs.append(rows.reshape(n, lay.n_kv_heads, lay.v_width))
         else:
-            _check_equal(f"{name} V element size", lay.v_size, cur.scalar("<I", f"{name} V element size"))
-            _check_equal(f"{name} V n_embd_v_gqa", lay.n_embd_v, cur.scalar("<I", f"{name} V n_embd_v_gqa"),
+            check_equal(f"{name} V element size", lay.v_size, cur.scalar("<I", f"{name} V element size"))
+            check_equal(f"{name} V n_embd_v_gqa", lay.n_embd_v, cur.scalar("<I", f"{name} V n_embd_v_gqa"),
                          f" ({lay.n_kv_heads} heads x head size {lay.head_dim_v})")
             rows = cur.array(_UINT[lay.v_size], n * lay.n_embd_v, f"{name} V rows (transposed)")
             vs.append(rows.reshape(lay.n_embd_v, n))
@@ -412,28 +268,6 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
 
 
 # -- metadata encoding --------------------------------------------------------------------------
-
-
-def _encode_meta(pos: np.ndarray, masks: Optional[np.ndarray], n_seq_max: int) -> bytes:
-    """Cell records for ``pos i32[n]`` and ``masks u32[n, W]`` (None: single-sequence records)."""
-    n = pos.shape[0]
-    if masks is None:
-        out = np.zeros((n, 2), "<i4")
-        out[:, 0] = pos
-        return out.tobytes()
-    if n == 0:
-        return b""
-    bits = seqbits.unpack(masks, n_seq_max)
-    cell, ids = np.nonzero(bits)  # row-major: ids ascending within a cell, as std::set iterates
-    counts = bits.sum(axis=1, dtype=np.int64)
-    length = 2 + counts
-    start = np.cumsum(length) - length
-    out = np.empty(int(length.sum()), "<i4")
-    out[start] = pos
-    out[start + 1] = counts
-    first = np.cumsum(counts) - counts
-    out[start[cell] + 2 + np.arange(ids.size) - first[cell]] = ids
-    return out.tobytes()
 
 
 # -- device parts -------------------------------------------------------------------------------
@@ -599,21 +433,6 @@ def _members(masks: np.ndarray, seq_id: int) -> np.ndarray:
     return seqbits.host_holds(masks, seq_id)
 
 
-def host_array(x) -> np.ndarray:
-    """``x`` as a numpy array, gathered from every process when it spans other processes' devices.
-
-    In a multi-process job a memory's K/V are split over every host's devices, and no process can
-    read the others' shards directly: every process gathers the whole array (a collective: all of
-    them call this in the same order, as they run every kvjax program), so every host writes the
-    same blob. On one process it is ``np.asarray`` (a view of the device buffer on the CPU backend).
-    """
-    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
 def _host_cells(cache: KVCache):
     cells = cache.cells
     return host_array(cells.pos), host_array(cells.seq), host_array(cells.delta)
@@ -655,7 +474,7 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
                          f"{int(delta[idx[shifted[0]]])}): the state format cannot carry it; apply "
                          f"it first (kvjax.update)")
     layouts = layer_layouts(cfg)
-    pieces = [struct.pack("<I", n), _encode_meta(pos[idx], None if seq_id >= 0 else masks[idx], cfg.n_seq_max),
+    pieces = [struct.pack("<I", n), encode_meta(pos[idx], None if seq_id >= 0 else masks[idx], cfg.n_seq_max),
               struct.pack("<II", int(cfg.v_trans), len(layouts))]
     k_host = v_host = None
     rows = _bucket(n, cfg.size)
@@ -681,17 +500,6 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
             elif n:  # one piece per V component: each is contiguous, the padded block is not
                 pieces.extend(memoryview(r) for r in v_host[lay.group][lay.index, :, :n])
     return b"".join(pieces)
-
-
-def _as_view(data) -> memoryview:
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise StateError(f"data: expected a bytes-like object, found {type(data).__name__}") from None
-    if not view.c_contiguous:
-        # a strided numpy view of a buffer (a[::2]): its bytes in order, once (a cast needs contiguity)
-        view = memoryview(view.tobytes())
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True,
@@ -740,7 +548,7 @@ def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = T
     cfg = _check_host_cache(cache, "state_read")
     seq_id = _check_seq(seq_id, cfg)
     contiguous, donate = check_flag("contiguous", contiguous), check_flag("donate", donate)
-    buf = _as_view(data)
+    buf = as_view(data)
     _, masks, _ = _host_cells(cache)
     if seq_id < 0:
         capacity, why = cfg.size, "the cache size"
@@ -823,7 +631,7 @@ def state_read(memory, data, seq_id: int = -1, **options):
     Options are the memory's (the unified cache: ``contiguous``, ``donate``; see
     :func:`read_unified`). A blob that does not fit raises :class:`kvjax.StateError` naming the field.
     """
-    from kvjax.shard._rules import shardings_of
+    from kvjax._mesh import shardings_of
 
     memory = require_memory(memory)
     # the blob is decoded on the host: put the result where the memory it replaces lives (read the
@@ -835,3 +643,6 @@ def state_read(memory, data, seq_id: int = -1, **options):
     layout = shardings_of(memory) if placed else None
     restored = memory.state_read(data, seq_id, **options)
     return restored if layout is None else jax.device_put(restored, layout)
+
+
+register_state_format(KVCache, write=write_unified, read=read_unified, size=blob_size)

@@ -21,8 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._errors import StateError
-from kvjax.io._llama_state import _Reader, _Stream, _parse_streams, _stream_blob, _to_seed
+from kvjax.io._blob import Cursor
 from kvjax.io._state import state_read
+from kvjax.io._stream_section import _parse_streams, _Stream, _stream_blob, _to_seed
+from kvjax.memory._protocol import register_state_format
+from kvjax.memory._streams import StreamCache
 
 __all__ = ["write_streams", "read_streams"]
 
@@ -49,7 +52,7 @@ def write_streams(memory, seq_id: int = -1) -> bytes:
 
 def _parse(memory, data, seq_id: int) -> List[Optional[_Stream]]:
     """Each stream's parsed section (None: no cells), checked against this memory's stream count."""
-    r = _Reader(data)
+    r = Cursor(data)
     streams = _parse_streams(r, single=seq_id >= 0, keep_empty=True)
     r.finish("blob")
     if seq_id >= 0:
@@ -88,3 +91,7 @@ def read_streams(memory, data, seq_id: int = -1, *, contiguous: bool = True, don
         reads.append(state_read(one, _to_seed([section] if section else [], -1, one), -1, contiguous=contiguous))
     cache = jax.tree.map(lambda *xs: jnp.stack(xs), *reads)
     return memory.replace(cache=cache, copy_from=jnp.full_like(memory.copy_from, -1))
+
+
+# a stream memory is never a member of another memory, so its blob is never cut out of a longer one
+register_state_format(StreamCache, write=write_streams, read=read_streams, size=None)

@@ -19,15 +19,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.attn._windows import window_bucket
 from kvjax.memory import _cells
 from kvjax._typing import Array, Bool, Int, IntLike
-from kvjax.memory._protocol import Memory, Placement, on_metadata, require_memory
+from kvjax.memory._init import require_memory
+from kvjax.memory._protocol import Memory, Placement, on_metadata
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._errors import ErrorFlag, decode_error_bits
 from kvjax.memory._ubatch import Ubatch, equal_slots
@@ -383,3 +385,37 @@ def can_shift(memory: Memory) -> bool:
         (True, False)
     """
     return bool(require_memory(memory).can_shift)
+
+
+def kv_window(cache: KVCache, *, min_window: Optional[int] = None) -> int:
+    """Read the cache's ``n_kv`` (one scalar device-to-host transfer) and return its bucket.
+
+    Call it after ``find_slot`` and before the step that builds masks and attends, and pass the
+    result as the static window.
+
+    Example:
+        >>> import kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=256, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
+        >>> cache, _, _ = kvjax.find_slot(cache, kvjax.make_ubatch(range(70), [[0]] * 70))
+        >>> int(kvjax.n_kv(cache)), kvjax.kv_window(cache)
+        (96, 128)
+    """
+    require_cache(cache, "kv_window")
+    cfg = cache.config
+    return window_bucket(int(n_kv(cache)), cfg.size, cfg.padding, min_window=min_window)
+
+
+def update(memory, *, donate: bool = False):
+    """Apply what a memory has pending (the seed's ``update``): K-shift, defrag, copies.
+
+    Args:
+        memory: any memory (concrete, or traced inside ``jit``).
+        donate: (concrete memory) apply in place; the input's buffers become invalid when work
+            ran. Inside ``jit``, donate the memory to the jitted function instead.
+
+    Returns:
+        The memory with nothing pending (the unified cache: :func:`apply_update`).
+    """
+    require_memory(memory)
+    check_flag("donate", donate)
+    return memory.update(donate=bool(donate))

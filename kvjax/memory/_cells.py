@@ -70,7 +70,7 @@ class Cells:
 
     def logical_axes(self) -> "Cells":
         """The logical axes of every field (``PartitionSpec`` leaves; see :meth:`kvjax.Memory.logical_axes`)."""
-        from kvjax.shard._axes import CELLS, SEQ_WORDS, scalar_axes
+        from kvjax._axes import CELLS, SEQ_WORDS, scalar_axes
         from jax.sharding import PartitionSpec as P
 
         return self.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), delta=P(CELLS), head=scalar_axes(),

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence, Tuple, Union
+from typing import ClassVar, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,7 @@ from kvjax.attn._mask import is_masked_swa
 from kvjax.memory import _seqbits
 from kvjax.memory._cells import Cells, is_used
 from kvjax.memory._config import CacheConfig, SwaType
-from kvjax.memory._protocol import Memory, on_metadata
+from kvjax.memory._composite import Composite
 from kvjax.memory._unified import KVCache, init_unified
 
 __all__ = ["IswaConfig", "IswaCache", "init_iswa"]
@@ -149,8 +149,12 @@ class IswaConfig:
 
 
 @struct.dataclass
-class IswaCache(Memory):
+class IswaCache(Composite):
     """The iSWA pair (see the module docstring): ``base`` (part 0) and ``swa`` (part 1).
+
+    A :class:`~kvjax.memory._composite.Composite` of two unified caches: every verb and query is
+    routed by its rules; the pair's own are the layer routing, the window cache's pruning on
+    ``commit``, and what a pruned window cache can no longer do (shift, lend a prefix, roll back).
 
     Attributes:
         base: the full-size unified cache of the full layers.
@@ -162,79 +166,16 @@ class IswaCache(Memory):
     swa: KVCache
     config: IswaConfig = struct.field(pytree_node=False)
 
-    def _both(self, op, *args) -> "IswaCache":
-        return self.replace(base=getattr(self.base, op)(*args), swa=getattr(self.swa, op)(*args))
+    MEMBERS: ClassVar[Tuple[str, ...]] = ("base", "swa")
+    MAIN: ClassVar[str] = "base"
+    POSITIONS: ClassVar[Tuple[str, ...]] = ("swa",)  # the base holds a superset of the window cache
 
     @property
     def n_seq_max(self) -> int:
         return self.config.n_seq_max
 
-    @property
-    def size(self) -> int:
-        return self.config.base.size
-
-    # -- sequences: both caches ------------------------------------------------------------------
-
-    def clear(self):
-        return self._both("clear")
-
-    def _keep_if(self, ok, base: KVCache, swa: KVCache) -> "IswaCache":
-        """The new parts when ``ok``, else these (all or nothing; K/V are shared, only cells are chosen).
-
-        The error bits are the new ones either way: a refused op says why (as every memory's does).
-        """
-        def pick(old, new):
-            cells = jax.tree.map(lambda a, b: jnp.where(ok, b, a), old.cells, new.cells)
-            return new.replace(cells=cells.replace(error=new.cells.error))
-        return self.replace(base=pick(self.base, base), swa=pick(self.swa, swa))
-
-    # all or nothing over both parts: several dispatches when composed eagerly (and small programs
-    # compiled on first use: 9 for the iSWA pair, 5 for the hybrid), one program here
-    @on_metadata
-    def seq_rm(self, seq_id, p0, p1):
-        base, ok_base = self.base.seq_rm(seq_id, p0, p1)
-        swa, ok_swa = self.swa.seq_rm(seq_id, p0, p1)
-        ok = ok_base & ok_swa
-        return self._keep_if(ok, base, swa), ok
-
-    def seq_cp(self, seq_id_src, seq_id_dst, p0, p1):
-        return self._both("seq_cp", seq_id_src, seq_id_dst, p0, p1)
-
-    def seq_keep(self, seq_id):
-        return self._both("seq_keep", seq_id)
-
-    def seq_add(self, seq_id, p0, p1, delta):
-        return self._both("seq_add", seq_id, p0, p1, delta)
-
-    def seq_div(self, seq_id, p0, p1, d):
-        return self._both("seq_div", seq_id, p0, p1, d)
-
-    def seq_pos_min(self, seq_id):
-        return self.swa.seq_pos_min(seq_id)  # the base holds a superset of the window cache
-
-    def seq_pos_max(self, seq_id):
-        return self.swa.seq_pos_max(seq_id)
-
-    def seq_shared(self, seq_id, p0, p1):
-        return self.base.seq_shared(seq_id, p0, p1) | self.swa.seq_shared(seq_id, p0, p1)
-
-    def used_cells(self):
-        return self.base.used_cells()
-
-    def n_tokens(self):
-        return self.base.n_tokens()
-
-    def pos_max(self):
-        return self.base.pos_max()
-
-    # -- placement and commit ---------------------------------------------------------------------------
-
-    def find_slot(self, ubatch, *, contiguous: bool = True):
-        base, slot_base, ok_base = self.base.find_slot(ubatch, contiguous=contiguous)
-        swa, slot_swa, ok_swa = self.swa.find_slot(ubatch, contiguous=contiguous)
-        ok = ok_base & ok_swa
-        placement = self.mask_placement((slot_base, slot_swa), ok)  # a refused ubatch writes nowhere
-        return self._keep_if(ok, base, swa), placement, ok
+    def layer_part(self, layer: int) -> int:
+        return 1 if layer in self.config.swa_layers else 0
 
     def commit(self, ubatches: Sequence) -> "IswaCache":
         """After a successful batch, prune the window cache (not with ``swa_full``)."""
@@ -244,70 +185,10 @@ class IswaCache(Memory):
                                                               swa_type=self.config.swa_type,
                                                               n_swa=self.config.n_swa)))
 
-    # -- the two attention parts -------------------------------------------------------------------------
-
-    @property
-    def n_parts(self) -> int:
-        return 2
-
-    def layer_part(self, layer: int) -> int:
-        return 1 if layer in self.config.swa_layers else 0
-
-    def part(self, index: int) -> KVCache:
-        return (self.base, self.swa)[index]
-
-    def with_part(self, index: int, cache: KVCache) -> "IswaCache":
-        return self.replace(base=cache) if index == 0 else self.replace(swa=cache)
-
-    def part_slots(self, placement, index: int):
-        return placement[index]
-
-    def extent(self):
-        return jnp.concatenate([self.base.extent(), self.swa.extent()])
-
-    def extent_after(self, n_tokens):
-        return jnp.concatenate([self.base.extent_after(n_tokens), self.swa.extent_after(n_tokens)])
-
-    def logical_axes(self) -> "IswaCache":
-        return self.replace(base=self.base.logical_axes(), swa=self.swa.logical_axes())
-
-    # -- pending work, donation, errors, sizes ------------------------------------------------------
-
-    def pending(self):
-        return self.base.pending() | self.swa.pending()
-
-    def update(self, *, donate: bool = False):
-        return self.replace(base=self.base.update(donate=donate), swa=self.swa.update(donate=donate))
-
     @property
     def can_shift(self) -> bool:
         # the seed's rule: a pruned window cache has lost what a shift would bring into view
         return self.config.base.size == self.config.size_swa
-
-    def split(self):
-        buf_base, rest_base = self.base.split()
-        buf_swa, rest_swa = self.swa.split()
-        return (buf_base, buf_swa), self.replace(base=rest_base, swa=rest_swa)
-
-    def join(self, buffers):
-        return self.replace(base=self.base.join(buffers[0]), swa=self.swa.join(buffers[1]))
-
-    def error_bits(self):
-        return self.base.error_bits() | self.swa.error_bits()
-
-    def clear_errors(self):
-        return self._both("clear_errors")
-
-    def flag_errors(self, bits):
-        return self.replace(base=self.base.flag_errors(bits))  # error_bits() ors both caches
-
-    def nbytes(self) -> int:
-        return self.base.nbytes() + self.swa.nbytes()
-
-    # -- state: the base cache's blob, then the window cache's ------------------------------------------
-
-    def state_write(self, seq_id: int = -1) -> bytes:
-        return self.base.state_write(seq_id) + self.swa.state_write(seq_id)
 
     def prefix_visible(self, seq_id: int, n: int) -> bool:
         # the window cache must still hold the oldest position a token at n can see (pruned ones are gone)
@@ -322,26 +203,6 @@ class IswaCache(Memory):
         # again: only swa_full (no pruning) removes the last positions exactly, as llama.cpp's
         # speculative decoding with SWA models needs --swa-full
         return None if self.config.swa_full else 0
-
-    def blob_size(self, data, seq_id: int = -1) -> int:
-        """Bytes of the pair's blob (the base's, then the window cache's) at the start of ``data``."""
-        from kvjax.io._state import _as_view, blob_size
-
-        view = _as_view(data)
-        cut = blob_size(self.base, view, seq_id)
-        return cut + blob_size(self.swa, view[cut:], seq_id)
-
-    def state_read(self, data, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False) -> "IswaCache":
-        from kvjax.io._state import _as_view, blob_size
-
-        view = _as_view(data)
-        cut = blob_size(self.base, view, seq_id)
-        # both parts are read before either is kept, so a bad window part leaves the pair as it was;
-        # donation would give up the base's buffers before the window part is known to be good
-        del donate
-        base = self.base.state_read(view[:cut], seq_id, contiguous=contiguous)
-        swa = self.swa.state_read(view[cut:], seq_id, contiguous=contiguous)
-        return self.replace(base=base, swa=swa)
 
 
 @functools.partial(jax.jit, static_argnames=("swa_type", "n_swa"))

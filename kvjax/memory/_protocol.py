@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax._typing import Array, Bool, Int
+from kvjax.attn._windows import window_bucket
+from kvjax._mesh import reshard_like, spans_devices
 
 #: A memory-specific pytree saying where a ubatch went (unified cache: the ``i32[T]`` slots).
 Placement = Any
@@ -97,6 +99,15 @@ class Memory(abc.ABC):
     @abc.abstractmethod
     def seq_add(self, seq_id, p0, p1, delta) -> "Memory":
         """Shift the positions of ``seq_id`` in ``[p0, p1)`` by ``delta`` (pending for K until update)."""
+
+    def shift_keeps_states(self, seq_id, p0, p1, delta) -> Bool[Array, ""]:
+        """Whether :meth:`seq_add` with these arguments keeps every sequence's state (``bool[]``).
+
+        True unless a memory refuses some shifts: a recurrent state refuses to go below position
+        0. A composite shifts none of its members when one of them refuses.
+        """
+        del seq_id, p0, p1, delta
+        return jnp.bool_(True)
 
     @abc.abstractmethod
     def seq_div(self, seq_id, p0, p1, d) -> "Memory":
@@ -248,8 +259,6 @@ class Memory(abc.ABC):
             placements: host (numpy) values of ``prepare``'s placements.
             extent: host value of :meth:`extent`, read with them.
         """
-        from kvjax.attn._windows import window_bucket
-
         top = [int(x) for x in np.asarray(extent).reshape(-1)]
         out = []
         for placement in placements:
@@ -366,13 +375,62 @@ class Memory(abc.ABC):
 
     # -- state -------------------------------------------------------------------------------------
 
-    @abc.abstractmethod
+    # A memory does not know its byte layout: kvjax.io registers one format per memory type
+    # (register_state_format), and these methods look it up, so no memory imports its codec.
+
     def state_write(self, seq_id: int = -1) -> bytes:
         """The seed's state blob of the whole memory (``seq_id = -1``) or of one sequence."""
+        return state_format(self).write(self, seq_id)
 
-    @abc.abstractmethod
     def state_read(self, data, seq_id: int = -1, **options) -> "Memory":
         """A memory restored from a :meth:`state_write` blob; this one unchanged on error."""
+        return state_format(self).read(self, data, seq_id, **options)
+
+    def blob_size(self, data, seq_id: int = -1) -> int:
+        """Bytes of this memory's blob at the start of ``data`` (a composite's members follow it)."""
+        size = state_format(self).size
+        if size is None:
+            raise not_defined(self, "blob_size", "its blob is never a member of another memory's")
+        return size(self, data, seq_id)
+
+
+class StateFormat(NamedTuple):
+    """How one memory type is written to and read from bytes (registered by :mod:`kvjax.io`).
+
+    Attributes:
+        write: ``write(memory, seq_id) -> bytes``.
+        read: ``read(memory, data, seq_id, **options) -> memory`` (the memory unchanged on error).
+        size: ``size(memory, data, seq_id) -> int``, the bytes of the blob at the start of ``data``
+            (None for a memory that is never a member of a composite).
+    """
+
+    write: Callable[..., bytes]
+    read: Callable[..., "Memory"]
+    size: Optional[Callable[..., int]]
+
+
+_STATE_FORMATS: Dict[type, StateFormat] = {}
+
+
+def register_state_format(kind: type, *, write, read, size) -> None:
+    """Register the state format of memory type ``kind`` (and of its subclasses without their own).
+
+    The way :mod:`kvjax.io` gives every memory its ``state_write`` / ``state_read`` without a
+    memory importing ``io`` (``import kvjax`` imports ``kvjax.io``, which registers them all).
+    """
+    if not (isinstance(kind, type) and issubclass(kind, Memory)):
+        raise ValueError(f"kind must be a kvjax.Memory subclass, got {kind!r}")
+    _STATE_FORMATS[kind] = StateFormat(write, read, size)
+
+
+def state_format(memory) -> StateFormat:
+    """The state format registered for ``memory``'s type (the nearest base class's otherwise)."""
+    for kind in type(memory).__mro__:
+        if kind in _STATE_FORMATS:
+            return _STATE_FORMATS[kind]
+    raise not_defined(memory, "state_write / state_read", "no state format is registered for it (import kvjax "
+                      "registers kvjax's; a memory of your own registers one with "
+                      "kvjax.memory._protocol.register_state_format)")
 
 
 def on_metadata(fn=None, *, static_argnames=()):
@@ -399,8 +457,6 @@ def on_metadata(fn=None, *, static_argnames=()):
 
     @functools.wraps(fn)
     def method(self, *args, **kwargs):
-        from kvjax.shard._rules import reshard_like, spans_devices
-
         buffers, rest = self.split()
         out = compiled(rest, *args, **kwargs)
         kind = type(self)
@@ -413,46 +469,6 @@ def on_metadata(fn=None, *, static_argnames=()):
 
         return jax.tree.map(lambda x: back(x) if isinstance(x, kind) else x, out, is_leaf=lambda x: isinstance(x, kind))
     return method
-
-
-def require_memory(memory, name: str = "memory") -> Memory:
-    """Raise ``ValueError`` unless ``memory`` is a kvjax memory (every free function calls it)."""
-    if not isinstance(memory, Memory):
-        raise ValueError(f"{name} must be a kvjax memory (a kvjax.KVCache or another kvjax.Memory, made by "
-                         f"kvjax.init(config)), got {type(memory).__name__}")
-    require_live(memory, name)
-    require_layout(memory, name)
-    return memory
-
-
-@functools.lru_cache(maxsize=256)
-def _layout_of(config):
-    """``(shape, dtype)`` of every array ``kvjax.init(config)`` makes, in leaf order (configs are hashable)."""
-    from kvjax.memory._init import abstract
-
-    return tuple((tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(abstract(config)))
-
-
-def require_layout(memory, name: str = "memory") -> None:
-    """Raise ``ValueError`` when an array of ``memory`` disagrees with its config (shape or dtype).
-
-    A memory is only ever made by :func:`kvjax.init`; one rebuilt by hand (``cache.replace(config=
-    another)``, arrays of another memory) would be read and written out of bounds. Shapes are static,
-    so the check costs nothing under ``jit`` (and a few microseconds eagerly).
-    """
-    want = _layout_of(memory.config)
-    got = jax.tree.leaves(memory)
-    if len(got) == len(want) and all(getattr(x, "shape", None) == shape and getattr(x, "dtype", None) == dtype
-                                     for x, (shape, dtype) in zip(got, want)):
-        return
-    if len(got) != len(want):
-        raise ValueError(f"{name} has {len(got)} arrays where its config gives {len(want)}: a memory must be made by "
-                         f"kvjax.init(config) (and changed only by kvjax's functions)")
-    for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_flatten_with_path(memory)[0], want):
-        if tuple(jnp.shape(leaf)) != shape or jnp.result_type(leaf) != dtype:
-            raise ValueError(f"{name}{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))} and dtype "
-                             f"{jnp.result_type(leaf)} where its config gives {shape} and {dtype}: the arrays and the "
-                             f"config disagree (a config replaced by hand?); make the memory with kvjax.init(config)")
 
 
 def require_live(value, name: str = "memory") -> None:

@@ -507,11 +507,6 @@ class RecurrentCache(Memory):
         """Most sequences one ubatch can hold: one cell each."""
         return self.config.size
 
-    def blob_size(self, data, seq_id: int = -1) -> int:
-        from kvjax.io._recurrent_state import recurrent_blob_size
-
-        return recurrent_blob_size(self, data, seq_id)
-
     def _with(self, cells: RecurrentCells) -> "RecurrentCache":
         return self.replace(cells=cells)
 
@@ -759,7 +754,7 @@ class RecurrentCache(Memory):
         # states are [Lg, R, *shape]; a placement may move any cell's rows to another cell
         # (copy_rows), so the default rules keep them whole; cell metadata and tails likewise
         from jax.sharding import PartitionSpec as P
-        from kvjax.shard._axes import CELLS, SEQ_WORDS, SEQS, scalar_axes, state_axes
+        from kvjax._axes import CELLS, SEQ_WORDS, SEQS, scalar_axes, state_axes
 
         c = self.cells
         cells = c.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), roll=P(CELLS), hist=P(CELLS), tail=P(SEQS),
@@ -787,16 +782,6 @@ class RecurrentCache(Memory):
 
     def nbytes(self) -> int:
         return self.config.nbytes()
-
-    def state_write(self, seq_id: int = -1) -> bytes:
-        from kvjax.io._recurrent_state import write_recurrent
-
-        return write_recurrent(self, seq_id)
-
-    def state_read(self, data, seq_id: int = -1, **options) -> "RecurrentCache":
-        from kvjax.io._recurrent_state import read_recurrent
-
-        return read_recurrent(self, data, seq_id, **options)
 
 
 def share_state_prefix(memory: Memory, src: int, dst: int, n: int, attention_ok: bool = True):

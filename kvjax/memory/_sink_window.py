@@ -49,7 +49,7 @@ import jax.numpy as jnp
 
 from kvjax._typing import Array, Int
 from kvjax._validate import as_int32, check_count, check_flag, require
-from kvjax.memory._protocol import require_memory
+from kvjax.memory._init import require_memory
 
 __all__ = ["SinkWindow", "sink_window_evict", "evict_rows"]
 

@@ -417,7 +417,7 @@ class StreamCache(Memory):
         # streams on the data axis, so a device holds its streams' cells, heads and K/V whole (each
         # sequence operation and placement is vmapped over streams: no stream reads another's cells)
         from jax.sharding import PartitionSpec as P
-        from kvjax.shard._axes import STREAMS, scalar_axes
+        from kvjax._axes import STREAMS, scalar_axes
 
         one = self.cache.logical_axes()
         stacked = jax.tree.map(lambda spec: P(STREAMS, *spec), one, is_leaf=lambda x: isinstance(x, P))
@@ -462,16 +462,6 @@ class StreamCache(Memory):
         memory, _ = memory.seq_rm(np.int32(dst), np.int32(n), np.int32(-1))
         return memory, n, False
 
-    def state_write(self, seq_id: int = -1) -> bytes:
-        from kvjax.io._streams_state import write_streams
-
-        return write_streams(self, seq_id)
-
-    def state_read(self, data, seq_id: int = -1, **options) -> "StreamCache":
-        from kvjax.io._streams_state import read_streams
-
-        return read_streams(self, data, seq_id, **options)
-
 
 @jax.jit
 def _pending_work(memory: StreamCache):
@@ -493,7 +483,7 @@ def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
     None. ``None`` for a buffer on one device or a mesh without a ``"data"`` axis that divides
     the streams.
     """
-    from kvjax.shard._rules import DATA, MODEL, type_mesh
+    from kvjax._mesh import DATA, MODEL, type_mesh
 
     mesh, shape = type_mesh(k_all)
     if shape.get(DATA, 1) <= 1 or k_all.shape[0] % shape[DATA]:
@@ -510,7 +500,7 @@ def default_layout(k_all: jax.Array) -> bool:
     ``shard_map`` would lay its outputs out by those rules whatever the input's were.
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from kvjax.shard._rules import DATA
+    from kvjax._mesh import DATA
 
     split = mesh_split(k_all)
     if split is None:
@@ -551,7 +541,7 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
     arrives as it left (a float sum with zeros would turn -0.0 into 0.0).
     """
     from jax.sharding import PartitionSpec as P
-    from kvjax.shard._rules import DATA
+    from kvjax._mesh import DATA
 
     mesh, heads = split
     n_stream = memory.n_stream

@@ -168,7 +168,7 @@ class KVCache(Memory):
     def logical_axes(self) -> "KVCache":
         # K and V are [L, H, C, D] (quantized: D = the row's block bytes): only H is split by the
         # default rules; the cells are read whole by every sequence operation and placement
-        from kvjax.shard._axes import kv_axes
+        from kvjax._axes import kv_axes
 
         return self.replace(cells=self.cells.logical_axes(), k=tuple(kv_axes() for _ in self.k),
                             v=tuple(kv_axes() for _ in self.v))
@@ -194,22 +194,6 @@ class KVCache(Memory):
 
     def nbytes(self) -> int:
         return total_size(self.config)
-
-    def state_write(self, seq_id: int = -1) -> bytes:
-        from kvjax.io._state import write_unified
-
-        return write_unified(self, seq_id)
-
-    def blob_size(self, data, seq_id: int = -1) -> int:
-        """Bytes of this cache's blob at the start of ``data`` (a composite's parts follow it)."""
-        from kvjax.io._state import blob_size
-
-        return blob_size(self, data, seq_id)
-
-    def state_read(self, data, seq_id: int = -1, **options) -> "KVCache":
-        from kvjax.io._state import read_unified
-
-        return read_unified(self, data, seq_id, **options)
 
 
 def _storage_dtype(name: str):

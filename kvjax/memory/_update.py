@@ -5,7 +5,7 @@ Both steps are paid only when needed:
 - outside ``jit`` the two pending flags (some ``delta != 0``; ``cells.defrag``) are read in one
   small device-to-host transfer, and only the pending steps run;
 - inside ``jit`` (the cache is traced) the K-shift sits in a ``lax.cond`` on "some delta is
-  non-zero", and defrag is :func:`kvjax.memory._defrag.apply_pending`, itself a ``lax.cond`` on the flag.
+  non-zero", and defrag is ``kvjax.memory._defrag_moves._apply_pending``, itself a ``lax.cond`` on the flag.
   With the cache donated (``jax.jit(kvjax.update, donate_argnums=0)``) the branch not taken costs
   a few microseconds and no copy.
 
@@ -28,12 +28,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._cells import has_shift as _has_shift
-from kvjax.memory._defrag import apply_pending
-from kvjax.attn._rope import _k_shift, k_shift
-from kvjax._validate import check_flag, is_traced
-from kvjax.memory._protocol import require_memory
+from kvjax.memory._defrag_moves import _apply_pending, _donating
+from kvjax.attn._rope import _k_shift, _shift
+from kvjax._jit import donating
+from kvjax._validate import is_traced
 
 
 @jax.jit
@@ -41,12 +40,12 @@ def _pending(cells):
     return jnp.stack([_has_shift(cells), cells.defrag])
 
 
-def _clear_deltas(cache: KVCache) -> KVCache:
+def _clear_deltas(cache):
     """Without RoPE, K does not depend on position: a shift is only the cells' new positions."""
     return cache.replace(cells=cache.cells.replace(delta=jnp.zeros_like(cache.cells.delta)))
 
 
-def apply_update(cache: KVCache, *, donate: bool = False) -> KVCache:
+def apply_update(cache, *, donate: bool = False):
     """The unified cache's update: apply a pending K-shift (RoPE by ``delta``), then a pending defrag.
 
     Args:
@@ -59,32 +58,21 @@ def apply_update(cache: KVCache, *, donate: bool = False) -> KVCache:
         The cache with no pending shift (every ``delta`` 0) and no pending defrag.
 
     """
-    require_cache(cache, "apply_update")
     if is_traced(cache.cells.delta) or is_traced(cache.cells.defrag):
         if cache.config.can_shift:
             cache = jax.lax.cond(_has_shift(cache.cells), _k_shift, lambda c: c, cache)
         else:
             cache = _clear_deltas(cache)
-        return apply_pending(cache)
+        return _apply_pending(cache)
     shift, defrag = (bool(x) for x in jax.device_get(_pending(cache.cells)))
     if shift:
-        cache = k_shift(cache, donate=bool(donate)) if cache.config.can_shift else _clear_deltas(cache)
+        cache = _rotate(cache, donate) if cache.config.can_shift else _clear_deltas(cache)
     if defrag:
-        cache = apply_pending(cache, donate=bool(donate))
+        cache = _apply_pending(cache, donate=_donating(cache, bool(donate)))
     return cache
 
 
-def update(memory, *, donate: bool = False):
-    """Apply what a memory has pending (the seed's ``update``): K-shift, defrag, copies.
-
-    Args:
-        memory: any memory (concrete, or traced inside ``jit``).
-        donate: (concrete memory) apply in place; the input's buffers become invalid when work
-            ran. Inside ``jit``, donate the memory to the jitted function instead.
-
-    Returns:
-        The memory with nothing pending (the unified cache: :func:`apply_update`).
-    """
-    require_memory(memory)
-    check_flag("donate", donate)
-    return memory.update(donate=bool(donate))
+def _rotate(cache, donate: bool):
+    """The pending K-shift of a concrete cache, in place when ``donate`` (as :func:`kvjax.k_shift`)."""
+    ks, cells = _shift(cache.k, cache.cells, cache.config, donate=donating(bool(donate), cache.cells.pos))
+    return cache.replace(k=ks, cells=cells)

@@ -44,7 +44,8 @@ from flax import nnx
 from kvjax._typing import Array, Float, Int
 from kvjax._validate import check_count, check_flag, check_real
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
-from kvjax.memory._protocol import Memory, require_memory
+from kvjax.memory._init import require_memory
+from kvjax.memory._protocol import Memory
 from kvjax.nn._fuse import split_gate_up
 from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_rows, check_tokens, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs

@@ -63,7 +63,8 @@ import kvjax
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax._errors import ErrorFlag
 from kvjax._validate import INT32_MAX, check_count, check_flag, check_window
-from kvjax.memory._protocol import Memory, Placement, require_memory
+from kvjax.memory._init import require_memory
+from kvjax.memory._protocol import Memory, Placement
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._inputs import UbatchInputs, check_tokens
 

@@ -22,10 +22,11 @@ Example:
     True
 """
 
-from kvjax.shard._axes import (CELLS, EMBED, FF, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, SEQ_WORDS, SEQS,
+from kvjax._axes import (CELLS, EMBED, FF, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, SEQ_WORDS, SEQS,
                                STATE, STATE_ROWS, STREAMS, VOCAB, kv_axes, scalar_axes, state_axes)
-from kvjax.shard._rules import (DATA, DEFAULT_RULES, MODEL, check_rules, logical_axes, make_mesh, memory_shardings,
-                                mesh_axes, reshard_like, same_shardings, shard, shardings_of)
+from kvjax._mesh import (DATA, DEFAULT_RULES, MODEL, check_rules, make_mesh, reshard_like, same_shardings,
+                               shardings_of)
+from kvjax.memory._init import logical_axes, memory_shardings, mesh_axes, shard
 from kvjax.shard._params import PARAM_RULES, param_axes, param_shardings, shard_params
 
 __all__ = [

@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax._validate import check_count
-from kvjax.shard._axes import EMBED, FF, HEADS, VOCAB
-from kvjax.shard._rules import Rules, check_mesh, check_rules, to_mesh_spec
+from kvjax._axes import EMBED, FF, HEADS, VOCAB
+from kvjax._mesh import Rules, check_mesh, check_rules, to_mesh_spec
 
 #: (last names of a parameter's path, its logical axes); the first match wins, the rest is replicated
 PARAM_RULES: Tuple[Tuple[Tuple[str, ...], P], ...] = (

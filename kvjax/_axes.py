@@ -1,7 +1,7 @@
 """Logical axis names: what each dimension of a memory's leaves (and of a model's weights) means.
 
 A memory says, per leaf, which logical axis every dimension is (:meth:`kvjax.Memory.logical_axes`);
-the rules of :mod:`kvjax.shard._rules` say which mesh axis, if any, each logical axis is split
+the rules of :mod:`kvjax._mesh` say which mesh axis, if any, each logical axis is split
 over. Memories never name mesh axes, so one set of rules places every memory, and a new memory
 only names its dimensions.
 

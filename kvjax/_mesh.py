@@ -1,7 +1,9 @@
-"""Rules: logical axes onto a device mesh, with every mismatch refused up front.
+"""Mesh rules: logical axes onto a device mesh, with every mismatch refused up front (no memory here).
 
 One table of rules (logical axis name -> mesh axis name, a tuple of mesh axis names, or ``None``
-for "not split") places every memory and the reference model's weights. The defaults are
+for "not split") places every memory and the reference model's weights. This module knows meshes and logical
+axis names only: it is on the bottom floor, so memories use it freely; how a memory's leaves
+map through it is :mod:`kvjax.memory._init`'s job. The defaults are
 tensor parallel over kv heads (``"model"``) and data parallel over streams (``"data"``); cells,
 layers, head sizes and all cell metadata stay whole on every device (replicated), because every
 sequence operation and every placement reads all cells of a part, and splitting them would turn
@@ -12,8 +14,6 @@ Example:
     >>> from kvjax import shard
     >>> mesh = shard.make_mesh(1, 1)
     >>> cfg = kvjax.CacheConfig(size=64, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=8)
-    >>> shard.mesh_axes(cfg).k[0]
-    P(None, 'model', None, None)
     >>> cache = kvjax.init(cfg, mesh=mesh)
     >>> cache.k[0].sharding.spec
     P(None, 'model', None, None)
@@ -21,16 +21,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from kvjax._validate import check_count
-from kvjax.shard import _axes as ax
+from kvjax import _axes as ax
 
 #: the mesh axis of data parallelism (sequences, streams)
 DATA = "data"
@@ -139,7 +138,7 @@ def check_rules(rules: Rules, mesh: Optional[Mesh] = None) -> Dict[str, Tuple[st
     return table
 
 
-def _freeze(table: Dict[str, Tuple[str, ...]]):
+def freeze_rules(table: Dict[str, Tuple[str, ...]]):
     return tuple(sorted(table.items()))
 
 
@@ -182,94 +181,6 @@ def to_mesh_spec(logical: PartitionSpec, shape: Tuple[int, ...], table: Dict[str
                                  f"to None)")
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
-
-
-def _as_memory(memory_or_config):
-    from kvjax.memory._init import MAKERS, abstract
-    from kvjax.memory._protocol import Memory
-
-    if isinstance(memory_or_config, Memory):
-        return memory_or_config
-    if type(memory_or_config) in MAKERS:
-        return abstract(memory_or_config)
-    raise ValueError(f"memory must be a kvjax memory or a memory config ({', '.join(t.__name__ for t in MAKERS)}), "
-                     f"got {type(memory_or_config).__name__}")
-
-
-def logical_axes(memory_or_config):
-    """The logical axes of every leaf of a memory (or of the memory a config describes).
-
-    Returns:
-        A pytree of the memory's structure whose leaves are ``PartitionSpec`` of logical names
-        (:meth:`kvjax.Memory.logical_axes`).
-    """
-    return _as_memory(memory_or_config).logical_axes()
-
-
-def _spec_tree(memory, table, mesh):
-    axes = memory.logical_axes()
-
-    def one(path, leaf, logical):
-        where = "memory" + jax.tree_util.keystr(path)
-        return to_mesh_spec(logical, tuple(np.shape(leaf)), table, mesh, where)
-
-    if jax.tree.structure(axes) != jax.tree.structure(memory):
-        raise ValueError(f"{type(memory).__name__}.logical_axes() does not match the memory's leaves: allowed the "
-                         f"memory's own structure with one PartitionSpec per array")
-    return jax.tree_util.tree_map_with_path(one, memory, axes)
-
-
-def mesh_axes(memory_or_config, rules: Rules = None, mesh: Optional[Mesh] = None):
-    """Each leaf's mesh ``PartitionSpec`` under ``rules`` (checked against ``mesh`` when given)."""
-    table = check_rules(rules, mesh)
-    return _spec_tree(_as_memory(memory_or_config), table, mesh)
-
-
-def memory_shardings(memory_or_config, mesh: Mesh, rules: Rules = None):
-    """A ``NamedSharding`` for every leaf of a memory (or of the memory a config describes).
-
-    Args:
-        memory_or_config: a memory (concrete or abstract) or a memory config.
-        mesh: the device mesh.
-        rules: logical axis -> mesh axes overrides of :data:`DEFAULT_RULES`.
-
-    Returns:
-        A pytree of the memory's structure with ``NamedSharding`` leaves (``jax.device_put`` and
-        ``jax.jit(out_shardings=...)`` take it as it is).
-
-    Raises:
-        ValueError: see :func:`check_rules` and :func:`to_mesh_spec` (a mesh that does not divide a
-            leaf names the leaf, its dimension and the sizes allowed).
-    """
-    check_mesh(mesh)
-    specs = mesh_axes(memory_or_config, rules, mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def shard(memory, mesh: Mesh, rules: Rules = None):
-    """``memory`` placed on ``mesh`` by the rules (one ``jax.device_put``; the values are unchanged).
-
-    To make a new memory sharded without a single-device copy first, use
-    ``kvjax.init(config, mesh=mesh)`` instead.
-    """
-    from kvjax.memory._protocol import require_memory
-
-    require_memory(memory)
-    return jax.device_put(memory, memory_shardings(memory, mesh, rules))
-
-
-@functools.lru_cache(maxsize=32)
-def _sharded_maker(maker, config, shardings_key, mesh):
-    shardings = memory_shardings(config, mesh, dict(shardings_key))
-    return jax.jit(lambda: maker(config), out_shardings=shardings)
-
-
-def init_sharded(maker, config, mesh: Mesh, rules: Rules = None):
-    """``maker(config)`` compiled with ``out_shardings``: every buffer is created in its shards."""
-    check_mesh(mesh)
-    table = check_rules(rules, mesh)
-    return _sharded_maker(maker, config, _freeze(table), mesh)()
 
 
 def shardings_of(tree):
