@@ -20,7 +20,7 @@ import numpy as np
 import kvjax
 from benchmarks.bench_llamacpp import GREEDY, tiny_llama
 from benchmarks.common import table
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.nn import fuse_projections
 
 OPTIONS = (("unfused", "float32"), ("fused", "float32"), ("unfused", "float16"), ("fused", "float16"))

@@ -21,7 +21,7 @@ from flax import nnx
 import kvjax
 from benchmarks.common import fmt_time, table
 from kvjax._compiles import CompileCounter
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn import Llama, LlamaConfig
 from kvjax.nn._inputs import UbatchInputs

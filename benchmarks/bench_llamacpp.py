@@ -33,7 +33,7 @@ from tqdm import tqdm
 import kvjax
 from benchmarks.common import table
 from benchmarks.llamacpp_context import LlamaCppContext
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 
 GREEDY = kvjax.SamplingConfig(temperature=0)

@@ -30,7 +30,7 @@ import jax, jax.numpy as jnp
 from flax import nnx
 import kvjax
 from kvjax.nn import from_pretrained, memory_config_for
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 
 def rss_mb():
     with open("/proc/self/statm") as f:

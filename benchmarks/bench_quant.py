@@ -88,7 +88,7 @@ def _k_shift(quick: bool):
 
 def _decode(quick: bool):
     from flax import nnx
-    from kvjax.engine._engine import Engine, generate
+    from kvjax import Engine, generate
     from kvjax.nn import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=2, n_heads=8, n_kv_heads=4)  # head size 32

@@ -28,7 +28,7 @@ from flax import nnx
 
 import kvjax
 from benchmarks.common import table
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.engine._sampling import SamplingConfig
 from kvjax.memory._ubatch import Ubatch
 from kvjax.nn._inputs import UbatchInputs

@@ -16,7 +16,7 @@ from flax import nnx
 
 import kvjax
 from benchmarks.common import greedy_decode_rounds, interleaved_medians, table
-from kvjax.engine._engine import Engine
+from kvjax import Engine
 from kvjax.nn import Llama, LlamaConfig
 
 

@@ -32,10 +32,9 @@ from kvjax.memory._api import (can_shift, cell_max, check, clear, clear_errors, 
                        seq_pos_min, seq_rm, used_cells, kv_window, update)
 from kvjax.memory._ubatch import (Ubatch, bucket_length, make_equal_ubatch, make_ubatch, split_equal, split_seq,
                                   split_simple)
-from kvjax.memory._part_ops import k_shift, kq_mask, kq_mask_bool, pos_bucket
+from kvjax.memory._part_ops import attention, k_shift, kq_mask, kq_mask_bool, pos_bucket
 from kvjax.attn._rope import rope
-from kvjax.attn._attention import attention
-from kvjax.attn._streams import attend as stream_attend, attention as stream_attention, masks as stream_masks
+from kvjax.memory._stream_attention import attend as stream_attend, attention as stream_attention, masks as stream_masks
 from kvjax.attn._windows import window_bucket, window_buckets
 from kvjax.memory._sink_window import SinkWindow, sink_window_evict
 from kvjax.io._state import state_read, state_write
@@ -47,9 +46,9 @@ from kvjax.engine._sampling import SamplingConfig, sample
 from kvjax._compiles import CompileCounter
 
 # The decode driver needs Flax (kvjax.nn); import it on first use so `import kvjax` stays light.
-_LAZY = {"Engine": "kvjax.engine._engine", "generate": "kvjax.engine._engine", "generate_stream": "kvjax.engine._engine",
-         "PromptCache": "kvjax.engine._prompt_cache",
-         "GenerationResult": "kvjax.engine._engine"}
+_LAZY = {"Engine": "kvjax.engine._engine", "generate": "kvjax.engine._generate",
+         "generate_stream": "kvjax.engine._generate", "PromptCache": "kvjax.engine._prompt_cache",
+         "GenerationResult": "kvjax.engine._generate"}
 
 
 def __getattr__(name):

@@ -20,6 +20,12 @@ import os
 import pathlib
 import sys
 
+from kvjax.app import _bench as bench_runner
+from kvjax.app import _charlm as charlm
+from kvjax.app import _demo as demo_mod
+from kvjax.app import _generate as generate_mod
+import jax
+
 
 def compile_cache_dir() -> pathlib.Path:
     """Where the persistent compilation cache lives: ``$KVJAX_CACHE_DIR``, else the user cache folder."""
@@ -31,8 +37,6 @@ def compile_cache_dir() -> pathlib.Path:
 
 def enable_compile_cache(folder: pathlib.Path) -> None:
     """Keep every compiled program in ``folder`` (JAX's persistent compilation cache)."""
-    import jax
-
     folder.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -53,9 +57,7 @@ def main(argv=None) -> int:
     train = sub.add_parser("train", help="train the demo's character-level model on the bundled corpus")
     train.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     train.add_argument("--seed", type=int, default=0)
-    from kvjax.app._generate import add_parser as add_generate
-
-    add_generate(sub)
+    generate_mod.add_parser(sub)
     bench = sub.add_parser("bench", help="run the benchmarks and write BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="small sizes, few repeats (a smoke run)")
     bench.add_argument("--only", nargs="*", default=None, help="benchmark module names (e.g. core)")
@@ -65,22 +67,14 @@ def main(argv=None) -> int:
         enable_compile_cache(compile_cache_dir())  # benchmarks measure compile time: never from a cache
 
     if args.command == "demo":
-        from kvjax.app import _demo as demo_mod
-
         return demo_mod.main(quick=args.quick, cache_type=args.cache_type)
     if args.command == "train":
-        from kvjax.app import _charlm as charlm
-
         result = charlm.train(steps=args.steps, seed=args.seed)
         print(f"trained {args.steps} steps in {result.seconds:.0f} s, final loss "
               f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}; weights in {charlm.WEIGHTS}")
         return 0
     if args.command == "generate":
-        from kvjax.app import _generate as generate_mod
-
         return generate_mod.main(args)
-    from kvjax.app import _bench as bench_runner
-
     return bench_runner.main(quick=args.quick, only=args.only, out=args.out)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvjax.memory._seqbits import unpack
 from kvjax.memory._unified import KVCache, require_cache
+from kvjax.memory._recurrent import RecurrentCache
 
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -57,8 +58,6 @@ def cell_table(cache: KVCache) -> CellTable:
     ``memory.swa`` of the iSWA pair) and on a recurrent memory (then with ``src``, ``tail``,
     ``roll`` and ``hist``).
     """
-    from kvjax.memory._recurrent import RecurrentCache
-
     if isinstance(cache, RecurrentCache):
         cells = jax.device_get(cache.cells)
         seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)

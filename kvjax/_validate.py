@@ -69,6 +69,21 @@ def check_seq_id(name: str, x, n_seq_max: int, *, allow_all: bool) -> None:
         raise ValueError(f"{name}={value} is out of range: allowed [{lo}, {n_seq_max}){meaning}")
 
 
+def check_state_seq(seq_id, n_seq_max: int) -> int:
+    """``seq_id`` of a state read or write (host I/O): -1 for the whole memory or a sequence id.
+
+    Example:
+        >>> check_state_seq(-1, 4), check_state_seq(3, 4)
+        (-1, 3)
+    """
+    if is_traced(seq_id):
+        raise ValueError("seq_id must be a concrete integer (state I/O runs on the host), got a traced value")
+    value = concrete_int("seq_id", seq_id)
+    if not -1 <= value < n_seq_max:
+        raise ValueError(f"seq_id={value} is out of range: allowed -1 (the whole memory) or [0, {n_seq_max})")
+    return value
+
+
 def check_position(name: str, x) -> None:
     """Check a position bound: any int32 (negative values follow the seed's conventions)."""
     concrete_int(name, x)

@@ -53,7 +53,7 @@ The decode driver splits a batch into ubatches, dry-runs the placement of all of
 cannot fit raises `CacheFullError` and leaves the cache as it was), and runs one jitted step per
 ubatch. `generate` evaluates the common prefix of the prompts once and shares it."""),
     ("code", """from kvjax.app import _charlm as charlm
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 
 model, tok, trained = charlm.load()
 engine = Engine(model, kvjax.init(model.config.cache_config(size=256, n_seq_max=3, padding=32)))

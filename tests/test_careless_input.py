@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=16, d_model=16, n_layer=1, n_heads=2, n_kv_heads=1)

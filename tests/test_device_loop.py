@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.engine._engine import Engine, generate, generate_stream
+from kvjax import Engine, generate, generate_stream
 from kvjax.nn import HybridLM, HybridLMConfig, Llama, LlamaConfig
 from kvjax.nn._mamba import Mamba, MambaConfig
 from tests.helpers import USER_HLO, no_recompile

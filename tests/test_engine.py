@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=48, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)

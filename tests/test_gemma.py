@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.engine._engine import Engine
+from kvjax import Engine
 from kvjax.nn import (CachedAttention, Llama, LlamaConfig, LlamaLinen, LinenOffsetRMSNorm, OffsetRMSNorm,
                       llama_from_hf, make_step, params_from_nnx, window_for)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import kvjax
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 from kvjax.testing import IswaRef
 

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.engine._engine import Engine
+from kvjax import Engine
 from kvjax.nn import Llama, LlamaConfig, Mamba, from_pretrained, memory_config_for, rope_from_hf
 from kvjax.nn._hf import load_plan, llama_plan
 from kvjax.nn._pretrained import SafetensorsSource, read_config, save_llama

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.engine._engine import Engine
+from kvjax import Engine
 from kvjax.nn import Mamba, from_pretrained, memory_config_for
 from tests.test_pretrained import ATOL_HF, BF16_TOL, ROPE_CASES, TOKENS, V
 

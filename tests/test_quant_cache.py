@@ -201,7 +201,7 @@ def test_update_under_jit_shifts_quantized_k_like_eager():
 def test_engine_context_shift_with_q8_0():
     """Generation past n_ctx (context shift: seq_rm + seq_add + K-shift of quantized K) runs."""
     from flax import nnx
-    from kvjax.engine._engine import Engine, generate
+    from kvjax import Engine, generate
     from kvjax.nn import Llama, LlamaConfig
 
     mcfg = LlamaConfig(vocab_size=64, d_model=64, n_layer=1, n_heads=2, n_kv_heads=1)  # head size 32

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 
 # head size 32: one q8_0 block per head

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.memory._recurrent import _row_sources, _set_rows, _take_rows, moving_rows_bound
+from kvjax.memory._recurrent_rows import _row_sources, _set_rows, _take_rows, moving_rows_bound
 from kvjax.memory._seqbits import unpack
 from kvjax.testing import RecurrentRef
 from kvjax.testing._recurrent_reference import move_rows

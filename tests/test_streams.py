@@ -11,8 +11,9 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import kvjax
-from kvjax.attn import _attention, _streams
-from kvjax.engine._engine import Engine, generate
+from kvjax.attn import _attention
+from kvjax.memory import _stream_attention as _streams
+from kvjax import Engine, generate
 from kvjax.nn import Llama, LlamaConfig
 from kvjax.storage import _quant
 from kvjax.testing import StreamsRef

@@ -19,6 +19,10 @@ import sys
 import time
 
 from tqdm import tqdm
+import jax
+import jaxlib
+import numpy
+import flax
 
 
 def checkout_root() -> pathlib.Path:
@@ -32,11 +36,6 @@ def checkout_root() -> pathlib.Path:
 
 def machine_header(command: str) -> str:
     """Date, machine, versions, allocator and command, as Markdown."""
-    import jax
-    import jaxlib
-    import numpy
-
-    import flax
 
     cpu = platform.processor() or platform.machine()
     try:

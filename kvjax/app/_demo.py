@@ -16,7 +16,7 @@ import jax
 import kvjax
 from kvjax._compiles import CompileCounter
 from kvjax.app import _charlm as charlm
-from kvjax.engine._engine import Engine, generate
+from kvjax import Engine, generate
 
 PREFIX = "Return a new "
 PROMPTS = [PREFIX + "list of", PREFIX + "string with", PREFIX + "dictionary"]

@@ -27,6 +27,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, TextIO, Tuple
+from kvjax.nn._tokenizer import Tokenizer
+from kvjax.nn._gguf import from_gguf
+from kvjax.nn._pretrained import from_pretrained
+from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
+from kvjax.nn._chat_template import BUILTIN_TEMPLATES
+import kvjax
+from kvjax import Engine, generate
+from kvjax.nn._pretrained import memory_config_for
+from kvjax.nn._mamba import Mamba
+import jax
+from flax import nnx
+import argparse
 
 # jax and kvjax are imported inside the functions: ``python -m kvjax`` builds this parser for every
 # subcommand and should not pay for them there
@@ -71,8 +83,6 @@ def load(path, dtype: str = "float32"):
     Raises:
         ValueError: the path does not exist or is neither; the loaders' own errors otherwise.
     """
-    from kvjax.nn._tokenizer import Tokenizer
-
     p = pathlib.Path(path)
     if dtype == "file" and p.suffix != ".gguf":
         raise ValueError(f"--dtype 'file' keeps a .gguf file's block types: allowed for a .gguf --model, not "
@@ -81,12 +91,9 @@ def load(path, dtype: str = "float32"):
         raise ValueError(f"--model {str(path)!r} does not exist: allowed a Hugging Face checkpoint folder or a "
                          f".gguf file")
     if p.suffix == ".gguf":
-        from kvjax.nn._gguf import from_gguf
-
         return from_gguf(str(p), dtype=None if dtype == "file" else dtype), Tokenizer.from_gguf(p)
     if not p.is_dir():
         raise ValueError(f"--model {str(path)!r} is a file: allowed a Hugging Face checkpoint folder or a .gguf file")
-    from kvjax.nn._pretrained import from_pretrained
 
     return from_pretrained(p, dtype=dtype), Tokenizer.from_pretrained(p)
 
@@ -95,9 +102,8 @@ def _weights_label(model, dtype: str) -> str:
     """``dtype``, or for ``"file"`` the block types the model keeps (``"weights in Q4_K, Q6_K, Q8_0"``)."""
     if dtype != "file":
         return dtype
-    from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
 
-    kinds = sorted({m.type_name for _, m in model.iter_modules() if isinstance(m, (GGMLLinear, GGMLEmbed))})
+    kinds = sorted({m.type_name for _, m in nnx.iter_modules(model) if isinstance(m, (GGMLLinear, GGMLEmbed))})
     return f"weights in the file's {', '.join(kinds)}" if kinds else "float32 weights (the file's own)"
 
 
@@ -116,8 +122,6 @@ def resolve_chat_template(tok, chat_template: Optional[str] = None) -> str:
     Raises:
         ValueError: an unknown name and no such file, an unreadable file, or no template at all.
     """
-    from kvjax.nn._chat_template import BUILTIN_TEMPLATES
-
     names = sorted(BUILTIN_TEMPLATES)
     if chat_template is not None:
         if not isinstance(chat_template, str) or not chat_template:
@@ -258,12 +262,6 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
     # a bad --chat-template fails before the model loads (the model's own is read with its tokenizer)
     template = resolve_chat_template(None, chat_template) if chat_template is not None else None
 
-    import jax
-    from flax import nnx
-
-    import kvjax
-    from kvjax.engine._engine import Engine, generate
-    from kvjax.nn._pretrained import memory_config_for
 
     t0 = time.perf_counter()
     model, tok = load(model_path, dtype)
@@ -305,8 +303,6 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
                              f"or leave --cache-ram out for context shifts)")
 
     check_prompt(len(ids))
-
-    from kvjax.nn._mamba import Mamba
 
     overrides = {}
     if isinstance(model, Mamba):
@@ -427,8 +423,6 @@ def run(model_path, prompt: str, *, n_parallel: int = 1, max_new_tokens: int = 6
 
 def _sink_window_arg(text: str) -> Tuple[int, int]:
     """``--sink-window``'s ``N_SINK,N_RECENT`` as two integers (the ranges are checked by :func:`run`)."""
-    import argparse
-
     try:
         n_sink, n_recent = (int(part) for part in text.split(","))
     except ValueError:

@@ -186,9 +186,7 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
 
 def check_draft(target, draft, n_draft: int, n_seq: int, longest: int, max_new_tokens: int) -> None:
     """Refuse a speculative request that cannot run, before anything changes (see generate)."""
-    from kvjax.engine._engine import Engine
-
-    if not isinstance(draft, Engine):
+    if not isinstance(draft, type(target)):  # target is the kvjax.Engine that was asked to generate
         raise ValueError(f"draft must be a kvjax.Engine (the draft model and its memory), got {type(draft).__name__}")
     if draft is target or draft.cache is target.cache:
         raise ValueError("draft must be another Engine than the target, with a memory of its own")

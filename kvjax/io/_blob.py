@@ -20,13 +20,15 @@ from kvjax._errors import StateError
 from kvjax._validate import POS_END
 from kvjax.memory import _seqbits as seqbits
 from kvjax.memory._config import GGML_TYPE_IDS
+from jax.experimental import multihost_utils
 
 __all__ = ["QUANTIZED_TYPE_IDS", "Cursor", "as_view", "check_type", "check_equal", "check_positions",
            "parse_meta_seq", "parse_meta_whole", "encode_meta", "host_array"]
 
 
-#: ggml type ids of quantized types that llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1,
-#: Q8_0, IQ4_NL): recognised in messages, refused until block-quantized K/V lands.
+#: ggml type ids of the block types llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+#: IQ4_NL): a blob of one is read by a cache of that storage type (IQ4_NL is not a kvjax storage
+#: type), and named in the message when the cache's type differs.
 QUANTIZED_TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
 
 _GGML_NAMES = {0: "F32", 1: "F16", 30: "BF16", **QUANTIZED_TYPE_IDS}
@@ -205,8 +207,6 @@ def host_array(x) -> np.ndarray:
     same blob. On one process it is ``np.asarray`` (a view of the device buffer on the CPU backend).
     """
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 

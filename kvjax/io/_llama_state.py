@@ -86,7 +86,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 
 from kvjax._errors import StateError
-from kvjax._validate import require
+from kvjax._validate import require, check_state_seq
 from kvjax.io._attn_rot import rotate_section, rotate_streams
 from kvjax.io._blob import Cursor
 from kvjax.io._session import write_atomic
@@ -117,11 +117,7 @@ def _require_cache(cache) -> KVCache:
 
 
 def _seq_arg(seq_id, memory) -> int:
-    if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) \
-            or not -1 <= seq_id < memory.n_seq_max:
-        raise ValueError(f"seq_id={seq_id!r} is out of range: allowed -1 (whole memory) or [0, "
-                         f"{memory.n_seq_max})")
-    return int(seq_id)
+    return check_state_seq(seq_id, memory.n_seq_max)
 
 
 # -- the memory blob ----------------------------------------------------------------------------

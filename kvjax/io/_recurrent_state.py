@@ -46,7 +46,7 @@ from kvjax.memory import _seqbits
 from kvjax.memory._config import GGML_TYPE_IDS
 from kvjax.memory._recurrent import RecurrentCache, RecurrentConfig
 from kvjax.memory._ubatch import make_equal_ubatch
-from kvjax._validate import check_flag, check_seq_id
+from kvjax._validate import check_flag, check_state_seq
 
 __all__ = ["write_recurrent", "read_recurrent", "recurrent_blob_size"]
 
@@ -61,8 +61,7 @@ def _row_bytes(shape, dtype: str) -> int:
 
 
 def _check_seq(seq_id, config: RecurrentConfig) -> int:
-    check_seq_id("seq_id", seq_id, config.n_seq_max, allow_all=True)
-    return int(seq_id)
+    return check_state_seq(seq_id, config.n_seq_max)
 
 
 def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:

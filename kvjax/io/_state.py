@@ -83,7 +83,8 @@ from kvjax.io._blob import (QUANTIZED_TYPE_IDS, Cursor, as_view, check_equal, ch
                             host_array, parse_meta_seq, parse_meta_whole)
 from kvjax.memory._ubatch import Ubatch, bucket_length
 from kvjax._jit import JitTwins
-from kvjax._validate import check_flag, check_seq_id, is_traced
+from kvjax._validate import check_flag, is_traced, check_state_seq
+from kvjax._mesh import shardings_of
 
 # K/V bytes travel as unsigned ints of the element size: bit-exact (no float conversion can
 # touch a NaN payload) and exportable through dlpack, which knows no bfloat16.
@@ -422,10 +423,7 @@ def _check_host_cache(cache, name: str) -> CacheConfig:
 
 
 def _check_seq(seq_id, config: CacheConfig) -> int:
-    if is_traced(seq_id):
-        raise ValueError("seq_id must be a concrete integer (state I/O runs on the host)")
-    check_seq_id("seq_id", seq_id, config.n_seq_max, allow_all=True)
-    return int(seq_id)
+    return check_state_seq(seq_id, config.n_seq_max)
 
 
 def _members(masks: np.ndarray, seq_id: int) -> np.ndarray:
@@ -631,8 +629,6 @@ def state_read(memory, data, seq_id: int = -1, **options):
     Options are the memory's (the unified cache: ``contiguous``, ``donate``; see
     :func:`read_unified`). A blob that does not fit raises :class:`kvjax.StateError` naming the field.
     """
-    from kvjax._mesh import shardings_of
-
     memory = require_memory(memory)
     # the blob is decoded on the host: put the result where the memory it replaces lives (read the
     # placement first, a donated memory's buffers are gone after the read): a mesh, or one device

@@ -23,6 +23,7 @@ from kvjax._errors import StateError
 from kvjax.io._blob import Cursor
 from kvjax.io._state import state_write
 from kvjax.memory._unified import KVCache
+from kvjax.memory._api import clear
 
 
 def _split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes]:
@@ -169,7 +170,6 @@ def _to_seed(streams: List[_Stream], seq_id: int, cache: KVCache) -> bytes:
     """The seed blob holding the cells of ``streams`` (for :func:`kvjax.state_read`)."""
     if not streams:
         # no cell at all: the seed's empty blob of this cache's layout
-        from kvjax.memory._api import clear
         return state_write(clear(cache), -1)
     if seq_id >= 0:
         if len(streams) > 1:

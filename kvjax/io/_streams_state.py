@@ -18,9 +18,9 @@ from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax._errors import StateError
+from kvjax._validate import check_state_seq
 from kvjax.io._blob import Cursor
 from kvjax.io._state import state_read
 from kvjax.io._stream_section import _parse_streams, _Stream, _stream_blob, _to_seed
@@ -31,10 +31,7 @@ __all__ = ["write_streams", "read_streams"]
 
 
 def _seq_arg(memory, seq_id) -> int:
-    if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)) \
-            or not -1 <= seq_id < memory.n_seq_max:
-        raise ValueError(f"seq_id={seq_id!r} is out of range: allowed -1 (whole memory) or [0, {memory.n_seq_max})")
-    return int(seq_id)
+    return check_state_seq(seq_id, memory.n_seq_max)
 
 
 def write_streams(memory, seq_id: int = -1) -> bytes:

@@ -31,6 +31,8 @@ from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax._errors import ErrorFlag
 from kvjax._validate import POS_END
 from kvjax.memory._seqbits import BITS, n_words, seq_bits
+from kvjax._axes import CELLS, SEQ_WORDS, scalar_axes
+from jax.sharding import PartitionSpec as P
 
 _I32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -70,9 +72,6 @@ class Cells:
 
     def logical_axes(self) -> "Cells":
         """The logical axes of every field (``PartitionSpec`` leaves; see :meth:`kvjax.Memory.logical_axes`)."""
-        from kvjax._axes import CELLS, SEQ_WORDS, scalar_axes
-        from jax.sharding import PartitionSpec as P
-
         return self.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), delta=P(CELLS), head=scalar_axes(),
                             error=scalar_axes(), defrag=scalar_axes())
 

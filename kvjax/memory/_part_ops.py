@@ -1,26 +1,32 @@
-"""The public functions of one attention part (a unified cache): its masks, position buckets and K-shift.
+"""The public functions of one attention part (a unified cache): attention, masks, position buckets, K-shift.
 
-``kvjax.kq_mask``, ``kq_mask_bool``, ``pos_bucket`` and ``k_shift`` take a :class:`kvjax.KVCache`
-(a memory's ``part(i)``), check their arguments on the host, and run the formulas of
-:mod:`kvjax.attn._mask` and :mod:`kvjax.attn._rope`, which take plain arrays and the cells. The
+``kvjax.attention``, ``kq_mask``, ``kq_mask_bool``, ``pos_bucket`` and ``k_shift`` take a
+:class:`kvjax.KVCache` (a memory's ``part(i)``), check their arguments on the host, and run the
+kernels and formulas of :mod:`kvjax.attn` (``_attention``, ``_mask``, ``_rope``), which take plain
+arrays, the cells and the cache's fields. The
 formulas stand below the memories (the cache's own ``update`` runs the K-shift); these entry points
 stand above the unified cache, since they name it.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import math
+from typing import Optional, Tuple, Union
+
+import jax.numpy as jnp
+import numpy as np
 
 from kvjax._jit import donating
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax._validate import check_count, check_flag, check_window
+from kvjax.attn._attention import _attention, chunk_size, pick_implementation
 from kvjax.attn._mask import T5_MAX_DISTANCE, _mask_additive, _mask_bool, _pos_bucket
 from kvjax.attn._rope import _shift
 from kvjax.memory._config import SwaType
 from kvjax.memory._ubatch import Ubatch
 from kvjax.memory._unified import KVCache, require_cache
 
-__all__ = ["kq_mask", "kq_mask_bool", "pos_bucket", "k_shift"]
+__all__ = ["attention", "kq_mask", "kq_mask_bool", "pos_bucket", "k_shift"]
 
 
 # -- argument checks ----------------------------------------------------------------------------
@@ -212,3 +218,99 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
                          "model's kvjax.RopeConfig (one for all layers or one per layer)")
     ks, cells = _shift(cache.k, cache.cells, cache.config, donate=donating(donate, cache.cells.pos))
     return cache.replace(k=ks, cells=cells)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+
+def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
+              mask: Union[Float[Array, "T N"], Bool[Array, "T N"]], *, scale: Optional[float] = None,
+              bias: Optional[Float[Array, "..."]] = None, return_lse: bool = False,
+              softcap: Optional[float] = None, implementation: Optional[str] = None
+              ) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
+    """Grouped-query attention of ``q`` over the first ``N = mask.shape[-1]`` cells of a layer.
+
+    Args:
+        q: ``[T, Hq, D]`` queries (RoPE already applied), ``Hq`` a multiple of the layer's kv
+            heads ``H``.
+        cache: the cache, with this ubatch's K/V already written.
+        layer: static model layer id (a cached layer).
+        mask: ``f32[T, N]`` additive mask (:func:`kvjax.kq_mask`) or ``bool[T, N]`` visibility
+            (:func:`kvjax.kq_mask_bool`); ``N`` a positive multiple of ``padding``, at most ``size``.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+        bias: optional additive bias broadcastable to ``[Hq, T, N]`` (e.g. ALiBi slopes times the
+            distances, or T5 relative-position biases).
+        return_lse: also return the log-sum-exp of each row's scaled, masked scores.
+        softcap: optional attention-logit soft-capping (Gemma 2): the scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before the mask and bias are added (a finite number
+            > 0; ``None``, the default, leaves them as they are).
+        implementation: ``"xla"``, ``"pallas"`` or None (the default: the environment variable
+            ``KVJAX_ATTENTION`` when set, else by backend, see :func:`pick_implementation`). Both
+            give the same results up to float rounding.
+
+    Returns:
+        ``out [T, Hq, Dv]`` in ``q.dtype`` (and ``lse f32[T, Hq]`` when ``return_lse``). Fully
+        masked rows give ``out = 0`` and ``lse = -inf``.
+
+    Raises:
+        ValueError: bad shapes or dtypes, ``Hq`` not a multiple of ``H``, ``D`` not the layer's
+            head size, a bad window, a bias that does not broadcast, a ``softcap`` that is not
+            a finite number > 0, an unknown ``implementation`` or one that does not support
+            the call (``"pallas"`` with quantized K/V or a ``bias``).
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cache = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=4))
+        >>> ub = kvjax.make_ubatch([0], [[0]])
+        >>> cache, slot, _ = kvjax.find_slot(cache, ub)
+        >>> cache = kvjax.write(cache, 0, slot, jnp.ones((1, 1, 4)), jnp.full((1, 1, 4), 2.0))
+        >>> out, lse = kvjax.attention(jnp.ones((1, 4, 4)), cache, 0, kvjax.kq_mask(cache, ub, 32), return_lse=True)
+        >>> out.shape, out[0, 0].tolist(), lse.round(3)[0, 0].item()
+        ((1, 4, 4), [2.0, 2.0, 2.0, 2.0], 2.0)
+    """
+    require_cache(cache, "attention")
+    cfg = cache.config
+    if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+        raise ValueError(f"layer={layer!r} must be a static Python int (a cached layer id)")
+    layer = int(layer)
+    g, _ = cfg.locate(layer)
+    grp = cfg.groups[g]
+    if not hasattr(q, "shape") or len(q.shape) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q has shape {getattr(q, 'shape', None)} and dtype {getattr(q, 'dtype', None)}: "
+                         f"allowed a floating [T, Hq, D] array")
+    t, hq, d = q.shape
+    if hq % grp.n_kv_heads or hq == 0:
+        raise ValueError(f"q has {hq} query heads: allowed a positive multiple of the layer's "
+                         f"n_kv_heads={grp.n_kv_heads} (grouped-query attention)")
+    if d != grp.head_dim:
+        raise ValueError(f"q has head size {d}: allowed the layer's head_dim={grp.head_dim}")
+    if not hasattr(mask, "shape") or len(mask.shape) != 2 or mask.shape[0] != t:
+        raise ValueError(f"mask has shape {getattr(mask, 'shape', None)}: allowed [T={t}, N]")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.floating)):
+        raise ValueError(f"mask has dtype {mask.dtype}: allowed bool (visibility) or floating (additive)")
+    n_kv = check_window(int(mask.shape[1]), cfg.padding, cfg.size)
+    if bias is not None:
+        if not hasattr(bias, "shape") or not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise ValueError("bias must be a floating array broadcastable to [Hq, T, N]")
+        try:
+            shape = np.broadcast_shapes(tuple(bias.shape), (hq, t, n_kv))
+        except ValueError:
+            shape = None
+        if shape != (hq, t, n_kv):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}: allowed a shape broadcastable to "
+                             f"[Hq, T, N] = {(hq, t, n_kv)}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r} must be a finite real number")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
+                or not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap={softcap!r} is out of range: allowed a finite number > 0 (or None)")
+        softcap = np.float32(softcap)
+    # scale (and softcap) travel as traced f32 scalars: a new value does not recompile
+    chunk = chunk_size(n_kv, grp.n_kv_heads, (hq // grp.n_kv_heads) * t, cfg.padding)
+    impl = pick_implementation(implementation, cache, layer, bias)
+    return _attention(q, cache, mask, bias, np.float32(scale), layer=layer, n_kv=n_kv, chunk=chunk,
+                      return_lse=bool(return_lse), softcap=softcap, implementation=impl)

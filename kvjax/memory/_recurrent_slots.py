@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from kvjax._errors import ErrorFlag
 from kvjax.memory import _seqbits
-from kvjax.memory._recurrent import RecurrentCells, RecurrentPlacement, _popcount
+from kvjax.memory._recurrent_cells import RecurrentCells, RecurrentPlacement, _popcount
 from kvjax.memory._ubatch import Ubatch, equal_slots
 
 __all__ = ["find_slot_recurrent"]

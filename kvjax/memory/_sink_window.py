@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from kvjax._typing import Array, Int
 from kvjax._validate import as_int32, check_count, check_flag, require
 from kvjax.memory._init import require_memory
+from kvjax.memory._hybrid import HybridCache
+from kvjax.memory._recurrent import RecurrentCache
 
 __all__ = ["SinkWindow", "sink_window_evict", "evict_rows"]
 
@@ -90,8 +92,6 @@ class SinkWindow:
 def check_window_memory(memory, window: SinkWindow) -> None:
     """``ValueError`` unless ``memory`` can run ``window``: it has cells per token, and shifts for
     the compacted form."""
-    from kvjax.memory._hybrid import HybridCache
-    from kvjax.memory._recurrent import RecurrentCache
 
     name = type(memory).__name__
     require(not isinstance(memory, (RecurrentCache, HybridCache)), "memory", name,

@@ -24,7 +24,7 @@ axis: cells ``pos [S, C]``, ``seq [S, C, W]``, ``head [S]``, K ``[S, L, H, C, D]
 operations are the unified cache's own functions ``vmap``-ed over streams (metadata only, K/V
 untouched); one stream as a plain unified cache is :meth:`StreamCache.stream`. The reference model's
 layers reach streams through :func:`kvjax.nn.attend_cached`, which attends per equal-split slot
-over that slot's stream only (``kvjax.attn._streams``), so a decode step's cost follows each
+over that slot's stream only (``kvjax.memory._stream_attention``), so a decode step's cost follows each
 sequence's own length.
 
 Example:
@@ -63,6 +63,12 @@ from kvjax.memory._config import CacheConfig
 from kvjax.memory._protocol import Memory, on_metadata
 from kvjax.memory._seqbits import seq_bits
 from kvjax.memory._unified import KVCache, init_unified, total_size
+from kvjax.memory._slots import find_slot_cells
+from kvjax._axes import STREAMS, scalar_axes
+from kvjax._mesh import DATA, MODEL, type_mesh
+from kvjax.memory._update import apply_update
+from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
 __all__ = ["StreamsConfig", "StreamCache", "StreamPlacement", "init_streams"]
 
@@ -174,7 +180,7 @@ class StreamCache(Memory):
 
     @property
     def ubatch_split(self) -> str:
-        # attention runs per equal-split slot over that slot's stream (kvjax.attn._streams)
+        # attention runs per equal-split slot over that slot's stream (kvjax.memory._stream_attention)
         return "equal"
 
     def stream_of(self, seq_id):
@@ -336,8 +342,6 @@ class StreamCache(Memory):
 
     @on_metadata(static_argnames="contiguous")
     def find_slot(self, ubatch, *, contiguous: bool = True):
-        from kvjax.memory._slots import find_slot_cells
-
         stream, one_stream = self.token_streams(ubatch)
         mine = jnp.arange(self.n_stream)[:, None] == stream[None, :]     # [S, T]
         parts = jax.vmap(lambda valid: ubatch.replace(valid=valid))(mine & ubatch.valid[None, :])
@@ -416,8 +420,6 @@ class StreamCache(Memory):
         # every leaf of the stacked unified cache gains the leading stream axis: the default rules put
         # streams on the data axis, so a device holds its streams' cells, heads and K/V whole (each
         # sequence operation and placement is vmapped over streams: no stream reads another's cells)
-        from jax.sharding import PartitionSpec as P
-        from kvjax._axes import STREAMS, scalar_axes
 
         one = self.cache.logical_axes()
         stacked = jax.tree.map(lambda spec: P(STREAMS, *spec), one, is_leaf=lambda x: isinstance(x, P))
@@ -483,8 +485,6 @@ def mesh_split(k_all) -> Optional[Tuple[object, Optional[str]]]:
     None. ``None`` for a buffer on one device or a mesh without a ``"data"`` axis that divides
     the streams.
     """
-    from kvjax._mesh import DATA, MODEL, type_mesh
-
     mesh, shape = type_mesh(k_all)
     if shape.get(DATA, 1) <= 1 or k_all.shape[0] % shape[DATA]:
         return None
@@ -499,9 +499,6 @@ def default_layout(k_all: jax.Array) -> bool:
     Traced buffers carry no spec; eager callers check with this before taking a mesh path, whose
     ``shard_map`` would lay its outputs out by those rules whatever the input's were.
     """
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from kvjax._mesh import DATA
-
     split = mesh_split(k_all)
     if split is None:
         return True
@@ -540,9 +537,6 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
     when a copy needs it. The block is summed as unsigned integers of its width, so every bit
     arrives as it left (a float sum with zeros would turn -0.0 into 0.0).
     """
-    from jax.sharding import PartitionSpec as P
-    from kvjax._mesh import DATA
-
     mesh, heads = split
     n_stream = memory.n_stream
     buf = P(DATA, None, heads, None, None)
@@ -594,8 +588,6 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
 
 def _apply_shifts(memory: StreamCache) -> StreamCache:
     """Each stream's pending K-shift and defrag (every stream in place: no stream reads another's K/V)."""
-    from kvjax.memory._update import apply_update
-
     # under vmap each stream's K-shift and defrag `cond` turns into a select that runs both branches
     # over every stream's K/V: only enter it when some stream has a shift or a defrag pending (a
     # copy alone, as after sharing a prompt, needs neither)

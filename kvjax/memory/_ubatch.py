@@ -32,6 +32,7 @@ from flax import struct
 
 from kvjax._typing import Array, Bool, Int, UInt32
 from kvjax._validate import INT32_MAX, check_count, check_int_values
+from kvjax.memory._seqbits import ids_mask
 
 
 @struct.dataclass
@@ -70,8 +71,6 @@ class Ubatch:
 
     def seq_mask(self, n_words: int) -> UInt32[Array, "T W"]:
         """Per-token sequence bitmask with ``W = n_words`` words (padding rows are zero)."""
-        from kvjax.memory._seqbits import ids_mask
-
         return jnp.where(self.valid[:, None], ids_mask(self.seq_ids, n_words), jnp.uint32(0))
 
 

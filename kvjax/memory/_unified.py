@@ -33,6 +33,10 @@ from kvjax.memory._config import CacheConfig
 from kvjax.memory._protocol import Memory, not_defined, require_live
 from kvjax._errors import ErrorFlag
 from kvjax._validate import INT32_MAX, INT32_MIN, check_int_values, check_window, concrete_int, is_traced
+from kvjax.memory._slots import find_slot_cells
+from kvjax.memory._slots import prepare_cells
+from kvjax.memory._update import apply_update
+from kvjax._axes import kv_axes
 
 
 @struct.dataclass
@@ -108,14 +112,10 @@ class KVCache(Memory):
     # -- placement ------------------------------------------------------------------------------
 
     def find_slot(self, ubatch, *, contiguous: bool = True):
-        from kvjax.memory._slots import find_slot_cells
-
         cells, slot, ok = find_slot_cells(self.cells, ubatch, contiguous=contiguous)
         return self._with_cells(cells), slot, ok
 
     def prepare(self, ubatches, *, contiguous: bool = True):
-        from kvjax.memory._slots import prepare_cells
-
         return prepare_cells(self.cells, tuple(ubatches), contiguous=contiguous)
 
     # -- the one attention part ---------------------------------------------------------------------
@@ -153,8 +153,6 @@ class KVCache(Memory):
         return _cells.has_shift(self.cells) | self.cells.defrag
 
     def update(self, *, donate: bool = False) -> "KVCache":
-        from kvjax.memory._update import apply_update
-
         return apply_update(self, donate=donate)
 
     @property
@@ -168,7 +166,6 @@ class KVCache(Memory):
     def logical_axes(self) -> "KVCache":
         # K and V are [L, H, C, D] (quantized: D = the row's block bytes): only H is split by the
         # default rules; the cells are read whole by every sequence operation and placement
-        from kvjax._axes import kv_axes
 
         return self.replace(cells=self.cells.logical_axes(), k=tuple(kv_axes() for _ in self.k),
                             v=tuple(kv_axes() for _ in self.v))

@@ -44,7 +44,8 @@ from kvjax.nn._norm import LinenOffsetRMSNorm, OffsetRMSNorm, offset_rms_norm
 from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
                                     attend_uncached, swa_visible)
 from kvjax.nn._step import Step, make_step, window_for, windows_for
-from kvjax.nn._hf import llama_config_from_hf, rope_from_hf
+from kvjax.nn._hf import llama_config_from_hf
+from kvjax.nn._hf_rope import rope_from_hf
 from kvjax.nn._pretrained import from_pretrained, memory_config_for
 from kvjax.nn._tokenizer import Tokenizer
 from kvjax.nn._gguf import from_gguf, gguf_config

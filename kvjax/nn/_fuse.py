@@ -38,7 +38,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.nn._fused_layout import group_qkv
 from kvjax.nn._ggml_linear import GGMLLinear
+from kvjax.nn._llama import MLP
+from kvjax.nn._nnx_attention import CachedAttention
 
 __all__ = ["fuse_projections", "is_fused"]
 
@@ -53,32 +56,6 @@ def _linear(kernel, bias, like):
     if bias is not None:
         lin.bias.set_value(bias)
     return lin
-
-
-def _group_qkv(q, k, v, n_kv_heads: int):
-    """``[..., Hq*D]``, ``[..., H*D]``, ``[..., H*D]`` columns regrouped as ``[..., H*(G+2)*D]``."""
-    lead = q.shape[:-1]
-    d = k.shape[-1] // n_kv_heads
-    g = q.shape[-1] // (n_kv_heads * d)
-    q = q.reshape(lead + (n_kv_heads, g, d))
-    k = k.reshape(lead + (n_kv_heads, 1, d))
-    v = v.reshape(lead + (n_kv_heads, 1, d))
-    return jnp.concatenate([q, k, v], axis=-2).reshape(lead + (n_kv_heads * (g + 2) * d,))
-
-
-def split_qkv(y, n_heads: int, n_kv_heads: int, head_dim: int):
-    """Q ``[..., Hq, D]``, K and V ``[..., H, D]`` out of a fused ``qkv_proj`` output ``y``."""
-    lead = y.shape[:-1]
-    g = n_heads // n_kv_heads
-    y = y.reshape(lead + (n_kv_heads, g + 2, head_dim))
-    q = y[..., :g, :].reshape(lead + (n_heads, head_dim))
-    return q, y[..., g, :], y[..., g + 1, :]
-
-
-def split_gate_up(y):
-    """``(gate, up)``, each ``[..., F]``, out of a fused ``gate_up`` output ``y [..., 2F]``."""
-    y = y.reshape(y.shape[:-1] + (y.shape[-1] // 2, 2))
-    return y[..., 0], y[..., 1]
 
 
 def _same_blocks(*layers) -> bool:
@@ -98,15 +75,15 @@ def _fuse_attention(attn) -> None:
         # weights kept as ggml blocks: a row of blocks is one output column, so the rows regroup as
         # the kernel's columns do; projections stored in different types stay separate
         if _same_blocks(q, k, v):
-            raw = _group_qkv(q.blocks[...].T, k.blocks[...].T, v.blocks[...].T, attn.n_kv_heads).T
-            bias = None if q.bias is None else _group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
+            raw = group_qkv(q.blocks[...].T, k.blocks[...].T, v.blocks[...].T, attn.n_kv_heads).T
+            bias = None if q.bias is None else group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
             attn.qkv_proj = _blocks_linear(raw, bias, q)
             attn.q_proj = attn.k_proj = attn.v_proj = None
         return
-    kernel = _group_qkv(q.kernel[...], k.kernel[...], v.kernel[...], attn.n_kv_heads)
+    kernel = group_qkv(q.kernel[...], k.kernel[...], v.kernel[...], attn.n_kv_heads)
     bias = None
     if q.bias is not None:
-        bias = _group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
+        bias = group_qkv(q.bias[...], k.bias[...], v.bias[...], attn.n_kv_heads)
     attn.qkv_proj = _linear(kernel, bias, q)
     attn.q_proj = attn.k_proj = attn.v_proj = None
 
@@ -155,9 +132,6 @@ def fuse_projections(model):
     Raises:
         ValueError: ``model`` is not an NNX module.
     """
-    from kvjax.nn._llama import MLP
-    from kvjax.nn._nnx_attention import CachedAttention
-
     if not isinstance(model, nnx.Module):
         raise ValueError(f"model must be an NNX module (e.g. kvjax.nn.Llama), got {type(model).__name__}; "
                          "linen models (LlamaLinen) keep separate projections")

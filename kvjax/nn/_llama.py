@@ -46,9 +46,10 @@ from kvjax._validate import check_count, check_flag, check_real
 from kvjax.memory._config import CacheConfig, RopeConfig, SwaType
 from kvjax.memory._init import require_memory
 from kvjax.memory._protocol import Memory
-from kvjax.nn._fuse import split_gate_up
+from kvjax.nn._fused_layout import split_gate_up
 from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_rows, check_tokens, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
+from kvjax.nn._hf_rope import rope_from_hf
 from kvjax.nn._norm import OffsetRMSNorm
 
 __all__ = ["LlamaConfig", "Llama", "Block", "MLP", "ACTIVATIONS"]
@@ -244,14 +245,15 @@ class LlamaConfig:
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
         params = getattr(hf_config, "rope_parameters", None) or {}
         if model_type == "gemma3_text":
-            full = _hf_rope(params.get("full_attention") or {"rope_theta": getattr(hf_config, "rope_theta", 1e6)},
-                            head_dim)
-            local = _hf_rope(params.get("sliding_attention")
-                             or {"rope_theta": getattr(hf_config, "rope_local_base_freq", 1e4)}, head_dim)
+            full = rope_from_hf(params.get("full_attention") or {"rope_theta": getattr(hf_config, "rope_theta", 1e6)},
+                                head_dim, allowed=_GEMMA_ROPE)
+            local = rope_from_hf(params.get("sliding_attention")
+                                 or {"rope_theta": getattr(hf_config, "rope_local_base_freq", 1e4)}, head_dim,
+                                 allowed=_GEMMA_ROPE)
             attn_cap = None   # transformers' Gemma 3 attention ignores attn_logit_softcapping
         else:
-            full = _hf_rope(params if "rope_theta" in params else {"rope_theta": getattr(hf_config, "rope_theta", 1e4)},
-                            head_dim)
+            full = rope_from_hf(params if "rope_theta" in params else {"rope_theta": getattr(hf_config, "rope_theta", 1e4)},
+                                head_dim, allowed=_GEMMA_ROPE)
             local = full
             attn_cap = getattr(hf_config, "attn_logit_softcapping", None)
         args = dict(
@@ -353,17 +355,8 @@ class LlamaConfig:
                 for il in range(self.n_layer)}
 
 
-def _hf_rope(params: dict, head_dim: int) -> RopeConfig:
-    """A :class:`RopeConfig` of one HF ``rope_parameters`` entry (neox layout over the whole head)."""
-    kind = params.get("rope_type", "default")
-    theta = float(params.get("rope_theta", 10000.0))
-    if kind == "default":
-        scale = 1.0
-    elif kind == "linear":
-        scale = 1.0 / float(params["factor"])
-    else:
-        raise ValueError(f"hf_config rope_type={kind!r} is out of range: allowed 'default' or 'linear'")
-    return RopeConfig(n_rot=head_dim, mode="neox", freq_base=theta, freq_scale=scale)
+#: the RoPE kinds of Gemma 2 / 3 checkpoints
+_GEMMA_ROPE = ("default", "linear")
 
 
 class MLP(nnx.Module):

@@ -34,6 +34,7 @@ from kvjax.nn._linen_attention import LinenCachedAttention
 from kvjax.nn._llama import (ACTIVATIONS, Llama, LlamaConfig, attention_options, block_cached, block_uncached,
                              model_cached, model_uncached, output_logits)
 from kvjax.nn._norm import LinenOffsetRMSNorm
+from kvjax.nn._ggml_linear import GGMLBlocks
 
 __all__ = ["LlamaLinen", "params_from_nnx"]
 
@@ -131,7 +132,6 @@ def params_from_nnx(model: Llama) -> dict:
     """
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
-    from kvjax.nn._ggml_linear import GGMLBlocks
 
     compact = nnx.state(model, GGMLBlocks)
     if jax.tree.leaves(compact):   # the linen twin has float kernels only: it would drop these weights

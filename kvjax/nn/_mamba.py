@@ -62,6 +62,10 @@ from jaxtyping import Array, Float, Int
 
 from kvjax._validate import check_count, check_flag, check_real
 from kvjax.nn._inputs import check_token_rows, check_tokens
+from kvjax.memory._recurrent import RecurrentConfig
+from kvjax.memory._recurrent import RecurrentCache
+from kvjax.memory._ubatch import equal_slots
+from kvjax.nn._hf import hf_source
 
 __all__ = ["MambaConfig", "Mamba", "MambaBlock", "MambaMixer", "select_states", "selective_scan", "params_from_hf",
            "make_mamba_step"]
@@ -222,8 +226,6 @@ class MambaConfig:
             >>> mem.size, mem.k_shape[0], mem.v_shape[0], mem.rows
             (4, (32, 3), (32, 4), 8)
         """
-        from kvjax.memory._recurrent import RecurrentConfig
-
         return RecurrentConfig(size=n_seq_max if size is None else size, n_seq_max=n_seq_max, n_layer=self.n_layer,
                                k_shape=(self.d_inner, self.d_conv - 1), v_shape=(self.d_inner, self.d_state),
                                n_states=n_states)
@@ -618,8 +620,6 @@ class Mamba(nnx.Module):
 
 def _memory_call(model: "Mamba", tokens, memory, inputs):
     """One equal-split ubatch through a recurrent memory (what ``Mamba.__call__`` does)."""
-    from kvjax.memory._recurrent import RecurrentCache
-    from kvjax.memory._ubatch import equal_slots
 
     c = model.config
     if not isinstance(memory, RecurrentCache):
@@ -699,8 +699,6 @@ def params_from_hf(hf_model_or_state_dict, model: Optional[Mamba] = None, **conf
         ValueError: a state dict without ``model``, a missing or unexpected key, or a weight
             whose shape does not fit the model's config.
     """
-    from kvjax.nn._hf import hf_source
-
     sd, model = hf_source(hf_model_or_state_dict, model, Mamba, MambaConfig, "Mamba", **config_overrides)
     cfg = model.config
 

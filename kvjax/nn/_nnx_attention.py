@@ -48,7 +48,7 @@ from kvjax._validate import check_flag, check_real, require
 from kvjax.memory._init import require_memory
 from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
-from kvjax.nn._fuse import split_qkv
+from kvjax.nn._fused_layout import split_qkv
 from kvjax.nn._norm import OffsetRMSNorm
 from kvjax.memory._config import RopeConfig, SwaType
 

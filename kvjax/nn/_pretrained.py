@@ -37,6 +37,12 @@ from flax import nnx
 from kvjax.nn._hf import LLAMA_TYPES, _strip, llama_config_from_hf, load_llama
 from kvjax.nn._llama import Llama
 from kvjax.nn._mamba import Mamba, MambaConfig, params_from_hf
+from kvjax.memory._iswa import IswaConfig
+from kvjax.nn._hybrid import HybridLM
+from kvjax.memory._config import CacheConfig
+from kvjax.nn._hf import llama_plan
+from kvjax.memory._config import RopeConfig
+import numpy as np
 
 __all__ = ["from_pretrained", "memory_config_for", "save_llama", "read_config", "SafetensorsSource", "ARCHITECTURES",
            "DTYPES"]
@@ -307,8 +313,6 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
         >>> type(memory_config_for(model, size=64, n_seq_max=2)).__name__
         'IswaConfig'
     """
-    from kvjax.memory._iswa import IswaConfig
-    from kvjax.nn._hybrid import HybridLM
 
     if not isinstance(n_seq_max, int) or isinstance(n_seq_max, bool) or n_seq_max < 1:
         raise ValueError(f"n_seq_max={n_seq_max!r} is out of range: allowed an integer >= 1")
@@ -322,7 +326,6 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size={size!r} is out of range: allowed an integer >= 1 (K/V cells for all sequences)")
     # the cache's size is a whole number of padding blocks: round up rather than refuse
-    from kvjax.memory._config import CacheConfig
 
     padding = overrides.get("padding", CacheConfig.__dataclass_fields__["padding"].default)
     if isinstance(padding, int) and padding > 0:
@@ -359,10 +362,7 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
     Raises:
         ValueError: a model those configs cannot describe (named option), or bad arguments.
     """
-    import numpy as np
     from safetensors.numpy import save_file
-
-    from kvjax.nn._hf import llama_plan
 
     if not isinstance(model, Llama):
         raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
@@ -426,6 +426,4 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
 
 def _is_default_rope(rope, head_dim) -> bool:
     """Whether ``rope`` is HF's default RoPE (neox over the whole head, no scaling)."""
-    from kvjax.memory._config import RopeConfig
-
     return rope == RopeConfig(n_rot=head_dim, mode="neox", freq_base=rope.freq_base)

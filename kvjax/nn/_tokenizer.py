@@ -32,6 +32,8 @@ import os
 import pathlib
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 from kvjax._validate import check_flag
+from kvjax.nn._gguf_vocab import gguf_tokenizer
+from kvjax.nn._chat_template import render_chat_template
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -128,8 +130,6 @@ class Tokenizer:
             >>> tok.encode("<start_of_turn>user", special=True)               # doctest: +SKIP
             [2, 105, 2364]
         """
-        from kvjax.nn._gguf_vocab import gguf_tokenizer
-
         vocab = gguf_tokenizer(path)
         backend = vocab.tokenizer
         return cls(backend, bos_id=vocab.bos_id, eos_ids=vocab.eos_ids, add_bos=vocab.add_bos,
@@ -311,7 +311,6 @@ class Tokenizer:
         if template is None:
             raise ValueError("this tokenizer has no chat template: pass one (--chat-template NAME or FILE, or "
                              "kvjax.nn._chat_template.chat_template_by_name(...)) or use a model file that has one")
-        from kvjax.nn._chat_template import render_chat_template
 
         bos, eos = self.special_texts()
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from kvjax._validate import check_count
 from kvjax._axes import EMBED, FF, HEADS, VOCAB
 from kvjax._mesh import Rules, check_mesh, check_rules, to_mesh_spec
+from flax import nnx
 
 #: (last names of a parameter's path, its logical axes); the first match wins, the rest is replicated
 PARAM_RULES: Tuple[Tuple[Tuple[str, ...], P], ...] = (
@@ -126,8 +127,6 @@ def shard_params(model_or_state, mesh: Mesh, rules: Rules = None, *, n_kv_heads:
     Raises:
         ValueError: as :func:`param_shardings`; nothing is placed then.
     """
-    from flax import nnx
-
     if n_kv_heads is not None:
         n_kv_heads = check_count("n_kv_heads", n_kv_heads, 1)
     if isinstance(model_or_state, nnx.Module):

@@ -22,7 +22,7 @@ slot:
 
 Example:
     >>> import jax.numpy as jnp, kvjax
-    >>> from kvjax.attn import _streams
+    >>> from kvjax.memory import _stream_attention as _streams
     >>> base = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=1, n_kv_heads=1, head_dim=2)
     >>> memory = kvjax.init(kvjax.StreamsConfig(base))
     >>> ub = kvjax.make_equal_ubatch([([0], [0]), ([0], [1])])
@@ -43,11 +43,14 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax._validate import check_flag
 from kvjax.attn._attention import _attend, blocks_fit, chunk_size
 from kvjax.attn._mask import _mask_additive
+from kvjax.attn._rope import rope as _rope
+from kvjax._mesh import DATA
 from kvjax.memory import _cells
 from kvjax.memory._config import SwaType
 from kvjax.memory._streams import mesh_split
@@ -294,9 +297,6 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
     gives zeros), so one ``psum`` of the ``[T, Hq, Dv]`` outputs over ``"data"`` assembles them.
     Heads stay split over ``"model"`` as the projections left them.
     """
-    from jax.sharding import PartitionSpec as P
-    from kvjax._mesh import DATA
-
     mesh, heads = split
     cache = memory.cache
     cfg = cache.config
@@ -348,12 +348,10 @@ def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np
     the attention run per device over the streams it holds (:func:`_attend_on_mesh`): the K/V never
     leave their devices, only the ``[T, Hq, Dv]`` outputs are summed across ``"data"``.
     """
-    import kvjax
-
     ubatch, placement = inputs.ubatch, inputs.placement
     if rope is not None:
-        q = kvjax.rope(q, ubatch.pos, rope)
-        k = kvjax.rope(k, ubatch.pos, rope)
+        q = _rope(q, ubatch.pos, rope)
+        k = _rope(k, ubatch.pos, rope)
     if mask is None:  # the masks read the cell metadata only, which the K/V write does not change
         mask = masks(memory, ubatch, placement, inputs.windows[0], alibi=alibi is not None, swa_type=swa_type,
                      n_swa=n_swa)
