@@ -77,7 +77,7 @@ def _full_permutation(cache):
 _defrag = jax.jit(kvjax.defrag, donate_argnums=0)
 _compact = jax.jit(kvjax.compact, donate_argnums=0)
 _compact_seq = jax.jit(kvjax.compact_seq, donate_argnums=0)
-_apply_pending = jax.jit(_defrag_mod.apply_pending, donate_argnums=0)
+run_pending = jax.jit(_defrag_mod.apply_pending, donate_argnums=0)
 
 
 def _time_donated(fn, holder, cells, repeats):
@@ -146,8 +146,8 @@ def run(quick: bool) -> str:
                               f"{t / t_defrag:.1f}x" if name == "full permutation" else ""])
     # apply_pending: the lax.cond must not copy the cache when no defrag is pending.
     half = levels[LEVELS.index(0.5)]
-    t_idle = _time_donated(_apply_pending, holder, half, repeats)
-    t_busy = _time_donated(_apply_pending, holder, half.replace(defrag=jnp.bool_(True)), repeats)
+    t_idle = _time_donated(run_pending, holder, half, repeats)
+    t_busy = _time_donated(run_pending, holder, half.replace(defrag=jnp.bool_(True)), repeats)
     t_floor = dispatch_floor(repeats=repeats)
     del holder
     pending_rows = [["not pending", fmt_time(t_idle), f"{t_idle / t_floor:.0f}x"],

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax.nn._mamba import (Mamba, MambaConfig, make_mamba_step, params_from_hf, pick_scan, select_states,
-                             selective_scan, selective_scan_keep)
+from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step
+from kvjax.nn._mamba_hf import params_from_hf
+from kvjax.nn._selective_scan import pick_scan, select_states, selective_scan, selective_scan_keep
 
 ATOL = 1e-5      # one float32 model against itself: only the order of the scan's sums differs
 ATOL_HF = 1e-4   # against torch: different matmul and scan orders

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.memory._recurrent_rows import _row_sources, _set_rows, _take_rows, moving_rows_bound
+from kvjax.memory._recurrent_rows import row_sources, set_rows, take_rows, moving_rows_bound
 from kvjax.memory._seqbits import unpack
 from kvjax.testing import RecurrentRef
 from kvjax.testing._recurrent_reference import move_rows
@@ -116,7 +116,7 @@ def place(memory, ref, rows, slots, jitted=False, pad=0):
     if not want:
         assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), new.cells, memory.cells))
         return memory, rows
-    moving = np.asarray(_row_sources(placement, new.config)) != np.arange(new.config.rows)
+    moving = np.asarray(row_sources(placement, new.config)) != np.arange(new.config.rows)
     kk = new.config.n_states
     assert np.sum(moving) <= moving_rows_bound(new.config, len(slots) + pad), (slots, np.flatnonzero(moving))
     assert len(set(np.flatnonzero(moving) // kk)) <= 2 * len(slots) - 1, slots  # the bound's argument
@@ -281,20 +281,20 @@ def test_a_placement_moves_a_bounded_number_of_rows(data, n_states, pad):
 @pytest.mark.parametrize("layers, rows, size", [(1, [2], 4), (1, [0, 3], 4), (3, [2], 4), (3, [1, 4, 0], 4),
                                                 (2, [4], 4), (2, [0], 1), (2, [1, 0], 1), (1, [1], 1), (2, [0, 1], 1)])
 def test_row_gather_and_scatter_are_per_layer_and_drop_out_of_range_rows(layers, rows, size):
-    """``_take_rows`` / ``_set_rows`` index the buffer as ``[Lg * R, ...]``: row ``R`` (dropped)
+    """``take_rows`` / ``set_rows`` index the buffer as ``[Lg * R, ...]``: row ``R`` (dropped)
     must not land in the next layer's row 0, nor a write in another layer; a one-row buffer
     (``size`` 1) is read and replaced whole."""
     x = jnp.arange(layers * size * 2, dtype=jnp.float32).reshape(layers, size, 2)
     idx = jnp.asarray(rows, jnp.int32)
     valid = [r for r in rows if r < size]
-    np.testing.assert_array_equal(_take_rows(x, jnp.asarray(valid, jnp.int32)), np.asarray(x)[:, valid])
+    np.testing.assert_array_equal(take_rows(x, jnp.asarray(valid, jnp.int32)), np.asarray(x)[:, valid])
     values = -1.0 - jnp.arange(layers * len(rows) * 2, dtype=jnp.float32).reshape(layers, len(rows), 2)
     want = np.asarray(x).copy()
     for i, r in enumerate(rows):
         if r < size:
             want[:, r] = np.asarray(values)[:, i]
-    np.testing.assert_array_equal(_set_rows(x, idx, values), want)
-    np.testing.assert_array_equal(jax.jit(_set_rows)(x, idx, values), want)
+    np.testing.assert_array_equal(set_rows(x, idx, values), want)
+    np.testing.assert_array_equal(jax.jit(set_rows)(x, idx, values), want)
 
 
 def test_row_gather_and_scatter_trace_for_buffers_past_int32_rows():
@@ -302,8 +302,8 @@ def test_row_gather_and_scatter_trace_for_buffers_past_int32_rows():
     int32 indices would overflow (shapes only: such a buffer does not fit in memory here)."""
     x = jax.ShapeDtypeStruct((129, 2**24, 1), jnp.float32)
     rows = jax.ShapeDtypeStruct((3,), jnp.int32)
-    assert jax.eval_shape(_take_rows, x, rows).shape == (129, 3, 1)
-    assert jax.eval_shape(_set_rows, x, rows, jax.ShapeDtypeStruct((129, 3, 1), jnp.float32)).shape == x.shape
+    assert jax.eval_shape(take_rows, x, rows).shape == (129, 3, 1)
+    assert jax.eval_shape(set_rows, x, rows, jax.ShapeDtypeStruct((129, 3, 1), jnp.float32)).shape == x.shape
 
 
 def test_a_rolled_back_cell_outside_the_ubatch_keeps_its_roll():

@@ -17,7 +17,8 @@ from flax import nnx
 
 import kvjax
 from kvjax.nn import make_step
-from kvjax.nn._mamba import Mamba, MambaConfig, params_from_hf
+from kvjax.nn._mamba import Mamba, MambaConfig
+from kvjax.nn._mamba_hf import params_from_hf
 from tests.helpers import buffer_writes, no_recompile
 
 CFG = MambaConfig(vocab_size=40, d_model=16, n_layer=2, d_state=4, d_conv=4, scan_chunk=4)

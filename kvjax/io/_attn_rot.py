@@ -37,7 +37,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from kvjax.io._blob import Cursor
-from kvjax.io._stream_section import _parse_streams
+from kvjax.io._stream_section import parse_streams
 from kvjax.memory._config import CacheConfig
 from kvjax.storage import _quant
 
@@ -122,7 +122,7 @@ def _rotate_data(data: memoryview, n_cells: int, n_k: int, n_v: int) -> bytes:
 
 def rotate_streams(streams, config: CacheConfig) -> None:
     """Apply (or undo: the matrices are involutions) llama.cpp's rotation to the quantized K/V rows
-    of parsed streams (``kvjax.io._stream_section._Stream``), in place.
+    of parsed streams (``kvjax.io._stream_section.Stream``), in place.
 
     Rows of another type or size than ``config``'s rotation expects are left as they are, for the
     reader to refuse.
@@ -138,7 +138,7 @@ def rotate_section(blob, config: CacheConfig) -> bytes:
     if not any(rotation_sizes(config)):
         return bytes(blob)
     r = Cursor(blob)
-    streams = _parse_streams(r, single=False)
+    streams = parse_streams(r, single=False)
     out = bytearray(r.buf[:r.off])
     starts = [st.offset for st in streams]
     rotate_streams(streams, config)

@@ -90,7 +90,7 @@ from kvjax._validate import require, check_state_seq
 from kvjax.io._attn_rot import rotate_section, rotate_streams
 from kvjax.io._blob import Cursor
 from kvjax.io._session import write_atomic
-from kvjax.io._stream_section import _parse_streams, _Stream, _stream_blob, _to_seed
+from kvjax.io._stream_section import parse_streams, Stream, stream_blob, to_seed
 from kvjax.io._streams_state import read_streams, write_streams
 from kvjax.io._state import state_read
 from kvjax.memory._iswa import IswaCache
@@ -148,7 +148,7 @@ def stream_state_write(cache, seq_id: int = -1, *, attn_rot: bool = True) -> byt
     """
     cache = _require_cache(cache)
     seq_id = _seq_arg(seq_id, cache)
-    blob = _stream_blob(cache, seq_id)
+    blob = stream_blob(cache, seq_id)
     return rotate_section(blob, cache.config) if _attn_rot_arg(attn_rot) else blob
 
 
@@ -266,7 +266,7 @@ def memory_state_write(memory, seq_id: int = -1, *, v_trans=None, attn_rot: bool
     return b"".join(stream_state_write(part, seq_id, attn_rot=attn_rot) for part in parts)
 
 
-def _blob_v_trans(streams: List[_Stream]):
+def _blob_v_trans(streams: List[Stream]):
     """The ``v_trans`` flag of the first stream with cells (None: no cells)."""
     return struct.unpack_from("<I", streams[0].data)[0] if streams else None
 
@@ -274,7 +274,7 @@ def _blob_v_trans(streams: List[_Stream]):
 def _read_unified_part(part: KVCache, r: Cursor, seq_id: int, label: str, attn_rot: bool):
     """Parse one unified cache's section; return a function that restores it (nothing is read yet)."""
     try:
-        streams = _parse_streams(r, single=seq_id >= 0)
+        streams = parse_streams(r, single=seq_id >= 0)
     except StateError as e:
         raise StateError(f"{label}{e}") from None
     if attn_rot:
@@ -289,7 +289,7 @@ def _read_unified_part(part: KVCache, r: Cursor, seq_id: int, label: str, attn_r
 
     def restore(options):
         try:
-            out = state_read(as_file, _to_seed(streams, seq_id, as_file), seq_id, **options)
+            out = state_read(as_file, to_seed(streams, seq_id, as_file), seq_id, **options)
         except StateError as e:
             raise StateError(f"{label}{e}") from None
         return _with_v_trans(out, None, like=part)
@@ -305,7 +305,7 @@ def _read_memory_section(memory, r: Cursor, seq_id: int, options):
         rest = bytes(r.take(len(r.buf) - r.off, "memory"))
         if attn_rot:
             rest = rotate_section(rest, memory.config.base)
-        streams = _parse_streams(Cursor(rest), single=seq_id >= 0)
+        streams = parse_streams(Cursor(rest), single=seq_id >= 0)
         flag = _blob_v_trans(streams)
         out = read_streams(_with_v_trans(memory, None if flag is None else bool(flag)), rest, seq_id,
                            **{k: v for k, v in options.items() if k == "contiguous"})

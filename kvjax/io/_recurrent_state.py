@@ -60,14 +60,14 @@ def _row_bytes(shape, dtype: str) -> int:
     return int(np.prod(shape)) * jnp.dtype(dtype).itemsize
 
 
-def _check_seq(seq_id, config: RecurrentConfig) -> int:
+def check_seq(seq_id, config: RecurrentConfig) -> int:
     return check_state_seq(seq_id, config.n_seq_max)
 
 
 def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:
     """The recurrent memory's :func:`kvjax.state_write`: every used cell, or ``seq_id``'s tail cell."""
     cfg = memory.config
-    seq_id = _check_seq(seq_id, cfg)
+    seq_id = check_seq(seq_id, cfg)
     pos = host_array(memory.cells.pos)
     masks = host_array(memory.cells.seq)
     roll = host_array(memory.cells.roll)
@@ -115,7 +115,7 @@ def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, contiguous
             are named); the memory passed in is unchanged.
     """
     cfg = memory.config
-    seq_id = _check_seq(seq_id, cfg)
+    seq_id = check_seq(seq_id, cfg)
     check_flag("contiguous", contiguous)
     check_flag("donate", donate)
     pos, masks, k_rows, v_rows, _ = _parse(cfg, as_view(data), seq_id, trailing=False)
@@ -153,7 +153,7 @@ def _parse(cfg: RecurrentConfig, view, seq_id: int, trailing: bool):
 
 def recurrent_blob_size(memory: RecurrentCache, data, seq_id: int = -1) -> int:
     """Bytes of the recurrent memory's blob at the start of ``data`` (checked as a read checks it)."""
-    return _parse(memory.config, as_view(data), _check_seq(seq_id, memory.config), trailing=True)[-1]
+    return _parse(memory.config, as_view(data), check_seq(seq_id, memory.config), trailing=True)[-1]
 
 
 def _stack(rows: List[np.ndarray], cfg: RecurrentConfig, g: int) -> jnp.ndarray:

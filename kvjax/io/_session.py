@@ -46,7 +46,7 @@ import numpy as np
 
 from kvjax.memory._unified import KVCache
 from kvjax._errors import StateError
-from kvjax.io._state import _check_host_cache, _check_seq, layout_fingerprint, state_read, state_write
+from kvjax.io._state import check_host_cache, check_seq, layout_fingerprint, state_read, state_write
 from kvjax._validate import INT32_MAX, INT32_MIN
 
 MAGIC = b"KVJAXSES"
@@ -96,8 +96,8 @@ def save(path, cache: KVCache, seq_id: int = -1, tokens: Optional[Sequence[int]]
         ValueError: a bad argument (see :func:`kvjax.state_write`).
         OSError: the file cannot be written (nothing is left under ``path`` then).
     """
-    cfg = _check_host_cache(cache, "save")
-    seq_id = _check_seq(seq_id, cfg)
+    cfg = check_host_cache(cache, "save")
+    seq_id = check_seq(seq_id, cfg)
     toks = _tokens_array(tokens)
     blob = state_write(cache, seq_id)
     head = _HEAD.pack(MAGIC, FORMAT_VERSION, seq_id, layout_fingerprint(cfg), toks.size)
@@ -151,8 +151,8 @@ def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True,
         StateError: a corrupt file or one that does not match the cache; the cache is unchanged.
         OSError: the file cannot be read.
     """
-    cfg = _check_host_cache(cache, "load")
-    seq_id = _check_seq(seq_id, cfg)
+    cfg = check_host_cache(cache, "load")
+    seq_id = check_seq(seq_id, cfg)
     with open(os.fspath(path), "rb") as f:
         # the header is read and checked before anything else: a huge or endless file that is not a
         # session file costs one small read, never the memory to hold it

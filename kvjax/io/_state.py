@@ -218,8 +218,8 @@ def blob_size(cache: KVCache, data, seq_id: int = -1) -> int:
 
     Every field is checked as :func:`read_unified` checks it (:class:`kvjax.StateError` otherwise).
     """
-    cfg = _check_host_cache(cache, "state_read")
-    return _parse(cfg, as_view(data), _check_seq(seq_id, cfg), cfg.size, "the cache size", trailing=True).size
+    cfg = check_host_cache(cache, "state_read")
+    return _parse(cfg, as_view(data), check_seq(seq_id, cfg), cfg.size, "the cache size", trailing=True).size
 
 
 def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str,
@@ -415,14 +415,14 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
 # -- host side ----------------------------------------------------------------------------------
 
 
-def _check_host_cache(cache, name: str) -> CacheConfig:
+def check_host_cache(cache, name: str) -> CacheConfig:
     require_cache(cache, name)
     if any(is_traced(x) for x in jax.tree.leaves(cache)):
         raise ValueError(f"{name} runs on the host (it reads or returns bytes): call it outside jax.jit")
     return cache.config
 
 
-def _check_seq(seq_id, config: CacheConfig) -> int:
+def check_seq(seq_id, config: CacheConfig) -> int:
     return check_state_seq(seq_id, config.n_seq_max)
 
 
@@ -461,8 +461,8 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
         >>> import struct; struct.unpack_from("<IiI", blob)   # one cell: pos 5, n_seq_id 0
         (1, 5, 0)
     """
-    cfg = _check_host_cache(cache, "state_write")
-    seq_id = _check_seq(seq_id, cfg)
+    cfg = check_host_cache(cache, "state_write")
+    seq_id = check_seq(seq_id, cfg)
     pos, masks, delta = _host_cells(cache)
     idx = np.flatnonzero(_members(masks, seq_id)).astype(np.int32)
     n = idx.size
@@ -543,8 +543,8 @@ def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = T
         ...
         kvjax.StateError: cell_count: expected 4 bytes at offset 0, found 2 (truncated blob)
     """
-    cfg = _check_host_cache(cache, "state_read")
-    seq_id = _check_seq(seq_id, cfg)
+    cfg = check_host_cache(cache, "state_read")
+    seq_id = check_seq(seq_id, cfg)
     contiguous, donate = check_flag("contiguous", contiguous), check_flag("donate", donate)
     buf = as_view(data)
     _, masks, _ = _host_cells(cache)

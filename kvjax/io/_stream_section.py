@@ -6,7 +6,7 @@ sequence ids (``n_seq_id >= 1`` even in a one-sequence section, where the seed w
 
     u32 cell_count, cell_count x {i32 pos, u32 n_seq_id, n_seq_id x i32 seq_id}, K/V data
 
-This module parses sections into :class:`_Stream` records (views into the bytes, nothing copied),
+This module parses sections into :class:`Stream` records (views into the bytes, nothing copied),
 converts them to the seed's blob and back, and is shared by llama.cpp's session files
 (:mod:`kvjax.io._llama_state`), the stream memory's format (:mod:`kvjax.io._streams_state`) and the
 rotation of quantized rows (:mod:`kvjax.io._attn_rot`).
@@ -26,7 +26,7 @@ from kvjax.memory._unified import KVCache
 from kvjax.memory._api import clear
 
 
-def _split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes]:
+def split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes]:
     """A seed blob of ours as ``(n, pos, meta bytes, data bytes)`` (its cells are well formed)."""
     n = struct.unpack_from("<I", blob)[0]
     if seq_id >= 0:  # every record is (pos, 0)
@@ -42,9 +42,9 @@ def _split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes
     return n, pos, meta, blob[4 + len(meta):]
 
 
-def _stream_blob(cache: KVCache, seq_id: int) -> bytes:
+def stream_blob(cache: KVCache, seq_id: int) -> bytes:
     """The one-stream blob of ``cache``'s bytes as kvjax stores them (no rotation)."""
-    n, pos, meta, data = _split_seed(state_write(cache, seq_id), seq_id)
+    n, pos, meta, data = split_seed(state_write(cache, seq_id), seq_id)
     if n == 0:  # an empty stream is its count alone
         return struct.pack("<II", 1, 0)
     if seq_id >= 0:
@@ -54,14 +54,14 @@ def _stream_blob(cache: KVCache, seq_id: int) -> bytes:
     return struct.pack("<II", 1, n) + meta + data
 
 
-class _Stream:
+class Stream:
     """One stream of a parsed memory blob: its cells, its data section and where that starts in the blob."""
 
     def __init__(self, n: int, pos: np.ndarray, ids: List[np.ndarray], data: memoryview, offset: int = 0):
         self.n, self.pos, self.ids, self.data, self.offset = n, pos, ids, data, offset
 
 
-def _walk_data(r: Cursor, n: int, s: int) -> memoryview:
+def walk_data(r: Cursor, n: int, s: int) -> memoryview:
     """Skip one stream's data section (checking only what its length needs); return its bytes."""
     start = r.off
     v_trans = r.u32(f"stream {s} v_trans")
@@ -82,7 +82,7 @@ def _walk_data(r: Cursor, n: int, s: int) -> memoryview:
     return r.buf[start:r.off]
 
 
-def _parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[_Stream]:
+def parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[Stream]:
     """The streams of a memory blob that hold cells (every stream, None for an empty one, with
     ``keep_empty``)."""
     n_stream = r.u32("n_stream")
@@ -107,11 +107,11 @@ def _parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[_S
                 raise StateError(f"stream {s} cell {i} n_seq_id: expected at most 4096, found {k}")
             ids.append(np.frombuffer(r.take(4 * k, f"stream {s} cell {i} seq ids"), "<i4"))
         start = r.off
-        streams.append(_Stream(n, pos, ids, _walk_data(r, n, s), start))
+        streams.append(Stream(n, pos, ids, walk_data(r, n, s), start))
     return streams
 
 
-def _merge_data(streams: List[_Stream]) -> bytes:
+def merge_data(streams: List[Stream]) -> bytes:
     """One data section holding the rows of every stream, in stream order."""
     if len(streams) == 1:
         return bytes(streams[0].data)
@@ -166,7 +166,7 @@ def _merge_data(streams: List[_Stream]) -> bytes:
     return b"".join(parts)
 
 
-def _to_seed(streams: List[_Stream], seq_id: int, cache: KVCache) -> bytes:
+def to_seed(streams: List[Stream], seq_id: int, cache: KVCache) -> bytes:
     """The seed blob holding the cells of ``streams`` (for :func:`kvjax.state_read`)."""
     if not streams:
         # no cell at all: the seed's empty blob of this cache's layout
@@ -184,4 +184,4 @@ def _to_seed(streams: List[_Stream], seq_id: int, cache: KVCache) -> bytes:
     for st in streams:
         for p, ids in zip(st.pos, st.ids):
             meta.append(struct.pack("<iI", int(p), len(ids)) + ids.tobytes())
-    return struct.pack("<I", n) + b"".join(meta) + _merge_data(streams)
+    return struct.pack("<I", n) + b"".join(meta) + merge_data(streams)

@@ -23,7 +23,7 @@ from kvjax._errors import StateError
 from kvjax._validate import check_state_seq
 from kvjax.io._blob import Cursor
 from kvjax.io._state import state_read
-from kvjax.io._stream_section import _parse_streams, _Stream, _stream_blob, _to_seed
+from kvjax.io._stream_section import parse_streams, Stream, stream_blob, to_seed
 from kvjax.memory._protocol import register_state_format
 from kvjax.memory._streams import StreamCache
 
@@ -43,20 +43,20 @@ def write_streams(memory, seq_id: int = -1) -> bytes:
     seq_id = _seq_arg(memory, seq_id)
     if bool(jnp.any(memory.copy_from >= 0)):
         raise StateError("memory has a pending stream copy: apply kvjax.update(memory) before writing its state")
-    sections = [_stream_blob(memory.stream(s), seq_id)[4:] for s in range(memory.n_stream)]
+    sections = [stream_blob(memory.stream(s), seq_id)[4:] for s in range(memory.n_stream)]
     return struct.pack("<I", memory.n_stream) + b"".join(sections)
 
 
-def _parse(memory, data, seq_id: int) -> List[Optional[_Stream]]:
+def _parse(memory, data, seq_id: int) -> List[Optional[Stream]]:
     """Each stream's parsed section (None: no cells), checked against this memory's stream count."""
     r = Cursor(data)
-    streams = _parse_streams(r, single=seq_id >= 0, keep_empty=True)
+    streams = parse_streams(r, single=seq_id >= 0, keep_empty=True)
     r.finish("blob")
     if seq_id >= 0:
         held = [st for st in streams if st is not None]
         if len(held) > 1:
             raise StateError(f"single-sequence blob: expected cells in one stream, found {len(held)} streams with cells")
-        out: List[Optional[_Stream]] = [None] * memory.n_stream
+        out: List[Optional[Stream]] = [None] * memory.n_stream
         if held:
             out[memory.stream_of(seq_id)] = held[0]
         return out
@@ -78,14 +78,14 @@ def read_streams(memory, data, seq_id: int = -1, *, contiguous: bool = True, don
     if seq_id >= 0:
         s = memory.stream_of(seq_id)
         one = memory.stream(s)
-        read = state_read(one, _to_seed([sections[s]] if sections[s] else [], seq_id, one), seq_id,
+        read = state_read(one, to_seed([sections[s]] if sections[s] else [], seq_id, one), seq_id,
                           contiguous=contiguous)
         cache = jax.tree.map(lambda all_, x: all_.at[s].set(x), memory.cache, read)
         return memory.replace(cache=cache)
     reads = []
     for s, section in enumerate(sections):
         one = memory.stream(s)
-        reads.append(state_read(one, _to_seed([section] if section else [], -1, one), -1, contiguous=contiguous))
+        reads.append(state_read(one, to_seed([section] if section else [], -1, one), -1, contiguous=contiguous))
     cache = jax.tree.map(lambda *xs: jnp.stack(xs), *reads)
     return memory.replace(cache=cache, copy_from=jnp.full_like(memory.copy_from, -1))
 

@@ -95,8 +95,8 @@ import numpy as np
 
 from kvjax._typing import Array, Float, IntLike
 from kvjax._validate import as_int32, check_real, check_seq_id, is_traced
-from kvjax.memory._defrag_moves import (CHUNK, MIN_WINDOW, DefragPlan, _apply_pending, _defrag_sched, _donating,
-                                        _fragmentation, _max_moves_arg, _plan, _run)
+from kvjax.memory._defrag_moves import (CHUNK, MIN_WINDOW, DefragPlan, run_pending, schedule_defrag, donating_cache,
+                                        cells_fragmentation, max_moves_arg, make_plan, run_plan)
 from kvjax.memory._unified import KVCache, require_cache
 
 __all__ = ["CHUNK", "MIN_WINDOW", "DefragPlan", "fragmentation", "defrag_sched", "defrag_plan", "compact_plan",
@@ -122,7 +122,7 @@ def fragmentation(cache: KVCache) -> Float[Array, ""]:
         0.6875
     """
     require_cache(cache, "fragmentation")
-    return _fragmentation(cache.cells, cache.config.padding)
+    return cells_fragmentation(cache.cells, cache.config.padding)
 
 
 def defrag_sched(cache: KVCache, thold) -> KVCache:
@@ -149,7 +149,7 @@ def defrag_sched(cache: KVCache, thold) -> KVCache:
     if not is_traced(thold):
         check_real("thold", thold)
     thold = jnp.asarray(thold, jnp.float32)
-    return cache.replace(cells=_defrag_sched(cache.cells, thold, cache.config.padding))
+    return cache.replace(cells=schedule_defrag(cache.cells, thold, cache.config.padding))
 
 
 def defrag_plan(cache: KVCache, max_moves: Optional[IntLike] = None) -> DefragPlan:
@@ -172,7 +172,7 @@ def defrag_plan(cache: KVCache, max_moves: Optional[IntLike] = None) -> DefragPl
         ([0, 4, 5, 3, 1, 2], 1, 4)
     """
     require_cache(cache, "defrag_plan")
-    return _plan(cache.cells, _max_moves_arg(max_moves), kind="defrag")
+    return make_plan(cache.cells, max_moves_arg(max_moves), kind="defrag")
 
 
 def compact_plan(cache: KVCache) -> DefragPlan:
@@ -188,7 +188,7 @@ def compact_plan(cache: KVCache) -> DefragPlan:
         ([0, 3, 4, 5, 1, 2], 3, 1)
     """
     require_cache(cache, "compact_plan")
-    return _plan(cache.cells, np.int32(0), kind="compact")
+    return make_plan(cache.cells, np.int32(0), kind="compact")
 
 
 def compact_seq_plan(cache: KVCache, seq_id: IntLike) -> DefragPlan:
@@ -204,7 +204,7 @@ def compact_seq_plan(cache: KVCache, seq_id: IntLike) -> DefragPlan:
     """
     require_cache(cache, "compact_seq_plan")
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
-    return _plan(cache.cells, as_int32(seq_id), kind="compact_seq")
+    return make_plan(cache.cells, as_int32(seq_id), kind="compact_seq")
 
 
 def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool = False) -> KVCache:
@@ -239,8 +239,8 @@ def defrag(cache: KVCache, max_moves: Optional[IntLike] = None, *, donate: bool 
         [0, 4, 5, 3, -1, -1]
     """
     require_cache(cache, "defrag")
-    run = functools.partial(_run, donate=_donating(cache, donate))
-    return run(cache, _max_moves_arg(max_moves), kind="defrag")
+    run = functools.partial(run_plan, donate=donating_cache(cache, donate))
+    return run(cache, max_moves_arg(max_moves), kind="defrag")
 
 
 def compact(cache: KVCache, *, donate: bool = False) -> KVCache:
@@ -260,7 +260,7 @@ def compact(cache: KVCache, *, donate: bool = False) -> KVCache:
         ([0, 3, 4, 5, -1, -1], 4)
     """
     require_cache(cache, "compact")
-    run = functools.partial(_run, donate=_donating(cache, donate))
+    run = functools.partial(run_plan, donate=donating_cache(cache, donate))
     return run(cache, np.int32(0), kind="compact")
 
 
@@ -291,7 +291,7 @@ def compact_seq(cache: KVCache, seq_id: IntLike, *, donate: bool = False) -> KVC
     """
     require_cache(cache, "compact_seq")
     check_seq_id("seq_id", seq_id, cache.config.n_seq_max, allow_all=False)
-    run = functools.partial(_run, donate=_donating(cache, donate))
+    run = functools.partial(run_plan, donate=donating_cache(cache, donate))
     return run(cache, as_int32(seq_id), kind="compact_seq")
 
 
@@ -315,7 +315,7 @@ def apply_pending(cache: KVCache, *, donate: bool = False) -> KVCache:
         ([2, 3, -1, -1], False)
     """
     require_cache(cache, "apply_pending")
-    return _apply_pending(cache, donate=_donating(cache, donate))
+    return run_pending(cache, donate=donating_cache(cache, donate))
 
 
 # ``kvjax.defrag`` is this function once the package imports it, which hides the module of the

@@ -7,7 +7,7 @@ kvjax's compactions (see :mod:`kvjax.memory._defrag`, the public functions, for 
 deliberate differences from the seed).
 
 This module stands below the unified cache: the cache's ``update`` runs a pending defrag through
-:data:`_apply_pending`. It takes a cache by its fields (``cells``, ``k``, ``v``, ``replace``) and
+:data:`run_pending`. It takes a cache by its fields (``cells``, ``k``, ``v``, ``replace``) and
 trusts it; :mod:`kvjax.memory._defrag` validates the caches users pass.
 """
 
@@ -66,7 +66,7 @@ class DefragPlan:
 # -- argument checks ----------------------------------------------------------------------------
 
 
-def _max_moves_arg(max_moves) -> Int[Array, ""]:
+def max_moves_arg(max_moves) -> Int[Array, ""]:
     """``max_moves`` as int32 (None: no cap); a concrete negative value raises."""
     if max_moves is None:
         return np.int32(_I32_MAX)
@@ -80,7 +80,7 @@ def _max_moves_arg(max_moves) -> Int[Array, ""]:
 
 
 @functools.partial(jax.jit, static_argnames="padding")
-def _fragmentation(cells: Cells, padding: int) -> Float[Array, ""]:
+def cells_fragmentation(cells: Cells, padding: int) -> Float[Array, ""]:
     n = _cells_n_kv(cells, padding).astype(jnp.float32)
     used = jnp.sum(is_used(cells), dtype=jnp.int32)
     frag = jnp.maximum(0.0, 1.0 - (used + padding).astype(jnp.float32) / n)
@@ -88,8 +88,8 @@ def _fragmentation(cells: Cells, padding: int) -> Float[Array, ""]:
 
 
 @functools.partial(jax.jit, static_argnames="padding")
-def _defrag_sched(cells: Cells, thold, padding: int) -> Cells:
-    return cells.replace(defrag=cells.defrag | (_fragmentation(cells, padding) > thold))
+def schedule_defrag(cells: Cells, thold, padding: int) -> Cells:
+    return cells.replace(defrag=cells.defrag | (cells_fragmentation(cells, padding) > thold))
 
 
 # -- plans (metadata only) ----------------------------------------------------------------------
@@ -191,7 +191,7 @@ def _valid_arg(kind: str, cells: Cells, arg) -> Tuple[Bool[Array, ""], ErrorFlag
 
 
 @functools.partial(jax.jit, static_argnames="kind")
-def _plan(cells: Cells, arg, kind: str) -> DefragPlan:
+def make_plan(cells: Cells, arg, kind: str) -> DefragPlan:
     valid, _ = _valid_arg(kind, cells, arg)
     plan = _PLANNERS[kind](cells, jnp.where(valid, arg, 0))
     idx = jnp.arange(cells.size, dtype=jnp.int32)
@@ -284,23 +284,23 @@ def _apply(cache, plan: DefragPlan, valid, flag: ErrorFlag, staged: bool):
 
 def _run_impl(cache, arg, kind: str):
     """Plan and apply in one program."""
-    plan = _plan(cache.cells, arg, kind=kind)
+    plan = make_plan(cache.cells, arg, kind=kind)
     valid, flag = _valid_arg(kind, cache.cells, arg)
     return _apply(cache, plan, valid, flag, staged=(kind == "compact_seq"))
 
 
-_run = JitTwins(_run_impl, static_argnames="kind", donate_argnums=0)
+run_plan = JitTwins(_run_impl, static_argnames="kind", donate_argnums=0)
 
 
-def _donating(cache, donate: bool) -> bool:
+def donating_cache(cache, donate: bool) -> bool:
     """Donate only a concrete cache: inside an outer ``jit`` donation is that jit's business."""
     return donating(donate, cache.cells.pos)
 
 
 def _apply_pending_impl(cache):
     return jax.lax.cond(cache.cells.defrag,
-                        lambda c: _run(c, jnp.int32(_I32_MAX), kind="defrag"),
+                        lambda c: run_plan(c, jnp.int32(_I32_MAX), kind="defrag"),
                         lambda c: c, cache)
 
 
-_apply_pending = JitTwins(_apply_pending_impl, donate_argnums=0)
+run_pending = JitTwins(_apply_pending_impl, donate_argnums=0)

@@ -58,11 +58,11 @@ from kvjax._typing import Array, Int
 from kvjax._axes import CELLS, SEQ_WORDS, SEQS, scalar_axes, state_axes
 from kvjax.memory._protocol import Memory, not_defined
 
-from kvjax.memory._recurrent_cells import (RecurrentCells, RecurrentPlacement, _cleared, _popcount, _used,
+from kvjax.memory._recurrent_cells import (RecurrentCells, RecurrentPlacement, cleared, popcount, used_mask,
                                            empty_recurrent_cells, rc_seq_add, rc_seq_cp, rc_seq_div, rc_seq_keep,
                                            rc_seq_pos, rc_seq_rm, rc_seq_shared, rc_shift_keeps_states)
 from kvjax.memory._recurrent_config import MAX_STATE_FLOATS, RecurrentConfig, RecurrentGroup  # noqa: F401 (re-exported)
-from kvjax.memory._recurrent_rows import _row_sources, _set_rows, _started, _take_rows, moving_rows_bound
+from kvjax.memory._recurrent_rows import row_sources, set_rows, started_rows, take_rows, moving_rows_bound
 from kvjax.memory._recurrent_slots import find_slot_recurrent
 from jax.sharding import PartitionSpec as P
 __all__ = ["RecurrentConfig", "RecurrentGroup", "RecurrentCells", "RecurrentPlacement", "RecurrentCache",
@@ -123,7 +123,7 @@ class RecurrentCache(Memory):
     # -- sequences ---------------------------------------------------------------------------------
 
     def clear(self) -> "RecurrentCache":
-        return self._with(_cleared(self.cells))
+        return self._with(cleared(self.cells))
 
     def seq_rm(self, seq_id, p0, p1):
         cells, ok = rc_seq_rm(self.cells, seq_id, p0, p1)
@@ -156,10 +156,10 @@ class RecurrentCache(Memory):
         return rc_seq_shared(self.cells, seq_id, p0, p1)
 
     def used_cells(self):
-        return jnp.sum(_used(self.cells), dtype=jnp.int32)
+        return jnp.sum(used_mask(self.cells), dtype=jnp.int32)
 
     def n_tokens(self):
-        return jnp.sum(_popcount(self.cells.seq))
+        return jnp.sum(popcount(self.cells.seq))
 
     def pos_max(self):
         return jnp.max(self.cells.pos)
@@ -244,7 +244,7 @@ class RecurrentCache(Memory):
             them; ``()`` when ``n_slots`` is 0.
         """
         kk, rows = self.config.n_states, self.config.rows
-        src = _row_sources(placement, self.config)
+        src = row_sources(placement, self.config)
         moving = src != jnp.arange(rows)
         if slots_rewritten:
             cell = jnp.arange(rows) // kk
@@ -256,9 +256,9 @@ class RecurrentCache(Memory):
             return self, ()
 
         def move(x):
-            got = _take_rows(x, reads)
-            slots = _started(got[:, bound:], placement, self.size)
-            return (_set_rows(x, dest, got[:, :bound]) if bound else x), slots
+            got = take_rows(x, reads)
+            slots = started_rows(got[:, bound:], placement, self.size)
+            return (set_rows(x, dest, got[:, :bound]) if bound else x), slots
 
         k, sk = zip(*map(move, self.k))
         v, sv = zip(*map(move, self.v))
@@ -272,7 +272,7 @@ class RecurrentCache(Memory):
             (``s_mask`` false: a select, so a NaN in a reused row cannot leak into it).
         """
         rows = self._slot_rows(placement, n_slots)
-        return tuple(_started(_take_rows(x, rows), placement, self.size) for x in (self.k[group], self.v[group]))
+        return tuple(started_rows(take_rows(x, rows), placement, self.size) for x in (self.k[group], self.v[group]))
 
     def _slot_rows(self, placement: RecurrentPlacement, n_slots: int) -> Int[Array, " n_slots"]:
         """Row 0 of each slot's cell ``head + s`` (clipped into the buffer for padding slots)."""
@@ -340,13 +340,13 @@ class RecurrentCache(Memory):
             new = jnp.flip(new, axis=2).astype(x.dtype)                    # newest first: row 0
             if q < kk:
                 old_rows = jnp.clip(base[:, None] + jnp.arange(kk - q)[None], 0, x.shape[1] - 1)
-                old = _take_rows(x, old_rows.reshape(-1)).reshape((x.shape[0], n_slots, kk - q) + x.shape[2:])
+                old = take_rows(x, old_rows.reshape(-1)).reshape((x.shape[0], n_slots, kk - q) + x.shape[2:])
                 new = jnp.concatenate([new, old], axis=2)
             write = active if after is None or not jnp.size(after) else \
                 active & ~(jnp.ravel(after)[0].astype(jnp.float32) > jnp.inf)
             rows = jnp.where(write[:, None], base[:, None] + jnp.arange(kk)[None], x.shape[1]).reshape(-1)
             flat = new.reshape((x.shape[0], n_slots * kk) + x.shape[2:])
-            return _set_rows(x, rows, flat)
+            return set_rows(x, rows, flat)
 
         if q > kk:
             raise ValueError(f"{q} states per slot were given: allowed at most n_states={kk}")

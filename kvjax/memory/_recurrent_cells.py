@@ -69,7 +69,7 @@ def empty_recurrent_cells(size: int, n_seq_max: int) -> RecurrentCells:
 
 
 @jax.jit
-def _cleared(cells: RecurrentCells) -> RecurrentCells:
+def cleared(cells: RecurrentCells) -> RecurrentCells:
     """Every cell empty, the error bits kept: one program (seven eager array fills were 0.5-0.8 ms)."""
     return empty_recurrent_cells(cells.size, cells.n_seq_max).replace(error=cells.error)
 
@@ -105,18 +105,18 @@ class RecurrentPlacement:
         return self.replace(n=jnp.where(keep, self.n, 0), n_seqs=jnp.where(keep, self.n_seqs, 0))
 
 
-def _popcount(words: UInt32[Array, "... W"]) -> Int[Array, "..."]:
+def popcount(words: UInt32[Array, "... W"]) -> Int[Array, "..."]:
     return jnp.sum(jax.lax.population_count(words), axis=-1).astype(jnp.int32)
 
 
-def _used(cells: RecurrentCells) -> Bool[Array, " C"]:
+def used_mask(cells: RecurrentCells) -> Bool[Array, " C"]:
     return jnp.any(cells.seq != 0, axis=-1)
 
 
 def _holds(cells: RecurrentCells, seq_id) -> Bool[Array, " C"]:
     """Cells holding ``seq_id``; every used cell for -1; none for another id out of range."""
     member = jnp.any((cells.seq & _seqbits.seq_bits(seq_id, cells.n_words)) != 0, axis=-1)
-    return jnp.where(seq_id == -1, _used(cells), member)
+    return jnp.where(seq_id == -1, used_mask(cells), member)
 
 
 def _bounds(p0, p1):
@@ -170,7 +170,7 @@ def rc_seq_rm(cells: RecurrentCells, seq_id, p0, p1):
     tpos = cells.pos[t]
     cut = has_t & (((0 < p0) & (p0 <= tpos)) | ((0 < p1) & (p1 <= tpos)))
     j = tpos - p0 + 1
-    rollback = cut & (0 < p0) & (p0 <= tpos) & (tpos < p1) & (j < cells.hist[t]) & (_popcount(cells.seq[t]) == 1)
+    rollback = cut & (0 < p0) & (p0 <= tpos) & (tpos < p1) & (j < cells.hist[t]) & (popcount(cells.seq[t]) == 1)
     everything_or_nothing = (p0 == p1) | ((p0 == 0) & (p1 == _I32_MAX))
     valid = _seq_ok(cells, seq_id, True)
     refused = (cut & ~rollback) | ((seq_id < 0) & ~everything_or_nothing) | ~valid
@@ -226,7 +226,7 @@ def _shifted(cells: RecurrentCells, seq_id, p0, p1) -> Bool[Array, " C"]:
     in_range = (cells.pos >= p0) & (cells.pos < p1)
     t, has_t = _tail_of(cells, seq_id)
     tail_cell = (jnp.arange(cells.size) == t) & has_t & _holds(cells, seq_id)
-    return in_range & jnp.where(seq_id < 0, _used(cells), tail_cell)
+    return in_range & jnp.where(seq_id < 0, used_mask(cells), tail_cell)
 
 
 @jax.jit
@@ -279,4 +279,4 @@ def rc_seq_pos(cells: RecurrentCells, seq_id):
 def rc_seq_shared(cells: RecurrentCells, seq_id, p0, p1):
     p0, p1 = _bounds(p0, p1)
     hit = _holds(cells, seq_id) & (cells.pos >= p0) & (cells.pos < p1)
-    return jnp.any(hit & (_popcount(cells.seq) > 1))
+    return jnp.any(hit & (popcount(cells.seq) > 1))

@@ -54,7 +54,7 @@ def _flat_rows(x, rows: Int[Array, " n"]) -> Int[Array, " Lg*n"]:
     return jnp.where(((rows >= 0) & (rows < r))[None, :], idx, lg * r).reshape(-1)
 
 
-def _take_rows(x, rows: Int[Array, " n"]):
+def take_rows(x, rows: Int[Array, " n"]):
     """``x[:, rows]`` of a state buffer ``x [Lg, R, ...]`` (rows in range).
 
     A gather of the ``Lg * n`` rows of ``x`` viewed as ``[Lg * R, ...]``: its result comes out in
@@ -68,7 +68,7 @@ def _take_rows(x, rows: Int[Array, " n"]):
     if r == 1:                                                # the buffer is the row (rows are 0)
         return jnp.broadcast_to(x, (lg, rows.shape[0]) + x.shape[2:])
     if lg * rows.shape[0] == 1:
-        return _take_rows(x, jnp.concatenate([rows, rows]))[:, :1]
+        return take_rows(x, jnp.concatenate([rows, rows]))[:, :1]
     if lg * r >= _INT32_END:                                  # flat indices would not fit int32
         return jnp.take(x, rows, axis=1, mode="clip")
     flat = x.reshape((lg * r,) + x.shape[2:])
@@ -76,7 +76,7 @@ def _take_rows(x, rows: Int[Array, " n"]):
     return got.reshape((lg, rows.shape[0]) + x.shape[2:])
 
 
-def _started(got, placement: RecurrentPlacement, size: int):
+def started_rows(got, placement: RecurrentPlacement, size: int):
     """The slots' rows ``got [Lg, n_slots, ...]`` with zeros for a new sequence (``s_mask`` false) and
     for the slots past ``n_seqs``: a select, so a NaN in a reused row cannot leak into a new state."""
     slot = jnp.arange(got.shape[1])
@@ -87,11 +87,11 @@ def _started(got, placement: RecurrentPlacement, size: int):
     return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
 
-def _set_rows(x, rows: Int[Array, " n"], values):
+def set_rows(x, rows: Int[Array, " n"], values):
     """``x`` with ``x[:, rows] = values`` (``values [Lg, n, ...]``), rows outside ``[0, R)`` dropped.
 
     A scatter of ``Lg * n`` rows into ``x`` viewed as ``[Lg * R, ...]`` (the updates in their own
-    order, as :func:`_take_rows` reads). A single entry is written twice (the same values): a
+    order, as :func:`take_rows` reads). A single entry is written twice (the same values): a
     one-entry write compiles to a select around a dynamic-update-slice, a fusion into which
     XLA:CPU pulls the whole state update and runs it slowly (1.3 ms of a 3.7 ms Mamba step), or,
     in ``copy_rows``, answers with copies of the buffers; a scatter keeps both apart. (A dropped
@@ -117,7 +117,7 @@ def _set_rows(x, rows: Int[Array, " n"], values):
     return out.reshape(x.shape)
 
 
-def _row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, " R"]:
+def row_sources(placement: RecurrentPlacement, config: RecurrentConfig) -> Int[Array, " R"]:
     """For every state row, the row it is copied from (itself when nothing moves)."""
     kk, size = config.n_states, config.size
     row = jnp.arange(config.rows)

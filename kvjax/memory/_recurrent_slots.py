@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from kvjax._errors import ErrorFlag
 from kvjax.memory import _seqbits
-from kvjax.memory._recurrent_cells import RecurrentCells, RecurrentPlacement, _popcount
+from kvjax.memory._recurrent_cells import RecurrentCells, RecurrentPlacement, popcount
 from kvjax.memory._ubatch import Ubatch, equal_slots
 
 __all__ = ["find_slot_recurrent"]
@@ -74,7 +74,7 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     well_formed = (jnp.all(valid == slot_on[:, None]) & jnp.all(slot_on == (s_idx < n_seqs)) & (n_seqs >= 1)
                    & jnp.all(~slot_on[:, None, None] | (ids_rows == ids[:, None]))
                    & jnp.all(~slot_on[:, None] | id_ok) & jnp.all(~slot_on | ((primary >= 0) & (primary < n_seq)))
-                   & (_popcount(union) == jnp.sum(_popcount(slot_bits)))               # no id in two slots
+                   & (popcount(union) == jnp.sum(popcount(slot_bits)))               # no id in two slots
                    & jnp.all(~valid | (ubatch.pos.reshape(n_slots, t) >= 0)))
 
     used0 = jnp.any(cells.seq != 0, axis=-1)
@@ -99,7 +99,7 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
         q = jnp.clip(primary[s], 0, n_seq - 1)
         t_cell = tail[q]
         tc = jnp.clip(t_cell, 0, size - 1)
-        need = on & ((t_cell < 0) | (_popcount(seq[tc]) != 1))
+        need = on & ((t_cell < 0) | (popcount(seq[tc]) != 1))
         failed = failed | (need & (nxt < 0))
         take = need & (nxt >= 0)
         cow = take & (t_cell >= 0)

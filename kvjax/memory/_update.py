@@ -5,7 +5,7 @@ Both steps are paid only when needed:
 - outside ``jit`` the two pending flags (some ``delta != 0``; ``cells.defrag``) are read in one
   small device-to-host transfer, and only the pending steps run;
 - inside ``jit`` (the cache is traced) the K-shift sits in a ``lax.cond`` on "some delta is
-  non-zero", and defrag is ``kvjax.memory._defrag_moves._apply_pending``, itself a ``lax.cond`` on the flag.
+  non-zero", and defrag is ``kvjax.memory._defrag_moves.run_pending``, itself a ``lax.cond`` on the flag.
   With the cache donated (``jax.jit(kvjax.update, donate_argnums=0)``) the branch not taken costs
   a few microseconds and no copy.
 
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.memory._cells import has_shift as _has_shift
-from kvjax.memory._defrag_moves import _apply_pending, _donating
+from kvjax.memory._defrag_moves import run_pending, donating_cache
 from kvjax.attn._rope import _k_shift, _shift
 from kvjax._jit import donating
 from kvjax._validate import is_traced
@@ -63,12 +63,12 @@ def apply_update(cache, *, donate: bool = False):
             cache = jax.lax.cond(_has_shift(cache.cells), _k_shift, lambda c: c, cache)
         else:
             cache = _clear_deltas(cache)
-        return _apply_pending(cache)
+        return run_pending(cache)
     shift, defrag = (bool(x) for x in jax.device_get(_pending(cache.cells)))
     if shift:
         cache = _rotate(cache, donate) if cache.config.can_shift else _clear_deltas(cache)
     if defrag:
-        cache = _apply_pending(cache, donate=_donating(cache, bool(donate)))
+        cache = run_pending(cache, donate=donating_cache(cache, bool(donate)))
     return cache
 
 

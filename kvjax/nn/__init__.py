@@ -38,7 +38,9 @@ from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._hf import llama_from_hf
 from kvjax.nn._llama import ACTIVATIONS, Block, Llama, LlamaConfig, MLP
 from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
-from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step, params_from_hf, select_states
+from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step
+from kvjax.nn._mamba_hf import params_from_hf
+from kvjax.nn._selective_scan import select_states
 from kvjax.nn._hybrid import HybridLM, HybridLMConfig
 from kvjax.nn._norm import LinenOffsetRMSNorm, OffsetRMSNorm, offset_rms_norm
 from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,

@@ -36,7 +36,8 @@ from flax import nnx
 
 from kvjax.nn._hf import LLAMA_TYPES, _strip, llama_config_from_hf, load_llama
 from kvjax.nn._llama import Llama
-from kvjax.nn._mamba import Mamba, MambaConfig, params_from_hf
+from kvjax.nn._mamba import Mamba, MambaConfig
+from kvjax.nn._mamba_hf import params_from_hf
 from kvjax.memory._iswa import IswaConfig
 from kvjax.nn._hybrid import HybridLM
 from kvjax.memory._config import CacheConfig
