@@ -31,8 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from benchmarks.common import (compile_time, copy_bandwidth, dispatch_floor, fmt_rate, fmt_time,
-                               inplace_copy_bandwidth, interleaved_medians, median_time, table)
+from benchmarks.common import (
+    compile_time,
+    copy_bandwidth,
+    dispatch_floor,
+    fmt_rate,
+    fmt_time,
+    inplace_copy_bandwidth,
+    interleaved_medians,
+    median_time,
+    table,
+)
 from kvjax.attn._attention import chunk_size
 from kvjax.memory._cells import Cells
 
@@ -57,10 +66,17 @@ def _pct(x: float) -> str:
 def _random_cells(size: int, n_seq: int, used_frac: float, rng) -> Cells:
     used = rng.random(size) < used_frac
     seq = np.zeros((size, 1), np.uint32)
-    seq[used, 0] = rng.integers(1, 2 ** n_seq, used.sum()).astype(np.uint32)
+    seq[used, 0] = rng.integers(1, 2**n_seq, used.sum()).astype(np.uint32)
     pos = np.where(used, rng.integers(0, size, size), -1).astype(np.int32)
-    return Cells(pos=jnp.asarray(pos), seq=jnp.asarray(seq), delta=jnp.zeros(size, jnp.int32),
-                 head=jnp.int32(0), error=jnp.uint32(0), defrag=jnp.bool_(False), n_seq_max=n_seq)
+    return Cells(
+        pos=jnp.asarray(pos),
+        seq=jnp.asarray(seq),
+        delta=jnp.zeros(size, jnp.int32),
+        head=jnp.int32(0),
+        error=jnp.uint32(0),
+        defrag=jnp.bool_(False),
+        n_seq_max=n_seq,
+    )
 
 
 def numpy_mask(cell_pos, cell_seq_words, tok_pos, tok_seq, n_kv):
@@ -104,8 +120,16 @@ def _bench_masks(quick: bool, rng) -> str:
             if compile_s is None:
                 from kvjax.attn._mask import _mask_additive
 
-                compile_s = compile_time(_mask_additive, cache.cells, ub, n_kv=n, causal=True, alibi=False,
-                                         swa_type=kvjax.SwaType.NONE, n_swa=0)
+                compile_s = compile_time(
+                    _mask_additive,
+                    cache.cells,
+                    ub,
+                    n_kv=n,
+                    causal=True,
+                    alibi=False,
+                    swa_type=kvjax.SwaType.NONE,
+                    n_swa=0,
+                )
             got = kvjax.kq_mask(cache, ub, n)
             ref = numpy_mask(cell_pos, words, tok_pos, tok_seq, n)
             assert np.array_equal(np.asarray(got), ref), "kq_mask disagrees with the numpy loop"
@@ -114,36 +138,63 @@ def _bench_masks(quick: bool, rng) -> str:
             n_bytes = t * n * 4
             bw = copy_bandwidth(n_bytes)
             at_copy = n_bytes / bw
-            rows.append([t, n, f"{n_bytes / 1e6:.2f} MB", fmt_time(t_kv), fmt_time(at_copy), _pct(at_copy / t_kv),
-                         fmt_time(t_np), f"{t_np / t_kv:.1f}x"])
+            rows.append(
+                [
+                    t,
+                    n,
+                    f"{n_bytes / 1e6:.2f} MB",
+                    fmt_time(t_kv),
+                    fmt_time(at_copy),
+                    _pct(at_copy / t_kv),
+                    fmt_time(t_np),
+                    f"{t_np / t_kv:.1f}x",
+                ]
+            )
     seqs = [{s for s in range(4) if (int(w) >> s) & 1} for w in words[:, 0]]
     t_py = median_time(lambda: python_mask(cell_pos.tolist(), seqs, [5], [0], windows[0]), repeats=3, warmup=0)
     ub1 = kvjax.make_ubatch([5], [[0]], length=1)
     t_kv1 = median_time(lambda: kvjax.kq_mask(cache, ub1, windows[0]), repeats=7, number=20)
-    return "\n".join([
-        "### KQ mask construction",
-        "",
-        f"Cache of {size} cells (90% used, 4 sequences), causal mask, public eager `kvjax.kq_mask` "
-        "(host checks + one jitted call; at T = 1 that fixed cost dominates).",
-        "",
-        table(["T", "n_kv", "mask bytes", "kvjax", "bytes at copy speed", "of copy speed", "numpy loop (seed)",
-               "kvjax speedup"], rows),
-        "",
-        f"Pure-Python double loop of the seed (T = 1, n_kv = {windows[0]}): {fmt_time(t_py)}, "
-        f"kvjax {fmt_time(t_kv1)} ({t_py / t_kv1:.0f}x). Compiling one mask program: {fmt_time(compile_s)}.",
-    ])
+    return "\n".join(
+        [
+            "### KQ mask construction",
+            "",
+            f"Cache of {size} cells (90% used, 4 sequences), causal mask, public eager `kvjax.kq_mask` "
+            "(host checks + one jitted call; at T = 1 that fixed cost dominates).",
+            "",
+            table(
+                [
+                    "T",
+                    "n_kv",
+                    "mask bytes",
+                    "kvjax",
+                    "bytes at copy speed",
+                    "of copy speed",
+                    "numpy loop (seed)",
+                    "kvjax speedup",
+                ],
+                rows,
+            ),
+            "",
+            f"Pure-Python double loop of the seed (T = 1, n_kv = {windows[0]}): {fmt_time(t_py)}, "
+            f"kvjax {fmt_time(t_kv1)} ({t_py / t_kv1:.0f}x). Compiling one mask program: {fmt_time(compile_s)}.",
+        ]
+    )
 
 
 # -- K-shift and update -------------------------------------------------------------------------
 
 
 def _shift_cache(size: int, n_layer: int, rng):
-    cfg = kvjax.CacheConfig(size=size, n_seq_max=1, n_layer=n_layer, n_kv_heads=8, head_dim=64, padding=256,
-                            rope=kvjax.RopeConfig(n_rot=64))
+    cfg = kvjax.CacheConfig(
+        size=size, n_seq_max=1, n_layer=n_layer, n_kv_heads=8, head_dim=64, padding=256, rope=kvjax.RopeConfig(n_rot=64)
+    )
     cache = kvjax.init(cfg)
     k = jax.random.normal(jax.random.PRNGKey(0), cache.k[0].shape, jnp.float32)
-    cells = cache.cells.replace(pos=jnp.arange(size, dtype=jnp.int32), seq=jnp.ones((size, 1), jnp.uint32),
-                                delta=jnp.asarray(rng.integers(-8, 8, size), jnp.int32))
+    cells = cache.cells.replace(
+        pos=jnp.arange(size, dtype=jnp.int32),
+        seq=jnp.ones((size, 1), jnp.uint32),
+        delta=jnp.asarray(rng.integers(-8, 8, size), jnp.int32),
+    )
     return cache.replace(k=(k,), cells=cells)
 
 
@@ -180,15 +231,35 @@ def _bench_kshift(quick: bool, rng) -> str:
     inplace = inplace_copy_bandwidth(k_bytes)
     fresh = copy_bandwidth(k_bytes)
     rows = [
-        ["`k_shift`, jitted, K donated (loop over layer x head slices)", fmt_time(t_shift), fmt_rate(k_bytes / t_shift),
-         _pct(k_bytes / t_shift / inplace), _pct(k_bytes / t_shift / fresh)],
-        ["one fused op over [L, H, C, D], tables broadcast (replaced)", fmt_time(t_fused), fmt_rate(k_bytes / t_fused),
-         _pct(k_bytes / t_fused / inplace), _pct(k_bytes / t_fused / fresh)],
-        ["`kvjax.k_shift(cache)` eager (fresh K buffer)", fmt_time(t_eager), fmt_rate(k_bytes / t_eager),
-         _pct(k_bytes / t_eager / inplace), _pct(k_bytes / t_eager / fresh)],
+        [
+            "`k_shift`, jitted, K donated (loop over layer x head slices)",
+            fmt_time(t_shift),
+            fmt_rate(k_bytes / t_shift),
+            _pct(k_bytes / t_shift / inplace),
+            _pct(k_bytes / t_shift / fresh),
+        ],
+        [
+            "one fused op over [L, H, C, D], tables broadcast (replaced)",
+            fmt_time(t_fused),
+            fmt_rate(k_bytes / t_fused),
+            _pct(k_bytes / t_fused / inplace),
+            _pct(k_bytes / t_fused / fresh),
+        ],
+        [
+            "`kvjax.k_shift(cache)` eager (fresh K buffer)",
+            fmt_time(t_eager),
+            fmt_rate(k_bytes / t_eager),
+            _pct(k_bytes / t_eager / inplace),
+            _pct(k_bytes / t_eager / fresh),
+        ],
         ["copy in place (yardstick)", fmt_time(k_bytes / inplace), fmt_rate(inplace), "100%", _pct(inplace / fresh)],
-        ["copy into a fresh buffer (`copy_bandwidth`)", fmt_time(k_bytes / fresh), fmt_rate(fresh), _pct(fresh / inplace),
-         "100%"],
+        [
+            "copy into a fresh buffer (`copy_bandwidth`)",
+            fmt_time(k_bytes / fresh),
+            fmt_rate(fresh),
+            _pct(fresh / inplace),
+            "100%",
+        ],
     ]
     # update with nothing pending: eager (host reads two flags) and jitted with the cache donated
     clean = cache.replace(cells=cells.replace(delta=jnp.zeros_like(cells.delta)))
@@ -202,18 +273,20 @@ def _bench_kshift(quick: bool, rng) -> str:
 
     t_upd_jit = median_time(run_upd, repeats=7, number=20)
     floor = dispatch_floor()
-    return "\n".join([
-        "### K-shift",
-        "",
-        f"{n_layer} layers x 8 kv heads x {size} cells x head size 64, float32: K = {k_bytes / 1e6:.0f} MB, "
-        f"every cell with a delta in [-8, 8). Compiling `k_shift`: {fmt_time(compile_s)}.",
-        "",
-        table(["formulation", "time", "K bytes/s", "of copy in place", "of fresh copy"], rows),
-        "",
-        f"`update` with nothing pending: eager {fmt_time(t_upd_eager)} (reads the two flags, runs nothing), "
-        f"jitted with the cache donated {fmt_time(t_upd_jit)} (the `lax.cond` branch not taken); "
-        f"dispatch floor {fmt_time(floor)}.",
-    ])
+    return "\n".join(
+        [
+            "### K-shift",
+            "",
+            f"{n_layer} layers x 8 kv heads x {size} cells x head size 64, float32: K = {k_bytes / 1e6:.0f} MB, "
+            f"every cell with a delta in [-8, 8). Compiling `k_shift`: {fmt_time(compile_s)}.",
+            "",
+            table(["formulation", "time", "K bytes/s", "of copy in place", "of fresh copy"], rows),
+            "",
+            f"`update` with nothing pending: eager {fmt_time(t_upd_eager)} (reads the two flags, runs nothing), "
+            f"jitted with the cache donated {fmt_time(t_upd_jit)} (the `lax.cond` branch not taken); "
+            f"dispatch floor {fmt_time(floor)}.",
+        ]
+    )
 
 
 # -- attention formulations ---------------------------------------------------------------------
@@ -249,9 +322,11 @@ def _formulations(n_heads: int, group: int, d: int, n_kv: int):
         o = jax.lax.dot_general(p, v, (((2,), (1,)), ((0,), (0,))))
         return o.reshape(n_heads, group, t, d).transpose(2, 0, 1, 3).reshape(t, n_heads * group, d)
 
-    return {"repeat K/V per query head, einsum": windowed(repeat_kv),
-            "grouped heads, einsum": windowed(grouped_einsum),
-            "grouped rows, batched dots, one pass over the window": windowed(grouped_rows)}
+    return {
+        "repeat K/V per query head, einsum": windowed(repeat_kv),
+        "grouped heads, einsum": windowed(grouped_einsum),
+        "grouped rows, batched dots, one pass over the window": windowed(grouped_rows),
+    }
 
 
 def _attention_cache(size: int, n_layer: int, used: int, rng):
@@ -261,8 +336,10 @@ def _attention_cache(size: int, n_layer: int, used: int, rng):
     k = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32)
     v = jax.random.normal(jax.random.PRNGKey(2), shape, jnp.float32)
     idx = np.arange(size)
-    cells = cache.cells.replace(pos=jnp.asarray(np.where(idx < used, idx, -1), jnp.int32),
-                                seq=jnp.asarray((idx < used).astype(np.uint32)[:, None]))
+    cells = cache.cells.replace(
+        pos=jnp.asarray(np.where(idx < used, idx, -1), jnp.int32),
+        seq=jnp.asarray((idx < used).astype(np.uint32)[:, None]),
+    )
     return cache.replace(k=(k,), v=(v,), cells=cells)
 
 
@@ -281,8 +358,17 @@ def _bench_attention(quick: bool, rng) -> str:
             ub = kvjax.make_ubatch([size - 1] * t, [[0]] * t, length=t)
             mask = kvjax.kq_mask(cache, ub, n)
             t_kv = median_time(lambda: kvjax.attention(q, cache, 0, mask), repeats=7)
-            rows.append([t, n, f"{kv_bytes / 1e6:.0f} MB", fmt_time(t_kv), fmt_rate(kv_bytes / t_kv),
-                         _pct(kv_bytes / t_kv / read), _pct(kv_bytes / t_kv / fresh)])
+            rows.append(
+                [
+                    t,
+                    n,
+                    f"{kv_bytes / 1e6:.0f} MB",
+                    fmt_time(t_kv),
+                    fmt_rate(kv_bytes / t_kv),
+                    _pct(kv_bytes / t_kv / read),
+                    _pct(kv_bytes / t_kv / fresh),
+                ]
+            )
             if n == windows[-1]:
                 k, v = cache.k[0], cache.v[0]
                 ref = kvjax.attention(q, cache, 0, mask)
@@ -294,8 +380,15 @@ def _bench_attention(quick: bool, rng) -> str:
                     frows.append([t, name, fmt_time(tf), fmt_rate(kv_bytes / tf), _pct(kv_bytes / tf / read)])
                 chunk = chunk_size(n, h, (hq // h) * t, cache.config.padding)
                 how = "one pass" if chunk == n else f"online softmax over chunks of {chunk} cells read from storage"
-                frows.append([t, f"**kvjax: grouped rows, batched dots, {how}**", fmt_time(t_kv),
-                              fmt_rate(kv_bytes / t_kv), _pct(kv_bytes / t_kv / read)])
+                frows.append(
+                    [
+                        t,
+                        f"**kvjax: grouped rows, batched dots, {how}**",
+                        fmt_time(t_kv),
+                        fmt_rate(kv_bytes / t_kv),
+                        _pct(kv_bytes / t_kv / read),
+                    ]
+                )
     # chunked (kvjax) against one pass over the sliced window, in a 4-layer group (the window of
     # one layer is a slice of the stacked storage)
     import importlib
@@ -319,23 +412,25 @@ def _bench_attention(quick: bool, rng) -> str:
                 finally:
                     module.MAX_CHUNK, module.SCORE_BLOCK_BYTES = saved
             crows.append([t, n, fmt_time(times[0]), fmt_time(times[1]), f"{times[1] / times[0]:.1f}x"])
-    return "\n".join([
-        "### Decode attention",
-        "",
-        "32 query heads over 8 kv heads, head size 64, float32, every cell visible; public eager "
-        "`kvjax.attention`; \"read\" = a jitted sum over the same K+V bytes, measured in this run.",
-        "",
-        table(["T", "n_kv", "K+V bytes", "kvjax", "K+V bytes/s", "of read", "of fresh copy"], rows),
-        "",
-        f"Formulations tried (n_kv = {windows[-1]}, same inputs):",
-        "",
-        table(["T", "formulation", "time", "K+V bytes/s", "of read"], frows),
-        "",
-        f"Chunks read straight from the stacked storage against one pass over the sliced window, layer 3 "
-        f"of a 4-layer group of {size} cells:",
-        "",
-        table(["T", "n_kv", f"chunks of {module.MAX_CHUNK} (kvjax)", "one pass", "one pass / chunks"], crows),
-    ])
+    return "\n".join(
+        [
+            "### Decode attention",
+            "",
+            "32 query heads over 8 kv heads, head size 64, float32, every cell visible; public eager "
+            "`kvjax.attention`; \"read\" = a jitted sum over the same K+V bytes, measured in this run.",
+            "",
+            table(["T", "n_kv", "K+V bytes", "kvjax", "K+V bytes/s", "of read", "of fresh copy"], rows),
+            "",
+            f"Formulations tried (n_kv = {windows[-1]}, same inputs):",
+            "",
+            table(["T", "formulation", "time", "K+V bytes/s", "of read"], frows),
+            "",
+            f"Chunks read straight from the stacked storage against one pass over the sliced window, layer 3 "
+            f"of a 4-layer group of {size} cells:",
+            "",
+            table(["T", "n_kv", f"chunks of {module.MAX_CHUNK} (kvjax)", "one pass", "one pass / chunks"], crows),
+        ]
+    )
 
 
 # -- step cost vs occupancy ---------------------------------------------------------------------
@@ -359,6 +454,7 @@ def _bench_step(quick: bool, rng) -> str:
                 # dependency XLA copies the whole stacked K/V between a layer's read and the next write
                 x = kv + 1e-3 * out[:, :h, :]
             return cache, jnp.stack(outs)
+
         return jax.jit(step, donate_argnums=0)
 
     rows = []
@@ -385,27 +481,30 @@ def _bench_step(quick: bool, rng) -> str:
         kv_bytes = 2 * n_layer * h * window * d * 4
         results[label] = t
         rows.append([label, used + 1, window, fmt_time(t), f"{kv_bytes / 1e6:.0f} MB", fmt_rate(kv_bytes / t)])
-    return "\n".join([
-        "### Step cost follows the used cells",
-        "",
-        f"One decode step on a {size}-cell cache, 4 layers x 8 kv heads x head size 64 (float32): find_slot, "
-        "mask, and per layer write + attention, jitted with the cache donated; the window comes from "
-        "`kvjax.kv_window` (a bucket of the seed's n_kv), or is the whole cache for comparison.",
-        "",
-        table(["occupancy", "used cells", "window", "step", "K+V read", "K+V bytes/s"], rows),
-        "",
-        f"At 10% occupancy the bucketed window makes the step {results['10%, window = size'] / results['10%']:.1f}x "
-        f"cheaper than attending over the whole cache; at 100% it costs "
-        f"{results['100%'] / results['10%']:.1f}x the 10% step.",
-    ])
+    return "\n".join(
+        [
+            "### Step cost follows the used cells",
+            "",
+            f"One decode step on a {size}-cell cache, 4 layers x 8 kv heads x head size 64 (float32): find_slot, "
+            "mask, and per layer write + attention, jitted with the cache donated; the window comes from "
+            "`kvjax.kv_window` (a bucket of the seed's n_kv), or is the whole cache for comparison.",
+            "",
+            table(["occupancy", "used cells", "window", "step", "K+V read", "K+V bytes/s"], rows),
+            "",
+            f"At 10% occupancy the bucketed window makes the step {results['10%, window = size'] / results['10%']:.1f}x "
+            f"cheaper than attending over the whole cache; at 100% it costs "
+            f"{results['100%'] / results['10%']:.1f}x the 10% step.",
+        ]
+    )
 
 
 def _side_by_side_cache(n_seq: int, per_seq: int, hq: int, h: int, d: int, rng):
     """A unified cache where ``n_seq`` sequences decoded ``per_seq`` tokens side by side, and their next ubatch."""
     n_layer = 4
     size = 1 << (n_seq * (per_seq + 1) - 1).bit_length()
-    cache = kvjax.init(kvjax.CacheConfig(size=size, n_seq_max=n_seq, n_layer=n_layer, n_kv_heads=h, head_dim=d,
-                                         padding=32))
+    cache = kvjax.init(
+        kvjax.CacheConfig(size=size, n_seq_max=n_seq, n_layer=n_layer, n_kv_heads=h, head_dim=d, padding=32)
+    )
     for p in range(per_seq + 1):  # one token per sequence per step: each sequence's cells interleave
         ub = kvjax.make_ubatch([p] * n_seq, [[s] for s in range(n_seq)])
         cache, _, ok = kvjax.find_slot(cache, ub)
@@ -442,25 +541,30 @@ def _bench_side_by_side(quick: bool, rng) -> str:
         owned, dense = (jnp.stack(compiled[n](q, cache, mask)) for n in ("owned", "dense"))
         err = float(jnp.max(jnp.abs(owned - dense)))
         assert err < 1e-4, err
-        t = interleaved_medians({n: (lambda f=f: median_time(lambda: f(q, cache, mask), repeats=1, warmup=0))
-                                 for n, f in compiled.items()}, repeats=3 if quick else 9)
+        t = interleaved_medians(
+            {n: (lambda f=f: median_time(lambda: f(q, cache, mask), repeats=1, warmup=0)) for n, f in compiled.items()},
+            repeats=3 if quick else 9,
+        )
         used = n_seq * (per_seq + 1)
         picked = "owned" if n_seq >= threshold else "dense"
-        rows.append([n_seq, used, window, fmt_time(t["dense"]), fmt_time(t["owned"]),
-                     f"{t['dense'] / t['owned']:.2f}x", picked])
-    return "\n".join([
-        "### Sequences decoding side by side in one cache",
-        "",
-        "B sequences, each with one token in the ubatch, whose cells interleave in one unified cache "
-        "(one token per sequence per step, as `kvjax.generate` places them): each row sees 1/B of the "
-        "window. 4 layers of `kvjax.attention` (32 query heads over 8 kv heads, head size 64, float32) "
-        "in one jitted program; 'dense' runs every chunk as contractions of all rows with all cells, "
-        "'owned' runs a chunk whose every column one row sees as a product of each cell with its own "
-        "row only (`_owned_step`); interleaved, medians; the two agree to float rounding (checked). "
-        f"`OWNED_MIN_TOKENS` = {threshold}: the path picked by default.",
-        "",
-        table(["B", "used cells", "window", "dense", "owned", "dense / owned", "picked"], rows),
-    ])
+        rows.append(
+            [n_seq, used, window, fmt_time(t["dense"]), fmt_time(t["owned"]), f"{t['dense'] / t['owned']:.2f}x", picked]
+        )
+    return "\n".join(
+        [
+            "### Sequences decoding side by side in one cache",
+            "",
+            "B sequences, each with one token in the ubatch, whose cells interleave in one unified cache "
+            "(one token per sequence per step, as `kvjax.generate` places them): each row sees 1/B of the "
+            "window. 4 layers of `kvjax.attention` (32 query heads over 8 kv heads, head size 64, float32) "
+            "in one jitted program; 'dense' runs every chunk as contractions of all rows with all cells, "
+            "'owned' runs a chunk whose every column one row sees as a product of each cell with its own "
+            "row only (`_owned_step`); interleaved, medians; the two agree to float rounding (checked). "
+            f"`OWNED_MIN_TOKENS` = {threshold}: the path picked by default.",
+            "",
+            table(["B", "used cells", "window", "dense", "owned", "dense / owned", "picked"], rows),
+        ]
+    )
 
 
 def run(quick: bool) -> str:

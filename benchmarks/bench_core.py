@@ -16,8 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from benchmarks.common import (compile_time, copy_bandwidth, dispatch_floor, fmt_rate, fmt_time,
-                               inplace_copy_bandwidth, median_time, table)
+from benchmarks.common import (
+    compile_time,
+    copy_bandwidth,
+    dispatch_floor,
+    fmt_rate,
+    fmt_time,
+    inplace_copy_bandwidth,
+    median_time,
+    table,
+)
 from kvjax.testing._unified_reference import UnifiedRef
 
 
@@ -67,8 +75,11 @@ def _find_slot_rows(cache, ref, n_tokens):
     toks = [(10**6 + i, [1]) for i in range(n_tokens)]
     return [
         (f"find_slot T={n_tokens} (contiguous)", lambda c: kvjax.find_slot(c, ub)[2], lambda r: r.find_slot(toks)),
-        (f"find_slot T={n_tokens} (scattered)", lambda c: kvjax.find_slot(c, ub, contiguous=False)[2],
-         lambda r: r.find_slot(toks, contiguous=False)),
+        (
+            f"find_slot T={n_tokens} (scattered)",
+            lambda c: kvjax.find_slot(c, ub, contiguous=False)[2],
+            lambda r: r.find_slot(toks, contiguous=False),
+        ),
     ]
 
 
@@ -96,15 +107,18 @@ def _ops_section(quick: bool) -> str:
             for name, op, ref_op in _ops(size) + _find_slot_rows(cache, ref, 1) + _find_slot_rows(cache, ref, 512):
                 t = median_time(lambda: op(cache), repeats=5 if quick else 9, number=5 if quick else 20)
                 t_ref = _time_reference(ref, ref_op, repeats=3 if quick else 5)
-                rows.append([name, size, n_seq_max, fmt_time(t), f"{t / floor:.1f}x", fmt_time(t_ref),
-                             f"{t_ref / t:.2g}x"])
-    return "\n".join([
-        "### Sequence operations and placement (eager public call, half-full cache)",
-        "",
-        f"Dispatch floor (empty jitted function of one array): {fmt_time(floor)} per call.",
-        "",
-        table(["op", "cells", "n_seq_max", "kvjax", "vs floor", "Python reference", "kvjax speed-up"], rows),
-    ])
+                rows.append(
+                    [name, size, n_seq_max, fmt_time(t), f"{t / floor:.1f}x", fmt_time(t_ref), f"{t_ref / t:.2g}x"]
+                )
+    return "\n".join(
+        [
+            "### Sequence operations and placement (eager public call, half-full cache)",
+            "",
+            f"Dispatch floor (empty jitted function of one array): {fmt_time(floor)} per call.",
+            "",
+            table(["op", "cells", "n_seq_max", "kvjax", "vs floor", "Python reference", "kvjax speed-up"], rows),
+        ]
+    )
 
 
 def _copy_fields(fields):
@@ -150,17 +164,31 @@ def _jitted_section(quick: bool) -> str:
                 copies[fields] = median_time(lambda: cp(cells), repeats=9 if not quick else 5, number=20)
             t = median_time(op, repeats=9 if not quick else 5, number=20)
             t_copy = copies[fields]
-            rows.append([name, size, n_seq_max, fmt_time(t), f"{t / floor:.1f}x", "+".join(fields),
-                         fmt_time(t_copy), f"{t_copy / floor:.1f}x", f"{t / t_copy:.2f}"])
-    return "\n".join([
-        "### Jitted metadata ops (cell level, no host validation), half-full cache",
-        "",
-        f"Dispatch floor (empty jitted function of one array): {fmt_time(floor)} per call. \"copy\" is a "
-        "jitted copy of the arrays the op writes into fresh buffers (its lower bound without donation).",
-        "",
-        table(["op", "cells", "n_seq_max", "jitted", "vs floor", "writes", "copy", "copy vs floor",
-               "op / copy"], rows),
-    ])
+            rows.append(
+                [
+                    name,
+                    size,
+                    n_seq_max,
+                    fmt_time(t),
+                    f"{t / floor:.1f}x",
+                    "+".join(fields),
+                    fmt_time(t_copy),
+                    f"{t_copy / floor:.1f}x",
+                    f"{t / t_copy:.2f}",
+                ]
+            )
+    return "\n".join(
+        [
+            "### Jitted metadata ops (cell level, no host validation), half-full cache",
+            "",
+            f"Dispatch floor (empty jitted function of one array): {fmt_time(floor)} per call. \"copy\" is a "
+            "jitted copy of the arrays the op writes into fresh buffers (its lower bound without donation).",
+            "",
+            table(
+                ["op", "cells", "n_seq_max", "jitted", "vs floor", "writes", "copy", "copy vs floor", "op / copy"], rows
+            ),
+        ]
+    )
 
 
 def _write_section(quick: bool) -> str:
@@ -194,19 +222,47 @@ def _write_section(quick: bool) -> str:
     bw = copy_bandwidth(n_bytes)
     bw_in = inplace_copy_bandwidth(n_bytes)
     rate = n_bytes / max(t - t_clear, 1e-9)
-    return "\n".join([
-        f"### find_slot + write of a {n_tok}-token ubatch into {n_layer} layers",
-        "",
-        f"Cache: {size} cells, {n_layer} layers, {heads} kv heads, head size {dim}, float32 "
-        f"({kvjax.total_size(cfg) / 2**30:.2f} GiB of K/V), one jitted step donating the cache.",
-        "",
-        table(["step time", "bytes written", "rate", "copy (fresh buffer)", "rate / copy",
-               "copy in place (donated)", "rate / in-place copy", "compile"],
-              [[fmt_time(t - t_clear), f"{n_bytes / 2**20:.0f} MiB", fmt_rate(rate), fmt_rate(bw),
-                f"{rate / bw:.2f}", fmt_rate(bw_in), f"{rate / bw_in:.2f}", fmt_time(t_compile)]]),
-    ])
+    return "\n".join(
+        [
+            f"### find_slot + write of a {n_tok}-token ubatch into {n_layer} layers",
+            "",
+            f"Cache: {size} cells, {n_layer} layers, {heads} kv heads, head size {dim}, float32 "
+            f"({kvjax.total_size(cfg) / 2**30:.2f} GiB of K/V), one jitted step donating the cache.",
+            "",
+            table(
+                [
+                    "step time",
+                    "bytes written",
+                    "rate",
+                    "copy (fresh buffer)",
+                    "rate / copy",
+                    "copy in place (donated)",
+                    "rate / in-place copy",
+                    "compile",
+                ],
+                [
+                    [
+                        fmt_time(t - t_clear),
+                        f"{n_bytes / 2**20:.0f} MiB",
+                        fmt_rate(rate),
+                        fmt_rate(bw),
+                        f"{rate / bw:.2f}",
+                        fmt_rate(bw_in),
+                        f"{rate / bw_in:.2f}",
+                        fmt_time(t_compile),
+                    ]
+                ],
+            ),
+        ]
+    )
 
 
 def run(quick: bool = False) -> str:
-    return "\n\n".join(["## Core: sequence operations, placement, K/V writes", _ops_section(quick),
-                        _jitted_section(quick), _write_section(quick)])
+    return "\n\n".join(
+        [
+            "## Core: sequence operations, placement, K/V writes",
+            _ops_section(quick),
+            _jitted_section(quick),
+            _write_section(quick),
+        ]
+    )

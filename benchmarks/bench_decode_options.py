@@ -40,8 +40,15 @@ def run(quick: bool = False) -> str:
             fused, dtype = option
             memory = kvjax.init(cfg.cache_config(size=size, n_seq_max=batch, padding=32, k_dtype=dtype, v_dtype=dtype))
             engine = Engine(models[fused], memory, n_ubatch=max(64, batch))
-            return generate(engine, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(r), sampling=GREEDY,
-                            share_prefix=False, sync_every=n_new)
+            return generate(
+                engine,
+                prompts,
+                max_new_tokens=n_new,
+                key=jax.random.PRNGKey(r),
+                sampling=GREEDY,
+                share_prefix=False,
+                sync_every=n_new,
+            )
 
         first = {o: gen(o, 0) for o in OPTIONS}
         base = first[OPTIONS[0]].tokens
@@ -53,21 +60,43 @@ def run(quick: bool = False) -> str:
         tps = {o: statistics.median(v) for o, v in runs.items()}
         ref = tps[OPTIONS[0]]
         for o in OPTIONS:
-            same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
-                    for x, y in zip(first[o].tokens, base)]
-            rows.append([batch, o[0], o[1], f"{tps[o]:.0f}", f"{tps[o] / ref:.2f}",
-                         f"{first[o].compile_seconds:.1f} s", f"{min(same)} / {int(np.median(same))}"])
-    return "\n\n".join([
-        "## Decode options: fused projections and the K/V dtype",
-        f"The model of the llama.cpp comparison ({cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, "
-        f"vocab {cfg.vocab_size}, float32 weights), {prompt_len}-token prompts, {n_new} greedy tokens per sequence "
-        "through `kvjax.generate` (device loop), one unified cache. The four engines run interleaved, repeat by "
-        f"repeat; steady tokens/s, medians of {repeats}; the ratio is against the unfused float32 engine of the "
-        "same batch. Agreement: the first token where an option's greedy tokens leave the unfused float32 "
-        "engine's (minimum / median over sequences; float16 K/V rounds, so near ties may flip).",
-        table(["batch", "projections", "K/V dtype", "tokens/s", "vs unfused float32", "compile (first run)",
-               f"greedy tokens equal (of {n_new})"], rows),
-    ])
+            same = [
+                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new) for x, y in zip(first[o].tokens, base)
+            ]
+            rows.append(
+                [
+                    batch,
+                    o[0],
+                    o[1],
+                    f"{tps[o]:.0f}",
+                    f"{tps[o] / ref:.2f}",
+                    f"{first[o].compile_seconds:.1f} s",
+                    f"{min(same)} / {int(np.median(same))}",
+                ]
+            )
+    return "\n\n".join(
+        [
+            "## Decode options: fused projections and the K/V dtype",
+            f"The model of the llama.cpp comparison ({cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, "
+            f"vocab {cfg.vocab_size}, float32 weights), {prompt_len}-token prompts, {n_new} greedy tokens per sequence "
+            "through `kvjax.generate` (device loop), one unified cache. The four engines run interleaved, repeat by "
+            f"repeat; steady tokens/s, medians of {repeats}; the ratio is against the unfused float32 engine of the "
+            "same batch. Agreement: the first token where an option's greedy tokens leave the unfused float32 "
+            "engine's (minimum / median over sequences; float16 K/V rounds, so near ties may flip).",
+            table(
+                [
+                    "batch",
+                    "projections",
+                    "K/V dtype",
+                    "tokens/s",
+                    "vs unfused float32",
+                    "compile (first run)",
+                    f"greedy tokens equal (of {n_new})",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,19 @@ import numpy as np
 
 import kvjax
 from kvjax.memory._cells import empty_cells
-from benchmarks.common import (block, compile_time, copy_bandwidth, dispatch_floor, fmt_rate,
-                               inplace_copy_bandwidth,
-                               fmt_time, median_time, table)
+from benchmarks.common import (
+    block,
+    compile_time,
+    copy_bandwidth,
+    dispatch_floor,
+    fmt_rate,
+    inplace_copy_bandwidth,
+    fmt_time,
+    median_time,
+    table,
+)
 
-_defrag_mod = sys.modules["kvjax.memory._defrag"]   # the module (``kvjax.defrag`` is the function)
+_defrag_mod = sys.modules["kvjax.memory._defrag"]  # the module (``kvjax.defrag`` is the function)
 
 LEVELS = (0.1, 0.5, 0.9)
 N_SEQ = 4
@@ -68,9 +76,14 @@ def _full_permutation(cache):
     """The defrag plan applied by gathering every cell of every buffer (the naive alternative)."""
     plan = _defrag_mod._plan(cache.cells, np.int32(np.iinfo(np.int32).max), kind="defrag")
     cells = cache.cells
-    new_cells = cells.replace(pos=cells.pos[plan.src], seq=cells.seq[plan.src], delta=cells.delta[plan.src],
-                              head=plan.head, defrag=jnp.bool_(False))
-    take = lambda b: b.at[:, :, plan.src, :].get(mode="promise_in_bounds")   # noqa: E731
+    new_cells = cells.replace(
+        pos=cells.pos[plan.src],
+        seq=cells.seq[plan.src],
+        delta=cells.delta[plan.src],
+        head=plan.head,
+        defrag=jnp.bool_(False),
+    )
+    take = lambda b: b.at[:, :, plan.src, :].get(mode="promise_in_bounds")  # noqa: E731
     return cache.replace(cells=new_cells, k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)))
 
 
@@ -91,13 +104,17 @@ def _time_donated(fn, holder, cells, repeats):
         block(cache)
         t0 = time.perf_counter()
         holder[0] = block(fn(cache))
-        if i:                                          # the first call warms up
+        if i:  # the first call warms up
             samples.append(time.perf_counter() - t0)
     return float(np.median(samples))
 
 
-_OPS = (("defrag", _defrag, ()), ("compact", _compact, ()), ("compact_seq(0)", _compact_seq, (np.int32(0),)),
-        ("full permutation", _full_permutation, ()))
+_OPS = (
+    ("defrag", _defrag, ()),
+    ("compact", _compact, ()),
+    ("compact_seq(0)", _compact_seq, (np.int32(0),)),
+    ("full permutation", _full_permutation, ()),
+)
 
 
 def run(quick: bool) -> str:
@@ -111,15 +128,26 @@ def run(quick: bool) -> str:
     plan_rows, moved = [], {}
     for frag, cells in zip(LEVELS, levels):
         meta = kvjax.abstract(cfg).replace(cells=cells)
-        plans = {"defrag": kvjax.defrag_plan(meta), "compact": _defrag_mod.compact_plan(meta),
-                 "compact_seq(0)": _defrag_mod.compact_seq_plan(meta, 0)}
+        plans = {
+            "defrag": kvjax.defrag_plan(meta),
+            "compact": _defrag_mod.compact_plan(meta),
+            "compact_seq(0)": _defrag_mod.compact_seq_plan(meta, 0),
+        }
         moved[frag] = {name: int(p.n_cells) for name, p in plans.items()}
-        moved[frag]["full permutation"] = cfg.size              # every row read and written
+        moved[frag]["full permutation"] = cfg.size  # every row read and written
         t_plan = median_time(lambda: kvjax.defrag_plan(meta), repeats=repeats)
         t_cplan = median_time(lambda: _defrag_mod.compact_plan(meta), repeats=repeats)
-        plan_rows.append([f"{frag:.0%} ({float(kvjax.fragmentation(meta)):.3f})", int(kvjax.used_cells(meta)),
-                          moved[frag]["defrag"], int(plans["defrag"].n_moves), fmt_time(t_plan),
-                          moved[frag]["compact"], fmt_time(t_cplan)])
+        plan_rows.append(
+            [
+                f"{frag:.0%} ({float(kvjax.fragmentation(meta)):.3f})",
+                int(kvjax.used_cells(meta)),
+                moved[frag]["defrag"],
+                int(plans["defrag"].n_moves),
+                fmt_time(t_plan),
+                moved[frag]["compact"],
+                fmt_time(t_cplan),
+            ]
+        )
     meta = kvjax.abstract(cfg).replace(cells=levels[0])
     compiles = [(name, compile_time(fn, meta, *args)) for name, fn, args in _OPS]
     compiles.append(("defrag plan", compile_time(jax.jit(kvjax.defrag_plan), meta)))
@@ -139,45 +167,85 @@ def run(quick: bool) -> str:
             n_bytes = moved[frag][name] * row
             t_defrag = t if name == "defrag" else t_defrag
             rate = n_bytes / t
-            move_rows.append([f"{frag:.0%}", name, moved[frag][name], f"{n_bytes / 2**20:.0f} MiB",
-                              fmt_time(t),
-                              fmt_rate(rate), fmt_rate(inplace[n_bytes]), f"{rate / inplace[n_bytes]:.2f}",
-                              fmt_rate(copy[n_bytes]), f"{rate / copy[n_bytes]:.2f}",
-                              f"{t / t_defrag:.1f}x" if name == "full permutation" else ""])
+            move_rows.append(
+                [
+                    f"{frag:.0%}",
+                    name,
+                    moved[frag][name],
+                    f"{n_bytes / 2**20:.0f} MiB",
+                    fmt_time(t),
+                    fmt_rate(rate),
+                    fmt_rate(inplace[n_bytes]),
+                    f"{rate / inplace[n_bytes]:.2f}",
+                    fmt_rate(copy[n_bytes]),
+                    f"{rate / copy[n_bytes]:.2f}",
+                    f"{t / t_defrag:.1f}x" if name == "full permutation" else "",
+                ]
+            )
     # apply_pending: the lax.cond must not copy the cache when no defrag is pending.
     half = levels[LEVELS.index(0.5)]
     t_idle = _time_donated(run_pending, holder, half, repeats)
     t_busy = _time_donated(run_pending, holder, half.replace(defrag=jnp.bool_(True)), repeats)
     t_floor = dispatch_floor(repeats=repeats)
     del holder
-    pending_rows = [["not pending", fmt_time(t_idle), f"{t_idle / t_floor:.0f}x"],
-                    ["pending (50% fragmentation)", fmt_time(t_busy), f"{t_busy / t_floor:.0f}x"]]
+    pending_rows = [
+        ["not pending", fmt_time(t_idle), f"{t_idle / t_floor:.0f}x"],
+        ["pending (50% fragmentation)", fmt_time(t_busy), f"{t_busy / t_floor:.0f}x"],
+    ]
 
-    size_txt = (f"{cfg.size} cells, {cfg.n_layer} layers, {cfg.n_kv_heads[0]} kv heads, head size "
-                f"{cfg.head_dim[0]}, float32: K+V {kvjax.total_size(cfg) / 2**30:.2f} GiB, "
-                f"{row} bytes per cell")
-    return "\n\n".join([
-        "## Defragmentation and compaction (kvjax.defrag)",
-        f"Cache: {size_txt}. Used cells scattered uniformly, the last cell used; fragmentation by the "
-        "seed's measure (in parentheses as measured). Every timed call is one jitted program with "
-        f"the cache donated (in place); moved rows are copied in chunks of {_defrag_mod.CHUNK} cells. "
-        "Rates are bytes of the moved rows per second, against two copies of the same bytes measured "
-        "in the same run: \"in place\" a donated `x + 1` (the yardstick of an in-place op) and "
-        "\"copy\" `common.copy_bandwidth` (into a fresh buffer, page faults included). \"full perm.\" "
-        "applies the defrag plan by gathering every row of every buffer (the alternative to a list of "
-        "moved rows), timed relative to the defrag.",
-        "Planning alone (metadata only, jitted):",
-        table(["fragmentation", "used", "defrag cells", "defrag moves", "defrag plan", "compact cells",
-               "compact plan"], plan_rows),
-        "Moving K/V:",
-        table(["fragmentation", "op", "rows moved", "bytes", "time", "moved bytes/s", "in place",
-               "vs in place", "copy", "vs copy", "full perm. / defrag"], move_rows),
-        "`apply_pending` (donated, jitted; what `kvjax.update` runs after the K-shift), against the "
-        "dispatch floor of an empty jitted call:",
-        table(["defrag flag", "time", "vs floor"], pending_rows),
-        "Compile time (separate from the run times above):",
-        table(["program", "compile"], [[n, fmt_time(t)] for n, t in compiles]),
-    ])
+    size_txt = (
+        f"{cfg.size} cells, {cfg.n_layer} layers, {cfg.n_kv_heads[0]} kv heads, head size "
+        f"{cfg.head_dim[0]}, float32: K+V {kvjax.total_size(cfg) / 2**30:.2f} GiB, "
+        f"{row} bytes per cell"
+    )
+    return "\n\n".join(
+        [
+            "## Defragmentation and compaction (kvjax.defrag)",
+            f"Cache: {size_txt}. Used cells scattered uniformly, the last cell used; fragmentation by the "
+            "seed's measure (in parentheses as measured). Every timed call is one jitted program with "
+            f"the cache donated (in place); moved rows are copied in chunks of {_defrag_mod.CHUNK} cells. "
+            "Rates are bytes of the moved rows per second, against two copies of the same bytes measured "
+            "in the same run: \"in place\" a donated `x + 1` (the yardstick of an in-place op) and "
+            "\"copy\" `common.copy_bandwidth` (into a fresh buffer, page faults included). \"full perm.\" "
+            "applies the defrag plan by gathering every row of every buffer (the alternative to a list of "
+            "moved rows), timed relative to the defrag.",
+            "Planning alone (metadata only, jitted):",
+            table(
+                [
+                    "fragmentation",
+                    "used",
+                    "defrag cells",
+                    "defrag moves",
+                    "defrag plan",
+                    "compact cells",
+                    "compact plan",
+                ],
+                plan_rows,
+            ),
+            "Moving K/V:",
+            table(
+                [
+                    "fragmentation",
+                    "op",
+                    "rows moved",
+                    "bytes",
+                    "time",
+                    "moved bytes/s",
+                    "in place",
+                    "vs in place",
+                    "copy",
+                    "vs copy",
+                    "full perm. / defrag",
+                ],
+                move_rows,
+            ),
+            "`apply_pending` (donated, jitted; what `kvjax.update` runs after the K-shift), against the "
+            "dispatch floor of an empty jitted call:",
+            table(["defrag flag", "time", "vs floor"], pending_rows),
+            "Compile time (separate from the run times above):",
+            table(["program", "compile"], [[n, fmt_time(t)] for n, t in compiles]),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ from benchmarks.common import table
 
 #: What the demo prints (``kvjax/app/_demo.py``); a run whose output lacks one of them is an error.
 _FINISHED = re.compile(r"demo finished in ([0-9.]+) s")
-_MAIN_GENERATE = re.compile(r"([0-9.]+) tokens/s over \d+ sequences \(compile time apart: ([0-9.]+) s for (\d+) programs")
+_MAIN_GENERATE = re.compile(
+    r"([0-9.]+) tokens/s over \d+ sequences \(compile time apart: ([0-9.]+) s for (\d+) programs"
+)
 
 
 def _env(cache_dir: pathlib.Path) -> Dict[str, str]:
@@ -55,25 +57,36 @@ def _timed(argv: List[str], env: Dict[str, str], *, demo: bool = True) -> Dict[s
     if demo:
         finished, main_call = _FINISHED.search(done.stdout), _MAIN_GENERATE.search(done.stdout)
         if finished is None or main_call is None:
-            raise RuntimeError(f"the demo's report changed; bench_demo reads {_FINISHED.pattern!r} and "
-                               f"{_MAIN_GENERATE.pattern!r}:\n{done.stdout[-3000:]}")
-        result.update(inside=float(finished.group(1)), tokens_per_second=float(main_call.group(1)),
-                      compile=float(main_call.group(2)), programs=float(main_call.group(3)))
+            raise RuntimeError(
+                f"the demo's report changed; bench_demo reads {_FINISHED.pattern!r} and "
+                f"{_MAIN_GENERATE.pattern!r}:\n{done.stdout[-3000:]}"
+            )
+        result.update(
+            inside=float(finished.group(1)),
+            tokens_per_second=float(main_call.group(1)),
+            compile=float(main_call.group(2)),
+            programs=float(main_call.group(3)),
+        )
     return result
 
 
 def run(quick: bool = False) -> str:
     repeats = 1 if quick else 3
     demo = ["-m", "kvjax", "demo"] + (["--quick"] if quick else [])
-    runs: Dict[str, List[Dict[str, float]]] = {"first run (empty cache)": [], "second run (cached)": [],
-                                                "cache off (--no-compile-cache)": [], "import kvjax only": []}
+    runs: Dict[str, List[Dict[str, float]]] = {
+        "first run (empty cache)": [],
+        "second run (cached)": [],
+        "cache off (--no-compile-cache)": [],
+        "import kvjax only": [],
+    }
     for _ in range(repeats):
         with tempfile.TemporaryDirectory(prefix="kvjax-bench-demo-") as tmp:
             env = _env(pathlib.Path(tmp) / "xla")
             runs["first run (empty cache)"].append(_timed(demo, env))
             runs["second run (cached)"].append(_timed(demo, env))
             runs["cache off (--no-compile-cache)"].append(
-                _timed(demo[:2] + ["--no-compile-cache"] + demo[2:], env))   # the flag wins over the env
+                _timed(demo[:2] + ["--no-compile-cache"] + demo[2:], env)
+            )  # the flag wins over the env
             runs["import kvjax only"].append(_timed(["-c", "import kvjax"], env, demo=False))
 
     def med(name, key):
@@ -82,27 +95,35 @@ def run(quick: bool = False) -> str:
     rows = []
     for name, samples in runs.items():
         if "inside" in samples[0]:
-            rows.append([name, f"{med(name, 'wall'):.1f} s", f"{med(name, 'inside'):.1f} s",
-                         f"{med(name, 'compile'):.1f} s ({med(name, 'programs'):.0f} programs)",
-                         f"{med(name, 'tokens_per_second'):.0f}"])
+            rows.append(
+                [
+                    name,
+                    f"{med(name, 'wall'):.1f} s",
+                    f"{med(name, 'inside'):.1f} s",
+                    f"{med(name, 'compile'):.1f} s ({med(name, 'programs'):.0f} programs)",
+                    f"{med(name, 'tokens_per_second'):.0f}",
+                ]
+            )
         else:
             rows.append([name, f"{med(name, 'wall'):.1f} s", "", "", ""])
     first, second = med("first run (empty cache)", "wall"), med("second run (cached)", "wall")
     command = "python -m kvjax demo" + (" --quick" if quick else "")
-    return "\n".join([
-        "## The demo's first and second run (persistent compilation cache)",
-        "",
-        f"`{command}` in a fresh process, timed from start to exit; each repeat in a new empty cache folder "
-        f"(`KVJAX_CACHE_DIR`): the first run compiles every program and keeps it, the second reads them back, "
-        f"and `--no-compile-cache` is the control. \"Inside the demo\" is the demo's own `demo finished in`; "
-        f"\"main generate: compile\" is what its shared-prefix `generate` (three prompts) spent tracing, lowering "
-        f"and compiling (or fetching from the cache: tracing and lowering still run), reported apart from its "
-        f"steady tokens/s; the demo's other calls compile too (in the first two columns). "
-        f"Medians of {repeats}, the runs interleaved.",
-        "",
-        table(["run", "process wall time", "inside the demo", "main generate: compile", "steady tokens/s"], rows),
-        "",
-        f"First / second run: **{first / second:.1f}x** ({first:.1f} s against {second:.1f} s); of the second "
-        f"run, {med('import kvjax only', 'wall'):.1f} s is starting Python and importing jax and kvjax.",
-        "",
-    ])
+    return "\n".join(
+        [
+            "## The demo's first and second run (persistent compilation cache)",
+            "",
+            f"`{command}` in a fresh process, timed from start to exit; each repeat in a new empty cache folder "
+            f"(`KVJAX_CACHE_DIR`): the first run compiles every program and keeps it, the second reads them back, "
+            f"and `--no-compile-cache` is the control. \"Inside the demo\" is the demo's own `demo finished in`; "
+            f"\"main generate: compile\" is what its shared-prefix `generate` (three prompts) spent tracing, lowering "
+            f"and compiling (or fetching from the cache: tracing and lowering still run), reported apart from its "
+            f"steady tokens/s; the demo's other calls compile too (in the first two columns). "
+            f"Medians of {repeats}, the runs interleaved.",
+            "",
+            table(["run", "process wall time", "inside the demo", "main generate: compile", "steady tokens/s"], rows),
+            "",
+            f"First / second run: **{first / second:.1f}x** ({first:.1f} s against {second:.1f} s); of the second "
+            f"run, {med('import kvjax only', 'wall'):.1f} s is starting Python and importing jax and kvjax.",
+            "",
+        ]
+    )

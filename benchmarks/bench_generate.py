@@ -38,30 +38,39 @@ def _timed(model, size, n_seq, prompts, repeats, **kwargs):
         t0 = time.perf_counter()
         generate(_engine(model, size, n_seq), prompts, key=jax.random.PRNGKey(0), sampling=GREEDY, **kwargs)
         first = time.perf_counter() - t0
-    runs = [generate(_engine(model, size, n_seq), prompts, key=jax.random.PRNGKey(r + 1), sampling=GREEDY, **kwargs)
-            for r in range(repeats)]
+    runs = [
+        generate(_engine(model, size, n_seq), prompts, key=jax.random.PRNGKey(r + 1), sampling=GREEDY, **kwargs)
+        for r in range(repeats)
+    ]
     return first, compiles.count, runs
 
 
 def _pure_loop(graphdef):
     """The same model's decode as one jitted ``fori_loop`` of greedy steps at one static window:
     placement, the model and argmax on the device, nothing else (no budgets, stops, key, checks)."""
+
     def loop(state, cache, tok, pos, n, *, n_kv):
         def body(i, carry):
             cache, tok = carry
-            ub = Ubatch(pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32), seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None],
-                        valid=jnp.ones(tok.shape, bool))
+            ub = Ubatch(
+                pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32),
+                seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None],
+                valid=jnp.ones(tok.shape, bool),
+            )
             cache, slot, _ = kvjax.find_slot(cache, ub)
-            logits, cache = nnx.merge(graphdef, state)(tok, cache, UbatchInputs(ubatch=ub, placement=slot,
-                                                                                windows=(n_kv,)))
+            logits, cache = nnx.merge(graphdef, state)(
+                tok, cache, UbatchInputs(ubatch=ub, placement=slot, windows=(n_kv,))
+            )
             return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
         return jax.lax.fori_loop(0, n, body, (cache, tok))
+
     return jax.jit(loop, static_argnames="n_kv", donate_argnames="cache")
 
 
 def _against_pure_loop(quick: bool) -> str:
     """Decode tokens/s of ``generate`` (host loop, device loop) and of the pure jitted loop, medians."""
-    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8)   # the llama.cpp bench's
+    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8)  # the llama.cpp bench's
     model = Llama(cfg, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     loop = _pure_loop(graphdef)
@@ -76,8 +85,12 @@ def _against_pure_loop(quick: bool) -> str:
 
         def pure():
             engine = _engine(model, size, batch)
-            rows_ = engine.decode(sum(prompts, []), [p for _ in prompts for p in range(prompt_len)],
-                                  [[s] for s in range(batch) for _ in range(prompt_len)], outputs="last")
+            rows_ = engine.decode(
+                sum(prompts, []),
+                [p for _ in prompts for p in range(prompt_len)],
+                [[s] for s in range(batch) for _ in range(prompt_len)],
+                outputs="last",
+            )
             tok = jnp.argmax(rows_, -1).astype(jnp.int32)
             jax.block_until_ready(tok)
             t0 = time.perf_counter()
@@ -85,9 +98,16 @@ def _against_pure_loop(quick: bool) -> str:
             return time.perf_counter() - t0
 
         def gen(r, device_loop):
-            return generate(_engine(model, size, batch), prompts, max_new_tokens=n_new,
-                            key=jax.random.PRNGKey(r), sampling=GREEDY, share_prefix=False,
-                            device_loop=device_loop, sync_every=n_new)
+            return generate(
+                _engine(model, size, batch),
+                prompts,
+                max_new_tokens=n_new,
+                key=jax.random.PRNGKey(r),
+                sampling=GREEDY,
+                share_prefix=False,
+                device_loop=device_loop,
+                sync_every=n_new,
+            )
 
         compile_s = []
         for first in (pure, lambda: gen(0, False), lambda: gen(0, True)):
@@ -105,17 +125,31 @@ def _against_pure_loop(quick: bool) -> str:
         for tps, seconds in ((statistics.median(host), compile_s[1]), (statistics.median(device), compile_s[2])):
             row += [f"{tps:.0f}", f"{tps / pure_tps:.2f}", f"{seconds:.1f} s"]
         rows.append(row)
-    return "\n\n".join([
-        f"### The engine against the pure jitted loop ({cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} "
-        f"heads, vocab {cfg.vocab_size}, float32; greedy, {prompt_len}-token prompts, {n_new} new tokens each)",
-        f"Decode tokens/s after the first token, medians of {repeats}, the three runs interleaved repeat by "
-        "repeat; compile time (tracing, lowering, compiling) of the first run reported apart. The pure loop "
-        "is one jitted `fori_loop` of placement + model + argmax at one window; the engine's host loop "
-        "dispatches a step per token, its device loop (`device_loop=True`, the default, `sync_every` = "
-        f"{n_new}) a `while_loop` per window bucket. Target (issue 18): engine / pure >= 0.9.",
-        table(["batch", "pure loop tokens/s", "pure compile", "host loop tokens/s", "host / pure",
-               "host compile", "device loop tokens/s", "device / pure", "device compile"], rows),
-    ])
+    return "\n\n".join(
+        [
+            f"### The engine against the pure jitted loop ({cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} "
+            f"heads, vocab {cfg.vocab_size}, float32; greedy, {prompt_len}-token prompts, {n_new} new tokens each)",
+            f"Decode tokens/s after the first token, medians of {repeats}, the three runs interleaved repeat by "
+            "repeat; compile time (tracing, lowering, compiling) of the first run reported apart. The pure loop "
+            "is one jitted `fori_loop` of placement + model + argmax at one window; the engine's host loop "
+            "dispatches a step per token, its device loop (`device_loop=True`, the default, `sync_every` = "
+            f"{n_new}) a `while_loop` per window bucket. Target (issue 18): engine / pure >= 0.9.",
+            table(
+                [
+                    "batch",
+                    "pure loop tokens/s",
+                    "pure compile",
+                    "host loop tokens/s",
+                    "host / pure",
+                    "host compile",
+                    "device loop tokens/s",
+                    "device / pure",
+                    "device compile",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 def run(quick: bool = False) -> str:
@@ -125,16 +159,27 @@ def run(quick: bool = False) -> str:
     n_new = 16 if quick else 64
     repeats = 1 if quick else 3
     rows = []
-    for n_seq in ((1, 4) if quick else (1, 4, 16)):
+    for n_seq in (1, 4) if quick else (1, 4, 16):
         prompts = [rng.integers(1, 97, size=16).tolist() for _ in range(n_seq)]
-        first, n_comp, runs = _timed(model, 2048, max(n_seq, 1), prompts, repeats, max_new_tokens=n_new,
-                                     share_prefix=False)
+        first, n_comp, runs = _timed(
+            model, 2048, max(n_seq, 1), prompts, repeats, max_new_tokens=n_new, share_prefix=False
+        )
         tps = statistics.median(r.tokens_per_second for r in runs)
         ttft = statistics.median(r.time_to_first_token for r in runs)
-        rows.append([n_seq, n_new, f"{tps:.0f}", f"{tps / n_seq:.0f}", fmt_time(ttft),
-                     f"{first:.1f} s ({n_comp} programs)"])
-    gen = table(["sequences", "new tokens each", "tokens/s (all sequences)", "tokens/s per sequence",
-                 "time to first token", "first run incl. compile"], rows)
+        rows.append(
+            [n_seq, n_new, f"{tps:.0f}", f"{tps / n_seq:.0f}", fmt_time(ttft), f"{first:.1f} s ({n_comp} programs)"]
+        )
+    gen = table(
+        [
+            "sequences",
+            "new tokens each",
+            "tokens/s (all sequences)",
+            "tokens/s per sequence",
+            "time to first token",
+            "first run incl. compile",
+        ],
+        rows,
+    )
 
     n_seq, prompt_len, suffix = 8, (64 if quick else 256), 8
     shared = rng.integers(1, 97, size=prompt_len).tolist()
@@ -145,22 +190,32 @@ def run(quick: bool = False) -> str:
         first, n_comp, runs = _timed(model, 4096, n_seq, prompts, repeats, max_new_tokens=2, share_prefix=share)
         ttft = statistics.median(r.time_to_first_token for r in runs)
         results[share] = ttft
-        ttft_rows.append(["with" if share else "without", runs[0].prompt_tokens, fmt_time(ttft),
-                          f"{first:.1f} s ({n_comp} programs)"])
+        ttft_rows.append(
+            [
+                "with" if share else "without",
+                runs[0].prompt_tokens,
+                fmt_time(ttft),
+                f"{first:.1f} s ({n_comp} programs)",
+            ]
+        )
     ttft_rows.append(["ratio without / with", "", f"{results[False] / results[True]:.2f}x", ""])
-    ttft = table(["prefix sharing", "prompt tokens evaluated", "time to first token", "first run incl. compile"],
-                 ttft_rows)
+    ttft = table(
+        ["prefix sharing", "prompt tokens evaluated", "time to first token", "first run incl. compile"], ttft_rows
+    )
     picture = _plot([(r[0], float(r[2])) for r in rows], results)
-    return "\n\n".join([
-        "## Generation (decode driver, end to end)",
-        f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads over {cfg.n_kv_heads} kv heads, "
-        f"vocab {cfg.vocab_size}, float32; greedy sampling; one jitted step per ubatch donating the cache, "
-        "window bucket per ubatch from the dry run. tokens/s counts tokens after the first.",
-        gen,
-        f"### Time to first token: {n_seq} sequences sharing a {prompt_len}-token prompt (+{suffix} own tokens each)",
-        ttft,
-        _against_pure_loop(quick),
-    ] + ([picture] if picture else []))
+    return "\n\n".join(
+        [
+            "## Generation (decode driver, end to end)",
+            f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads over {cfg.n_kv_heads} kv heads, "
+            f"vocab {cfg.vocab_size}, float32; greedy sampling; one jitted step per ubatch donating the cache, "
+            "window bucket per ubatch from the dry run. tokens/s counts tokens after the first.",
+            gen,
+            f"### Time to first token: {n_seq} sequences sharing a {prompt_len}-token prompt (+{suffix} own tokens each)",
+            ttft,
+            _against_pure_loop(quick),
+        ]
+        + ([picture] if picture else [])
+    )
 
 
 def _plot(throughput, ttft) -> str:

@@ -49,8 +49,15 @@ N_PROCESSES = 3
 
 def tiny_llama() -> Llama:
     """The compared model: 4 layers, width 256, 8 heads, vocab 256, float32, random weights."""
-    cfg = LlamaConfig(vocab_size=256, d_model=256, n_layer=4, n_heads=8, n_kv_heads=8, norm_eps=1e-5,
-                      rope=kvjax.RopeConfig(n_rot=32, mode="neox", freq_base=10000.0))
+    cfg = LlamaConfig(
+        vocab_size=256,
+        d_model=256,
+        n_layer=4,
+        n_heads=8,
+        n_kv_heads=8,
+        norm_eps=1e-5,
+        rope=kvjax.RopeConfig(n_rot=32, mode="neox", freq_base=10000.0),
+    )
     model = Llama(cfg, rngs=nnx.Rngs(0))
     # larger weights than the initialiser's, so that the greedy tokens are not one repeated token
     nnx.update(model, jax.tree.map(lambda x: x * 2.0, nnx.state(model, nnx.Param)))
@@ -97,11 +104,11 @@ def _write_gguf(path, model: Llama) -> None:
     w.add_token_list(_byte_tokens())
     w.add_token_types([1] * 256)
     toks = _byte_tokens()
-    w.add_token_merges([f"{toks[1]} {toks[2]}"])   # llama.cpp's BPE vocab needs a merges list (a harmless one)
+    w.add_token_merges([f"{toks[1]} {toks[2]}"])  # llama.cpp's BPE vocab needs a merges list (a harmless one)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
     w.add_add_bos_token(False)
-    f32 = lambda x: np.asarray(x, np.float32)   # noqa: E731
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
     w.add_tensor("token_embd.weight", f32(model.embed.embedding[...]))
     w.add_tensor("output_norm.weight", f32(model.norm.scale[...]))
     w.add_tensor("output.weight", f32(model.lm_head.kernel[...].T))
@@ -128,8 +135,15 @@ class _LlamaCpp(LlamaCppContext):
     def __init__(self, path: str, n_seq: int, n_ctx: int, kv_dtype: str = "float16", unified: bool = True):
         # unified True: one K/V buffer for every sequence (kvjax's unified cache); False: one
         # stream per sequence (llama.cpp's default for several sequences; kvjax's StreamCache)
-        super().__init__(path, n_ctx=n_ctx, n_seq=n_seq, kv_type=kv_dtype, kv_unified=unified,
-                         n_batch=max(512, n_seq * 64), n_threads=N_THREADS)
+        super().__init__(
+            path,
+            n_ctx=n_ctx,
+            n_seq=n_seq,
+            kv_type=kv_dtype,
+            kv_unified=unified,
+            n_batch=max(512, n_seq * 64),
+            n_threads=N_THREADS,
+        )
 
     def decode(self, tokens, pos, seqs) -> np.ndarray:
         """One ``llama_decode`` of rows ``(token, pos, seq)``; the greedy token of every row."""
@@ -178,30 +192,53 @@ def _measure(quick: bool) -> list:
             for kv_dtype, unified in LAYOUTS:
                 if batch == 1 and not unified:
                     continue  # one sequence: a stream is the unified cache
-                config = model.config.cache_config(size=size if unified else size // batch, n_seq_max=batch,
-                                                   padding=32, k_dtype=kv_dtype, v_dtype=kv_dtype)
+                config = model.config.cache_config(
+                    size=size if unified else size // batch,
+                    n_seq_max=batch,
+                    padding=32,
+                    k_dtype=kv_dtype,
+                    v_dtype=kv_dtype,
+                )
                 if not unified:
                     config = kvjax.StreamsConfig(config, n_stream=batch)
 
                 def gen(r):
                     engine = Engine(model, kvjax.init(config), n_ubatch=max(64, batch))
-                    return generate(engine, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(r),
-                                    sampling=GREEDY, share_prefix=False, sync_every=n_new)
+                    return generate(
+                        engine,
+                        prompts,
+                        max_new_tokens=n_new,
+                        key=jax.random.PRNGKey(r),
+                        sampling=GREEDY,
+                        share_prefix=False,
+                        sync_every=n_new,
+                    )
 
                 cpp = _LlamaCpp(path, batch, size, kv_dtype, unified)
-                cpp_out, _ = cpp.generate(prompts, n_new)          # warm-up
-                first = gen(0)                                     # compiles
+                cpp_out, _ = cpp.generate(prompts, n_new)  # warm-up
+                first = gen(0)  # compiles
                 # interleaved, so that the load of this shared machine falls on both alike
                 cpp_runs, kv_runs = [], []
                 for r in range(repeats):
                     cpp_runs.append(batch * (n_new - 1) / cpp.generate(prompts, n_new)[1])
                     kv_runs.append(gen(r + 1).steady_tokens_per_second)
                 cpp.close()
-                same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
-                        for x, y in zip(first.tokens, cpp_out)]
-                rows.append(dict(batch=batch, kv_dtype=kv_dtype, unified=unified,
-                                 cpp=statistics.median(cpp_runs), kvjax=statistics.median(kv_runs),
-                                 compile=first.compile_seconds, same_min=min(same), same_median=int(np.median(same))))
+                same = [
+                    next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n_new)
+                    for x, y in zip(first.tokens, cpp_out)
+                ]
+                rows.append(
+                    dict(
+                        batch=batch,
+                        kv_dtype=kv_dtype,
+                        unified=unified,
+                        cpp=statistics.median(cpp_runs),
+                        kvjax=statistics.median(kv_runs),
+                        compile=first.compile_seconds,
+                        same_min=min(same),
+                        same_median=int(np.median(same)),
+                    )
+                )
     return rows
 
 
@@ -211,8 +248,13 @@ def _in_fresh_processes(quick: bool, n: int) -> list:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     runs = []
     for _ in tqdm(range(n), desc="llama.cpp comparison", unit="process"):
-        done = subprocess.run([sys.executable, "-m", "benchmarks.bench_llamacpp", "--rows"] + (["--quick"] * quick),
-                              cwd=root, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_llamacpp", "--rows"] + (["--quick"] * quick),
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             raise RuntimeError(f"the comparison process failed:\n{done.stderr[-4000:]}")
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -235,31 +277,57 @@ def run(quick: bool = False) -> str:
         mine = [run_[i] for run_ in runs]
         ratios = [r["kvjax"] / r["cpp"] for r in mine]
         layout = "unified" if first["unified"] else "a stream per sequence"
-        rows.append([first["batch"], first["kv_dtype"], layout, f"{statistics.median(r['cpp'] for r in mine):.0f}",
-                     f"{statistics.median(r['kvjax'] for r in mine):.0f}", f"{statistics.median(ratios):.2f}",
-                     " / ".join(f"{x:.2f}" for x in ratios), f"{first['compile']:.1f} s"])
-        agree.append(f"batch {first['batch']} ({first['kv_dtype']}, {layout}): equal for the first "
-                     f"{first['same_min']} (median {first['same_median']})")
-    return "\n\n".join([
-        head,
-        f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, float32 "
-        f"weights, written as GGUF and loaded by both. {prompt_len}-token prompts, {n_new} greedy tokens per "
-        f"sequence; llama.cpp: `llama-cpp-python` {llama_cpp.__version__}, {N_THREADS} threads, one `llama_decode` "
-        "of a B-row `llama_batch` per step, argmax on the host; kvjax: `kvjax.generate` (device loop, "
-        f"`sync_every={n_new}`) of the model with fused projections (`kvjax.nn.fuse_projections`), steady "
-        f"tokens/s (compile time apart). In {n_proc} fresh processes one after another (on this shared machine "
-        "a process runs at its own speed for its whole life, up to a third apart from the next one, so "
-        f"repeats inside one process do not average that out); in each, medians of {repeats} with the two sides "
-        "interleaved; the table gives the medians over the processes and each process's ratio. Both sides "
-        "store K/V in the same dtype (llama.cpp's default is float16: `type_k`/`type_v`) and the same layout: "
-        "unified is one K/V buffer for every sequence (`kv_unified=true` / `kvjax.CacheConfig`), a stream per "
-        "sequence is llama.cpp's default for several sequences (`kv_unified=false`) / `kvjax.StreamsConfig`.",
-        table(["batch", "K/V dtype", "K/V layout", "llama.cpp tokens/s", "kvjax tokens/s", "kvjax / llama.cpp",
-               "per process", "kvjax compile (first run)"], rows),
-        "Greedy tokens of kvjax and llama.cpp per sequence (of " + str(n_new) + ", first process): "
-        + "; ".join(agree)
-        + ". Float sums in another order flip near ties of this random model, after which the sequences differ.",
-    ])
+        rows.append(
+            [
+                first["batch"],
+                first["kv_dtype"],
+                layout,
+                f"{statistics.median(r['cpp'] for r in mine):.0f}",
+                f"{statistics.median(r['kvjax'] for r in mine):.0f}",
+                f"{statistics.median(ratios):.2f}",
+                " / ".join(f"{x:.2f}" for x in ratios),
+                f"{first['compile']:.1f} s",
+            ]
+        )
+        agree.append(
+            f"batch {first['batch']} ({first['kv_dtype']}, {layout}): equal for the first "
+            f"{first['same_min']} (median {first['same_median']})"
+        )
+    return "\n\n".join(
+        [
+            head,
+            f"Model: {cfg.n_layer} layers, width {cfg.d_model}, {cfg.n_heads} heads, vocab {cfg.vocab_size}, float32 "
+            f"weights, written as GGUF and loaded by both. {prompt_len}-token prompts, {n_new} greedy tokens per "
+            f"sequence; llama.cpp: `llama-cpp-python` {llama_cpp.__version__}, {N_THREADS} threads, one `llama_decode` "
+            "of a B-row `llama_batch` per step, argmax on the host; kvjax: `kvjax.generate` (device loop, "
+            f"`sync_every={n_new}`) of the model with fused projections (`kvjax.nn.fuse_projections`), steady "
+            f"tokens/s (compile time apart). In {n_proc} fresh processes one after another (on this shared machine "
+            "a process runs at its own speed for its whole life, up to a third apart from the next one, so "
+            f"repeats inside one process do not average that out); in each, medians of {repeats} with the two sides "
+            "interleaved; the table gives the medians over the processes and each process's ratio. Both sides "
+            "store K/V in the same dtype (llama.cpp's default is float16: `type_k`/`type_v`) and the same layout: "
+            "unified is one K/V buffer for every sequence (`kv_unified=true` / `kvjax.CacheConfig`), a stream per "
+            "sequence is llama.cpp's default for several sequences (`kv_unified=false`) / `kvjax.StreamsConfig`.",
+            table(
+                [
+                    "batch",
+                    "K/V dtype",
+                    "K/V layout",
+                    "llama.cpp tokens/s",
+                    "kvjax tokens/s",
+                    "kvjax / llama.cpp",
+                    "per process",
+                    "kvjax compile (first run)",
+                ],
+                rows,
+            ),
+            "Greedy tokens of kvjax and llama.cpp per sequence (of "
+            + str(n_new)
+            + ", first process): "
+            + "; ".join(agree)
+            + ". Float sums in another order flip near ties of this random model, after which the sequences differ.",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -112,8 +112,8 @@ def write_random_checkpoint(folder: pathlib.Path, quick: bool, shard_bytes: int 
         current, size = {}, 0
 
     for var, key, fn in llama_plan(abstract):
-        shape = tuple(var.shape)[::-1] if fn is not None else tuple(var.shape)   # stored [out, in]
-        if key.endswith("norm.weight"):   # RMSNorm scales near 1, projections small (a sane forward pass)
+        shape = tuple(var.shape)[::-1] if fn is not None else tuple(var.shape)  # stored [out, in]
+        if key.endswith("norm.weight"):  # RMSNorm scales near 1, projections small (a sane forward pass)
             arr = (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16)
         else:
             arr = (0.02 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16)
@@ -124,13 +124,26 @@ def write_random_checkpoint(folder: pathlib.Path, quick: bool, shard_bytes: int 
             flush()
     if current:
         flush()
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                     "weight_map": index}))
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=sizes["vocab_size"],
-                  hidden_size=sizes["d_model"], intermediate_size=sizes["d_ff"], num_hidden_layers=sizes["n_layer"],
-                  num_attention_heads=sizes["n_heads"], num_key_value_heads=sizes["n_kv_heads"], head_dim=head,
-                  rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, max_position_embeddings=4096,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, torch_dtype="bfloat16")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index})
+    )
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["d_model"],
+        intermediate_size=sizes["d_ff"],
+        num_hidden_layers=sizes["n_layer"],
+        num_attention_heads=sizes["n_heads"],
+        num_key_value_heads=sizes["n_kv_heads"],
+        head_dim=head,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        torch_dtype="bfloat16",
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return total
 
@@ -138,8 +151,13 @@ def write_random_checkpoint(folder: pathlib.Path, quick: bool, shard_bytes: int 
 def _load_in_child(folder, dtype, n_prompt, n_new) -> dict:
     root = pathlib.Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(folder), dtype, str(n_prompt), str(n_new)],
-                          capture_output=True, text=True, env=env, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(folder), dtype, str(n_prompt), str(n_new)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"loading in a child process failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -154,24 +172,48 @@ def run(quick: bool = False) -> str:
         rows = []
         for dtype in ("float32", "bfloat16"):
             r = _load_in_child(folder, dtype, n_prompt, n_new)
-            rows.append([dtype, fmt_time(r["load"]), f"{stored / 2**20 / r['load']:.0f} MB/s",
-                         f"{r['model_mb']:.0f} MB", f"{r['peak_mb']:.0f} MB", f"{r['anon_peak_mb']:.0f} MB",
-                         f"{r['anon_peak_mb'] / r['model_mb']:.2f}", f"{r['prompt_tps']:.0f}",
-                         f"{r['decode_tps']:.1f}", f"{r['compile']:.1f} s ({r['warm_compiles']} in the timed run)"])
+            rows.append(
+                [
+                    dtype,
+                    fmt_time(r["load"]),
+                    f"{stored / 2**20 / r['load']:.0f} MB/s",
+                    f"{r['model_mb']:.0f} MB",
+                    f"{r['peak_mb']:.0f} MB",
+                    f"{r['anon_peak_mb']:.0f} MB",
+                    f"{r['anon_peak_mb'] / r['model_mb']:.2f}",
+                    f"{r['prompt_tps']:.0f}",
+                    f"{r['decode_tps']:.1f}",
+                    f"{r['compile']:.1f} s ({r['warm_compiles']} in the timed run)",
+                ]
+            )
     s = _sizes(quick)
-    return "\n".join([
-        "## Loading a checkpoint folder (from_pretrained)",
-        "",
-        f"A random Llama ({s['n_layer']} layers, width {s['d_model']}, vocabulary {s['vocab_size']}) stored as "
-        f"{stored / 2**20:.0f} MB of bfloat16 safetensors in {n_files} shards with an index file, loaded in a fresh "
-        f"process. Peak resident is the process's high-water mark above its size after importing jax and kvjax "
-        f"(it includes file pages mapped while a tensor is read); peak anonymous is sampled every 2 ms (the "
-        f"memory the load allocates), and its ratio compares it with the model made. Then a {n_prompt}-token "
-        f"prompt and {n_new} greedy tokens through kvjax.generate (one sequence, float32 K/V): timed on a second "
-        f"run after a first one compiled every program.",
-        "",
-        table(["dtype", "load", "read rate (stored bytes)", "model", "peak resident added",
-               "peak anonymous added", "anonymous peak / model", "prompt tokens/s", "generated tokens/s",
-               "compile (first run)"], rows),
-        "",
-    ])
+    return "\n".join(
+        [
+            "## Loading a checkpoint folder (from_pretrained)",
+            "",
+            f"A random Llama ({s['n_layer']} layers, width {s['d_model']}, vocabulary {s['vocab_size']}) stored as "
+            f"{stored / 2**20:.0f} MB of bfloat16 safetensors in {n_files} shards with an index file, loaded in a fresh "
+            f"process. Peak resident is the process's high-water mark above its size after importing jax and kvjax "
+            f"(it includes file pages mapped while a tensor is read); peak anonymous is sampled every 2 ms (the "
+            f"memory the load allocates), and its ratio compares it with the model made. Then a {n_prompt}-token "
+            f"prompt and {n_new} greedy tokens through kvjax.generate (one sequence, float32 K/V): timed on a second "
+            f"run after a first one compiled every program.",
+            "",
+            table(
+                [
+                    "dtype",
+                    "load",
+                    "read rate (stored bytes)",
+                    "model",
+                    "peak resident added",
+                    "peak anonymous added",
+                    "anonymous peak / model",
+                    "prompt tokens/s",
+                    "generated tokens/s",
+                    "compile (first run)",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    )

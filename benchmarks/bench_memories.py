@@ -24,15 +24,25 @@ from kvjax.nn import Llama, LlamaConfig
 def _bytes_rows():
     rows = []
     for size in (8192, 32768):
-        base = kvjax.CacheConfig(size=size, n_seq_max=1, n_layer=26, n_kv_heads=4, head_dim=256,
-                                 k_dtype="float16", v_dtype="float16", padding=256)
+        base = kvjax.CacheConfig(
+            size=size,
+            n_seq_max=1,
+            n_layer=26,
+            n_kv_heads=4,
+            head_dim=256,
+            k_dtype="float16",
+            v_dtype="float16",
+            padding=256,
+        )
         iswa = kvjax.IswaConfig(base, swa_layers=tuple(range(0, 26, 2)), n_swa=4096, n_batch=2048)
         full = kvjax.total_size(base)
         pair = kvjax.total_size(iswa.base_config) + kvjax.total_size(iswa.swa_config)
-        assert pair == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(kvjax.abstract(iswa))
-                           if x.dtype == np.float16)
-        rows.append([f"{size}", f"{full / 2**20:.0f} MiB", f"{pair / 2**20:.0f} MiB",
-                     f"{iswa.size_swa}", f"{pair / full:.2f}"])
+        assert pair == sum(
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(kvjax.abstract(iswa)) if x.dtype == np.float16
+        )
+        rows.append(
+            [f"{size}", f"{full / 2**20:.0f} MiB", f"{pair / 2**20:.0f} MiB", f"{iswa.size_swa}", f"{pair / full:.2f}"]
+        )
     return rows
 
 
@@ -52,26 +62,31 @@ def run(quick: bool) -> str:
     model = Llama(cfg, rngs=nnx.Rngs(0))
     base = cfg.cache_config(size=size, n_seq_max=1, padding=128)
     rounds = {}
-    for name, memory in (("iSWA pair", kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa,
-                                                                      n_batch=512))),
-                         ("one full-size cache", kvjax.init(base))):
+    for name, memory in (
+        ("iSWA pair", kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, n_batch=512))),
+        ("one full-size cache", kvjax.init(base)),
+    ):
         engine = Engine(model, memory, n_ubatch=512)
         _prefill(engine, context)
         rounds[name] = greedy_decode_rounds(engine, 1, context, steps)
     rates = {name: 1.0 / t for name, t in interleaved_medians(rounds, repeats).items()}
-    decode_rows = [[name, f"{size}", f"{context}", f"{rate:.0f}", f"{rate / rates['one full-size cache']:.2f}"]
-                   for name, rate in rates.items()]
-    return "\n".join([
-        "## Memories: the iSWA pair against one full-size cache",
-        "",
-        "K/V bytes, Gemma-2-2B-like pattern (26 layers, every other one with a 4096-token window, 4 kv heads "
-        "of size 256, float16, n_batch 2048), from the configs:",
-        "",
-        table(["cells", "one full-size cache", "iSWA pair", "window cache cells", "ratio"], _bytes_rows()),
-        "",
-        f"Decode, batch 1, a 4-layer width-128 model with window layers 0 and 2 (n_swa {cfg.n_swa}), through "
-        f"kvjax.Engine after a {context}-token prompt; median of {repeats} rounds of {steps} tokens, the two "
-        f"memories' rounds interleaved, compile excluded:",
-        "",
-        table(["memory", "cells", "context", "tokens/s", "vs full-size"], decode_rows),
-    ])
+    decode_rows = [
+        [name, f"{size}", f"{context}", f"{rate:.0f}", f"{rate / rates['one full-size cache']:.2f}"]
+        for name, rate in rates.items()
+    ]
+    return "\n".join(
+        [
+            "## Memories: the iSWA pair against one full-size cache",
+            "",
+            "K/V bytes, Gemma-2-2B-like pattern (26 layers, every other one with a 4096-token window, 4 kv heads "
+            "of size 256, float16, n_batch 2048), from the configs:",
+            "",
+            table(["cells", "one full-size cache", "iSWA pair", "window cache cells", "ratio"], _bytes_rows()),
+            "",
+            f"Decode, batch 1, a 4-layer width-128 model with window layers 0 and 2 (n_swa {cfg.n_swa}), through "
+            f"kvjax.Engine after a {context}-token prompt; median of {repeats} rounds of {steps} tokens, the two "
+            f"memories' rounds interleaved, compile excluded:",
+            "",
+            table(["memory", "cells", "context", "tokens/s", "vs full-size"], decode_rows),
+        ]
+    )

@@ -64,8 +64,7 @@ class Dims:
 
 
 FULL = Dims()
-QUICK = Dims(n_layer=1, width=64, n_head=4, vocab=128, d_ff=176, length=128, prompt=8, n_gen=24, prefill=64,
-             repeats=1)
+QUICK = Dims(n_layer=1, width=64, n_head=4, vocab=128, d_ff=176, length=128, prompt=8, n_gen=24, prefill=64, repeats=1)
 
 
 # -- the Flax peer --------------------------------------------------------------------------------
@@ -74,8 +73,9 @@ QUICK = Dims(n_layer=1, width=64, n_head=4, vocab=128, d_ff=176, length=128, pro
 class _FlaxBlock(nnx.Module):
     def __init__(self, d: Dims, rngs):
         self.attn_norm = nnx.RMSNorm(d.width, epsilon=1e-5, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=d.n_head, in_features=d.width, qkv_features=d.width,
-                                           use_bias=False, decode=False, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=d.n_head, in_features=d.width, qkv_features=d.width, use_bias=False, decode=False, rngs=rngs
+        )
         self.mlp_norm = nnx.RMSNorm(d.width, epsilon=1e-5, rngs=rngs)
         self.gate = nnx.Linear(d.width, d.d_ff, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(d.width, d.d_ff, use_bias=False, rngs=rngs)
@@ -126,6 +126,7 @@ def _flax_fns(peer: FlaxPeer):
             logits, cache = logits_of(params, cache, tok)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
             return cache, tok, out.at[i].set(tok)
+
         out = jnp.zeros((n, tok.shape[0]), jnp.int32)
         cache, tok, out = jax.lax.fori_loop(0, n, body, (cache, tok, out))
         return cache, tok, out
@@ -141,14 +142,18 @@ def _flax_fns(peer: FlaxPeer):
 
 
 def _kv_config(d: Dims) -> LlamaConfig:
-    return LlamaConfig(vocab_size=d.vocab, d_model=d.width, n_layer=d.n_layer, n_heads=d.n_head,
-                       n_kv_heads=d.n_head, d_ff=d.d_ff)
+    return LlamaConfig(
+        vocab_size=d.vocab, d_model=d.width, n_layer=d.n_layer, n_heads=d.n_head, n_kv_heads=d.n_head, d_ff=d.d_ff
+    )
 
 
 def _decode_ubatch(pos, batch):
     """A device-built ubatch of one token per sequence 0..B-1, all at position ``pos``."""
-    return Ubatch(pos=jnp.broadcast_to(pos, (batch,)).astype(jnp.int32),
-                  seq_ids=jnp.arange(batch, dtype=jnp.int32)[:, None], valid=jnp.ones((batch,), bool))
+    return Ubatch(
+        pos=jnp.broadcast_to(pos, (batch,)).astype(jnp.int32),
+        seq_ids=jnp.arange(batch, dtype=jnp.int32)[:, None],
+        valid=jnp.ones((batch,), bool),
+    )
 
 
 def _kv_loop_fn(graphdef):
@@ -157,11 +162,11 @@ def _kv_loop_fn(graphdef):
     The sequences decode together: in one unified cache (the ubatch holds one token of each)
     or, with ``per_seq=True``, one single-sequence cache each (``jax.vmap`` of the 1-token step).
     """
+
     def one(state, cache, tok, pos, n_kv):
         ub = _decode_ubatch(pos, tok.shape[0])
         cache, slot, _ = kvjax.find_slot(cache, ub)
-        logits, cache = nnx.merge(graphdef, state)(tok, cache, UbatchInputs(ubatch=ub, placement=slot,
-                                                                            windows=(n_kv,)))
+        logits, cache = nnx.merge(graphdef, state)(tok, cache, UbatchInputs(ubatch=ub, placement=slot, windows=(n_kv,)))
         return jnp.argmax(logits, -1).astype(jnp.int32), cache
 
     def loop(state, cache, tok, pos, start, stop, out, *, n_kv, per_seq):
@@ -173,6 +178,7 @@ def _kv_loop_fn(graphdef):
             cache, tok, out = carry
             tok, cache = step(state, cache, tok, pos + i, n_kv)
             return cache, tok, out.at[i].set(tok.reshape(-1))
+
         cache, tok, out = jax.lax.fori_loop(start, stop, body, (cache, tok, out))
         return cache, tok, out
 
@@ -237,8 +243,7 @@ def _kv_decode_loop(loop, state, cache, tok, d: Dims, per_seq: bool = False):
     out = jnp.zeros((d.n_gen, n_seq), jnp.int32)
     tok = jnp.asarray(tok)[:, None] if per_seq else jnp.asarray(tok)
     for first, stop, n_kv in _segments(start, per_step, d.n_gen, cfg.size, cfg.padding):
-        cache, tok, out = loop(state, cache, tok, jnp.int32(d.prompt), first, stop, out, n_kv=n_kv,
-                               per_seq=per_seq)
+        cache, tok, out = loop(state, cache, tok, jnp.int32(d.prompt), first, stop, out, n_kv=n_kv, per_seq=per_seq)
     return out
 
 
@@ -272,8 +277,16 @@ def run(quick: bool) -> str:
     one_cfg = cfg.cache_config(size=d.length, n_seq_max=1)
     cache1 = kvjax.init(one_cfg)
     buffers1, rest1 = cache1.split()
-    c_kv = compile_time(kv_step._jitted, state, rest1, buffers1, kvjax.make_ubatch([0], [[0]]),
-                        np.zeros(1, np.int32), None, windows=(one_cfg.padding,))
+    c_kv = compile_time(
+        kv_step._jitted,
+        state,
+        rest1,
+        buffers1,
+        kvjax.make_ubatch([0], [[0]]),
+        np.zeros(1, np.int32),
+        None,
+        windows=(one_cfg.padding,),
+    )
     peer.init_cache(1, d.length)
     params, fcache, f_step, _, _ = _flax_fns(peer)
     c_fx = compile_time(f_step, params, fcache, np.zeros(1, np.int32))
@@ -288,36 +301,67 @@ def run(quick: bool) -> str:
         for t in range(d.prompt):  # Flax's cache takes the prompt one token per call (not timed)
             _, fcache = f_step(params, fcache, prompt_toks[t])
         t = {
-            "kv_py": _timed(lambda: (_copy(base), tok0),
-                            lambda c, x: _kv_decode_python(kv_step, state, c, x, d), d.repeats),
-            "fx_py": _timed(lambda: (_copy(fcache), tok0),
-                            lambda c, x: _flax_decode_python(f_step, params, c, x, d), d.repeats),
-            "kv_loop": _timed(lambda: (_copy(base), tok0),
-                              lambda c, x: _kv_decode_loop(kv_loop, state, c, x, d), d.repeats),
-            "fx_loop": _timed(lambda: (_copy(fcache), jnp.asarray(tok0)),
-                              lambda c, x: f_loop(params, c, x, d.n_gen), d.repeats),
+            "kv_py": _timed(
+                lambda: (_copy(base), tok0), lambda c, x: _kv_decode_python(kv_step, state, c, x, d), d.repeats
+            ),
+            "fx_py": _timed(
+                lambda: (_copy(fcache), tok0), lambda c, x: _flax_decode_python(f_step, params, c, x, d), d.repeats
+            ),
+            "kv_loop": _timed(
+                lambda: (_copy(base), tok0), lambda c, x: _kv_decode_loop(kv_loop, state, c, x, d), d.repeats
+            ),
+            "fx_loop": _timed(
+                lambda: (_copy(fcache), jnp.asarray(tok0)), lambda c, x: f_loop(params, c, x, d.n_gen), d.repeats
+            ),
         }
         tokens = batch * d.n_gen
-        for mode, kv, fx in (("jitted step per token, Python loop", "kv_py", "fx_py"),
-                             ("one jitted loop over the tokens", "kv_loop", "fx_loop")):
-            rows.append([f"decode B={batch}", mode, f"{tokens / t[kv]:.0f}", f"{tokens / t[fx]:.0f}",
-                         f"**{t[fx] / t[kv]:.2f}**"])
+        for mode, kv, fx in (
+            ("jitted step per token, Python loop", "kv_py", "fx_py"),
+            ("one jitted loop over the tokens", "kv_loop", "fx_loop"),
+        ):
+            rows.append(
+                [
+                    f"decode B={batch}",
+                    mode,
+                    f"{tokens / t[kv]:.0f}",
+                    f"{tokens / t[fx]:.0f}",
+                    f"**{t[fx] / t[kv]:.2f}**",
+                ]
+            )
         plan = _segments(batch * d.prompt, batch, d.n_gen, batch * d.length, base.config.padding)
         mean_window = sum((b - a) * w for a, b, w in plan) / d.n_gen
-        window_rows.append([f"B={batch} unified", f"{batch * (d.prompt + d.n_gen / 2):.0f}", f"{mean_window:.0f}",
-                            f"{d.length}", f"{tokens / t['kv_loop']:.0f}", ""])
+        window_rows.append(
+            [
+                f"B={batch} unified",
+                f"{batch * (d.prompt + d.n_gen / 2):.0f}",
+                f"{mean_window:.0f}",
+                f"{d.length}",
+                f"{tokens / t['kv_loop']:.0f}",
+                "",
+            ]
+        )
         if batch > 1:
             # the remedy: one single-sequence cache per sequence (newer llama.cpp: one stream each)
             one_cfg = cfg.cache_config(size=d.length, n_seq_max=1)
             single = _prefilled(kv_step, state, cfg, d, 1, d.length)
             stacked = jax.tree.map(lambda x: jnp.stack([x] * batch), single)
-            t_ps = _timed(lambda: (_copy(stacked), tok0),
-                          lambda c, x: _kv_decode_loop(kv_loop, state, c, x, d, per_seq=True), d.repeats)
+            t_ps = _timed(
+                lambda: (_copy(stacked), tok0),
+                lambda c, x: _kv_decode_loop(kv_loop, state, c, x, d, per_seq=True),
+                d.repeats,
+            )
             plan = _segments(d.prompt, 1, d.n_gen, d.length, one_cfg.padding)
             mean_ps = sum((b - a) * w for a, b, w in plan) / d.n_gen
-            window_rows.append([f"B={batch}, one cache per sequence (vmap)", f"{d.prompt + d.n_gen / 2:.0f}",
-                                f"{mean_ps:.0f}", f"{d.length}", f"{tokens / t_ps:.0f}",
-                                f"{t['kv_loop'] / t_ps:.2f}x the unified cache"])
+            window_rows.append(
+                [
+                    f"B={batch}, one cache per sequence (vmap)",
+                    f"{d.prompt + d.n_gen / 2:.0f}",
+                    f"{mean_ps:.0f}",
+                    f"{d.length}",
+                    f"{tokens / t_ps:.0f}",
+                    f"{t['kv_loop'] / t_ps:.2f}x the unified cache",
+                ]
+            )
 
     # prefill of one prompt
     ptoks = np.random.default_rng(1).integers(d.vocab, size=d.prefill).astype(np.int32)
@@ -328,36 +372,61 @@ def run(quick: bool) -> str:
     params, fcache, f_step, f_loop, f_forward = _flax_fns(peer)
     # Flax's decode cache takes one token per call: its prefill is a loop of single-token steps
     # (feeding the prompt's tokens instead of the sampled ones is the same work)
-    t_fx = _timed(lambda: (_copy(fcache), jnp.asarray(ptoks[:1])), lambda c, x: f_loop(params, c, x, d.prefill),
-                  d.repeats)
+    t_fx = _timed(
+        lambda: (_copy(fcache), jnp.asarray(ptoks[:1])), lambda c, x: f_loop(params, c, x, d.prefill), d.repeats
+    )
     t_fwd = _timed(lambda: (jnp.asarray(ptoks[None]),), lambda x: f_forward(params, x), d.repeats)
-    rows.append([f"prefill {d.prefill} tokens", "kvjax: one ubatch; Flax: its decode cache, token by token",
-                 f"{d.prefill / t_kv:.0f}", f"{d.prefill / t_fx:.0f}", f"**{t_fx / t_kv:.2f}**"])
-    rows.append([f"prefill {d.prefill} tokens", "kvjax: one ubatch; Flax: uncached causal forward (fills no cache)",
-                 f"{d.prefill / t_kv:.0f}", f"{d.prefill / t_fwd:.0f}", f"{t_fwd / t_kv:.2f}"])
+    rows.append(
+        [
+            f"prefill {d.prefill} tokens",
+            "kvjax: one ubatch; Flax: its decode cache, token by token",
+            f"{d.prefill / t_kv:.0f}",
+            f"{d.prefill / t_fx:.0f}",
+            f"**{t_fx / t_kv:.2f}**",
+        ]
+    )
+    rows.append(
+        [
+            f"prefill {d.prefill} tokens",
+            "kvjax: one ubatch; Flax: uncached causal forward (fills no cache)",
+            f"{d.prefill / t_kv:.0f}",
+            f"{d.prefill / t_fwd:.0f}",
+            f"{t_fwd / t_kv:.2f}",
+        ]
+    )
 
-    return "\n".join([
-        "## Model step: kvjax reference model vs Flax's decode cache",
-        "",
-        f"{d.n_layer} layers, width {d.width}, {d.n_head} heads ({d.n_head} kv heads), vocabulary {d.vocab}, "
-        f"float32. Flax: `nnx.MultiHeadAttention` decode cache of {d.length} positions per sequence "
-        f"(`[B, {d.length}, H, D]`, every step attends over all of it). kvjax: `kvjax.nn.Llama` (with RoPE, "
-        f"which the Flax peer lacks) over one unified cache of B x {d.length} cells, attending over the "
-        f"window of used cells. Decode: {d.n_gen} greedy tokens per sequence after a {d.prompt}-token "
-        f"prompt. Tokens per second, all sequences together; ratio = kvjax / Flax (> 1: kvjax faster). "
-        f"Median of {d.repeats} after a warm-up; compile time excluded.",
-        "",
-        table(["case", "loop (the same on both sides)", "kvjax tok/s", "Flax tok/s", "ratio"], rows),
-        "",
-        "The cost of one unified cache at batch 8: each token attends over every sequence's cells "
-        "(masked), so the window is B times what one sequence needs. With one cache per sequence "
-        "(here `jax.vmap` of the one-sequence step over 8 caches; newer llama.cpp keeps one stream "
-        "per sequence) each token reads only its own cells:",
-        "",
-        table(["layout", "mean cells a token needs", "mean window read (cells)", "Flax reads (cells)",
-               "kvjax tok/s (jitted loop)", "vs unified"], window_rows),
-        "",
-        f"Compile time of one B=1 decode step: kvjax {fmt_time(c_kv)} (per window bucket), "
-        f"Flax {fmt_time(c_fx)}.",
-        "",
-    ])
+    return "\n".join(
+        [
+            "## Model step: kvjax reference model vs Flax's decode cache",
+            "",
+            f"{d.n_layer} layers, width {d.width}, {d.n_head} heads ({d.n_head} kv heads), vocabulary {d.vocab}, "
+            f"float32. Flax: `nnx.MultiHeadAttention` decode cache of {d.length} positions per sequence "
+            f"(`[B, {d.length}, H, D]`, every step attends over all of it). kvjax: `kvjax.nn.Llama` (with RoPE, "
+            f"which the Flax peer lacks) over one unified cache of B x {d.length} cells, attending over the "
+            f"window of used cells. Decode: {d.n_gen} greedy tokens per sequence after a {d.prompt}-token "
+            f"prompt. Tokens per second, all sequences together; ratio = kvjax / Flax (> 1: kvjax faster). "
+            f"Median of {d.repeats} after a warm-up; compile time excluded.",
+            "",
+            table(["case", "loop (the same on both sides)", "kvjax tok/s", "Flax tok/s", "ratio"], rows),
+            "",
+            "The cost of one unified cache at batch 8: each token attends over every sequence's cells "
+            "(masked), so the window is B times what one sequence needs. With one cache per sequence "
+            "(here `jax.vmap` of the one-sequence step over 8 caches; newer llama.cpp keeps one stream "
+            "per sequence) each token reads only its own cells:",
+            "",
+            table(
+                [
+                    "layout",
+                    "mean cells a token needs",
+                    "mean window read (cells)",
+                    "Flax reads (cells)",
+                    "kvjax tok/s (jitted loop)",
+                    "vs unified",
+                ],
+                window_rows,
+            ),
+            "",
+            f"Compile time of one B=1 decode step: kvjax {fmt_time(c_kv)} (per window bucket), Flax {fmt_time(c_fx)}.",
+            "",
+        ]
+    )

@@ -52,8 +52,9 @@ def multi_turn(engine, tok, users, turns, cache):
                 options = {}
             else:
                 options = {"prompt_cache": cache}
-            out = kvjax.generate(engine, [prompt], max_new_tokens=16, key=jax.random.PRNGKey(0), sampling=GREEDY,
-                                 **options)
+            out = kvjax.generate(
+                engine, [prompt], max_new_tokens=16, key=jax.random.PRNGKey(0), sampling=GREEDY, **options
+            )
             ttft.append(out.time_to_first_token)
             evaluated += out.prompt_tokens
             chats[u] += tok.decode(out.tokens[0]) + TURNS[(t + u) % len(TURNS)]
@@ -62,8 +63,11 @@ def multi_turn(engine, tok, users, turns, cache):
 
 def _match_cost(repeats):
     rng = np.random.default_rng(0)
-    store = PromptStore(tokens=jnp.asarray(rng.integers(0, 64, (256, 4096)), jnp.int32),
-                        length=jnp.full((256,), 4096, jnp.int32), last_used=jnp.arange(256, dtype=jnp.int32))
+    store = PromptStore(
+        tokens=jnp.asarray(rng.integers(0, 64, (256, 4096)), jnp.int32),
+        length=jnp.full((256,), 4096, jnp.int32),
+        last_used=jnp.arange(256, dtype=jnp.int32),
+    )
     prompt = np.asarray(store.tokens[17]).copy()
     prompt[3000:] = 0
     floor = jax.jit(lambda x: x)
@@ -88,24 +92,28 @@ def run(quick: bool) -> str:
     model, tok, trained = _charlm.load(verbose=False)
     rows = []
     for with_cache in (False, True):
-        _workload(model, tok, users, turns, with_cache)                  # compile everything once
+        _workload(model, tok, users, turns, with_cache)  # compile everything once
         ttft, evaluated, total = _workload(model, tok, users, turns, with_cache)
         rows.append(["with PromptCache" if with_cache else "without", f"{ttft * 1e3:.1f} ms", f"{evaluated}"])
     match_s, floor_s = _match_cost(repeats)
-    return "\n".join([
-        "## Prompt cache: multi-turn requests",
-        "",
-        f"The demo's character model ({'trained' if trained else 'random weights'}), {users} users interleaved, "
-        f"{turns} turns each; every request repeats the user's conversation so far plus a new turn; 16 new characters "
-        f"per turn, greedy. Median time to first token over all requests (compile excluded: the workload ran once "
-        f"before) and prompt tokens evaluated in total:",
-        "",
-        table(["", "time to first token", "prompt tokens evaluated"], rows),
-        "",
-        "One matching call (`match_prefix`: the longest common prefix of a prompt with every parked sequence, on the "
-        f"device) over 256 parked sequences of 4096 tokens, against the dispatch floor (a jitted identity), median "
-        f"of {repeats}:",
-        "",
-        table(["match_prefix", "dispatch floor", "ratio"],
-              [[f"{match_s * 1e3:.3f} ms", f"{floor_s * 1e3:.3f} ms", f"{match_s / floor_s:.1f}"]]),
-    ])
+    return "\n".join(
+        [
+            "## Prompt cache: multi-turn requests",
+            "",
+            f"The demo's character model ({'trained' if trained else 'random weights'}), {users} users interleaved, "
+            f"{turns} turns each; every request repeats the user's conversation so far plus a new turn; 16 new characters "
+            f"per turn, greedy. Median time to first token over all requests (compile excluded: the workload ran once "
+            f"before) and prompt tokens evaluated in total:",
+            "",
+            table(["", "time to first token", "prompt tokens evaluated"], rows),
+            "",
+            "One matching call (`match_prefix`: the longest common prefix of a prompt with every parked sequence, on the "
+            f"device) over 256 parked sequences of 4096 tokens, against the dispatch floor (a jitted identity), median "
+            f"of {repeats}:",
+            "",
+            table(
+                ["match_prefix", "dispatch floor", "ratio"],
+                [[f"{match_s * 1e3:.3f} ms", f"{floor_s * 1e3:.3f} ms", f"{match_s / floor_s:.1f}"]],
+            ),
+        ]
+    )

@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from benchmarks.common import (copy_bandwidth, fmt_rate, fmt_time, inplace_copy_bandwidth, median_time,
-                               numpy_rng, table)
+from benchmarks.common import copy_bandwidth, fmt_rate, fmt_time, inplace_copy_bandwidth, median_time, numpy_rng, table
 
 TYPES = ("float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
@@ -26,13 +25,27 @@ TYPES = ("float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0
 def _bytes_per_cell(n_layer=32, n_kv=8, d=128):
     rows = []
     for t in TYPES:
-        cfg = kvjax.CacheConfig(size=256, n_seq_max=1, n_layer=n_layer, n_kv_heads=n_kv, head_dim=d,
-                                k_dtype=t, v_dtype=t)
+        cfg = kvjax.CacheConfig(
+            size=256, n_seq_max=1, n_layer=n_layer, n_kv_heads=n_kv, head_dim=d, k_dtype=t, v_dtype=t
+        )
         per_cell = kvjax.total_size(cfg) / cfg.size
-        rows.append([t, f"{per_cell / n_layer / n_kv / 2:.0f}", f"{per_cell / 1024:.0f} KiB",
-                     f"{per_cell * 8 / (n_layer * n_kv * d * 2):.2f}"])
-    return table(["type", "bytes per head row (D=128)", f"K+V bytes per cell ({n_layer} layers, {n_kv} kv heads)",
-                  "bits per value"], rows)
+        rows.append(
+            [
+                t,
+                f"{per_cell / n_layer / n_kv / 2:.0f}",
+                f"{per_cell / 1024:.0f} KiB",
+                f"{per_cell * 8 / (n_layer * n_kv * d * 2):.2f}",
+            ]
+        )
+    return table(
+        [
+            "type",
+            "bytes per head row (D=128)",
+            f"K+V bytes per cell ({n_layer} layers, {n_kv} kv heads)",
+            "bits per value",
+        ],
+        rows,
+    )
 
 
 def _write_rows(quick: bool):
@@ -47,8 +60,9 @@ def _write_rows(quick: bool):
     write = jax.jit(kvjax.write, static_argnums=1, donate_argnums=0)
     rows = []
     for t in ("float32", "float16", "q8_0", "q4_0", "q5_1"):
-        cfg = kvjax.CacheConfig(size=size, n_seq_max=1, n_layer=1, n_kv_heads=n_kv, head_dim=d, k_dtype=t,
-                                v_dtype=t, padding=256)
+        cfg = kvjax.CacheConfig(
+            size=size, n_seq_max=1, n_layer=1, n_kv_heads=n_kv, head_dim=d, k_dtype=t, v_dtype=t, padding=256
+        )
         holder = [kvjax.init(cfg)]
 
         def step():
@@ -56,8 +70,9 @@ def _write_rows(quick: bool):
             return holder[0].k
 
         tm = median_time(step, repeats=repeats)
-        rows.append([t, t_rows, fmt_time(tm), fmt_rate(n_bytes / tm), fmt_rate(copy_bps),
-                     f"{n_bytes / tm / copy_bps:.2f}"])
+        rows.append(
+            [t, t_rows, fmt_time(tm), fmt_rate(n_bytes / tm), fmt_rate(copy_bps), f"{n_bytes / tm / copy_bps:.2f}"]
+        )
         holder = None  # free this type's cache before the next one
         gc.collect()
     return table(["type", "rows (x8 heads, D=128)", "write (K+V)", "f32 bytes/s", "copy", "ratio"], rows)
@@ -68,8 +83,17 @@ def _k_shift(quick: bool):
     repeats = 3
     rows = []
     for t in ("float32", "float16", "q8_0", "q4_0"):
-        cfg = kvjax.CacheConfig(size=size, n_seq_max=1, n_layer=n_layer, n_kv_heads=8, head_dim=128, k_dtype=t,
-                                v_dtype=t, padding=256, rope=kvjax.RopeConfig(n_rot=128))
+        cfg = kvjax.CacheConfig(
+            size=size,
+            n_seq_max=1,
+            n_layer=n_layer,
+            n_kv_heads=8,
+            head_dim=128,
+            k_dtype=t,
+            v_dtype=t,
+            padding=256,
+            rope=kvjax.RopeConfig(n_rot=128),
+        )
         cache = kvjax.init(cfg)
         ub = kvjax.make_ubatch(range(size), [[0]] * size)
         cache, _, _ = kvjax.find_slot(cache, ub)
@@ -78,12 +102,31 @@ def _k_shift(quick: bool):
         floats = size * n_layer * 8 * 128 * 4
         tm = median_time(lambda: kvjax.k_shift(cache), repeats=repeats)
         ref = inplace_copy_bandwidth(stored, repeats=repeats)
-        rows.append([t, f"{stored / 2**20:.0f} MiB", fmt_time(tm), fmt_rate(stored / tm), fmt_rate(floats / tm),
-                     fmt_rate(ref), f"{stored / tm / ref:.2f}"])
+        rows.append(
+            [
+                t,
+                f"{stored / 2**20:.0f} MiB",
+                fmt_time(tm),
+                fmt_rate(stored / tm),
+                fmt_rate(floats / tm),
+                fmt_rate(ref),
+                f"{stored / tm / ref:.2f}",
+            ]
+        )
         cache = None
         gc.collect()
-    return table(["type", "stored K", "k_shift (all cells)", "stored bytes/s", "f32-equivalent bytes/s",
-                  "in-place copy", "ratio"], rows)
+    return table(
+        [
+            "type",
+            "stored K",
+            "k_shift (all cells)",
+            "stored bytes/s",
+            "f32-equivalent bytes/s",
+            "in-place copy",
+            "ratio",
+        ],
+        rows,
+    )
 
 
 def _decode(quick: bool):
@@ -100,29 +143,37 @@ def _decode(quick: bool):
     for t in ("float32", "float16", "q8_0", "q4_0"):
         cache = kvjax.init(cfg.cache_config(size=n_ctx, n_seq_max=1, padding=256, k_dtype=t, v_dtype=t))
         engine = Engine(model, cache, n_ubatch=256)
-        out = generate(engine, [prompt], max_new_tokens=n_new, key=jax.random.PRNGKey(0),
-                       sampling=kvjax.SamplingConfig(temperature=0))
-        rows.append([t, n_ctx - 64, f"{out.steady_tokens_per_second:.1f}",
-                     f"{kvjax.total_size(cache.config) / 2**20:.1f} MiB"])
+        out = generate(
+            engine,
+            [prompt],
+            max_new_tokens=n_new,
+            key=jax.random.PRNGKey(0),
+            sampling=kvjax.SamplingConfig(temperature=0),
+        )
+        rows.append(
+            [t, n_ctx - 64, f"{out.steady_tokens_per_second:.1f}", f"{kvjax.total_size(cache.config) / 2**20:.1f} MiB"]
+        )
         del engine, cache
         gc.collect()
     return table(["type", "context", "decode tokens/s (steady)", "K+V storage"], rows)
 
 
 def run(quick: bool) -> str:
-    return "\n\n".join([
-        "## Block-quantized K/V (q8_0, q4_0, ...)",
-        "Bytes per cell of each storage type (exact, from the config; ggml's block sizes).",
-        _bytes_per_cell(),
-        "Write throughput: one ubatch of K and V rows of one layer into random cells, donated, as "
-        "float32 bytes consumed per second against a plain copy of those bytes (same run).",
-        _write_rows(quick),
-        "K-shift of every cell (dequantize, rotate, quantize for block types), not donated, against an "
-        "in-place copy of the stored K bytes.",
-        _k_shift(quick),
-        "Decode speed of the reference Llama (2 layers, head size 32) at a long prompt.",
-        _decode(quick),
-    ])
+    return "\n\n".join(
+        [
+            "## Block-quantized K/V (q8_0, q4_0, ...)",
+            "Bytes per cell of each storage type (exact, from the config; ggml's block sizes).",
+            _bytes_per_cell(),
+            "Write throughput: one ubatch of K and V rows of one layer into random cells, donated, as "
+            "float32 bytes consumed per second against a plain copy of those bytes (same run).",
+            _write_rows(quick),
+            "K-shift of every cell (dequantize, rotate, quantize for block types), not donated, against an "
+            "in-place copy of the stored K bytes.",
+            _k_shift(quick),
+            "Decode speed of the reference Llama (2 layers, head size 32) at a long prompt.",
+            _decode(quick),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -59,19 +59,30 @@ def _prompt_cpp(cpp, ids) -> float:
 
 
 def _prompt_kvjax(model, ids) -> float:
-    engine = kvjax.Engine(model, kvjax.init(kvjax.nn.memory_config_for(
-        model, size=1024, n_seq_max=1, k_dtype="float16", v_dtype="float16")), n_ubatch=PROMPT)
+    engine = kvjax.Engine(
+        model,
+        kvjax.init(kvjax.nn.memory_config_for(model, size=1024, n_seq_max=1, k_dtype="float16", v_dtype="float16")),
+        n_ubatch=PROMPT,
+    )
     t0 = time.perf_counter()
     jax.block_until_ready(engine.decode(ids, range(len(ids)), [[0]] * len(ids), outputs="last"))
     return time.perf_counter() - t0
 
 
 def _decode_kvjax(model, prompts, n_new, r):
-    config = kvjax.nn.memory_config_for(model, size=len(prompts) * 128, n_seq_max=len(prompts),
-                                        k_dtype="float16", v_dtype="float16")
+    config = kvjax.nn.memory_config_for(
+        model, size=len(prompts) * 128, n_seq_max=len(prompts), k_dtype="float16", v_dtype="float16"
+    )
     engine = kvjax.Engine(model, kvjax.init(config), n_ubatch=64)
-    return kvjax.generate(engine, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(r),
-                          sampling=kvjax.SamplingConfig(temperature=0.0), share_prefix=False, sync_every=n_new)
+    return kvjax.generate(
+        engine,
+        prompts,
+        max_new_tokens=n_new,
+        key=jax.random.PRNGKey(r),
+        sampling=kvjax.SamplingConfig(temperature=0.0),
+        share_prefix=False,
+        sync_every=n_new,
+    )
 
 
 def run(quick: bool = False) -> str:
@@ -98,18 +109,24 @@ def run(quick: bool = False) -> str:
 
     t0 = time.perf_counter()
     cpp = _LlamaCpp(str(path), 8, 2048, "float16", True)
-    rows_load.append(["llama.cpp (memory-mapped file, for comparison)", f"{time.perf_counter() - t0:.1f} s",
-                      f"{size / 2**20:.0f} MiB", "1.00x"])
+    rows_load.append(
+        [
+            "llama.cpp (memory-mapped file, for comparison)",
+            f"{time.perf_counter() - t0:.1f} s",
+            f"{size / 2**20:.0f} MiB",
+            "1.00x",
+        ]
+    )
     rows_prompt, rows_decode = [], []
     _prompt_cpp(cpp, ids)
     cpp_prompt = statistics.median(_prompt_cpp(cpp, ids) for _ in range(repeats))
     for label, model in models.items():
-        _prompt_kvjax(model, ids)   # compiles
+        _prompt_kvjax(model, ids)  # compiles
         kv = statistics.median(_prompt_kvjax(model, ids) for _ in range(repeats))
         rows_prompt.append([label, f"{PROMPT / kv:.0f}", f"{PROMPT / cpp_prompt:.0f}", f"{cpp_prompt / kv:.2f}"])
     for batch in (1, 8):
         prompts = [[2] + rng.integers(300, 200000, size=15).tolist() for _ in range(batch)]
-        cpp.generate(prompts, n_new)    # warm-up
+        cpp.generate(prompts, n_new)  # warm-up
         for label, model in models.items():
             first = _decode_kvjax(model, prompts, n_new, 0)
             cpp_runs, kv_runs = [], []
@@ -126,7 +143,8 @@ def run(quick: bool = False) -> str:
         + f"\n\nPrompt processing, one {PROMPT}-token prompt (tokens/s):\n\n"
         + table(["kvjax weights", "kvjax", "llama.cpp", "kvjax / llama.cpp"], rows_prompt)
         + f"\n\nGreedy decode, 16-token prompts, {n_new} new tokens per sequence (steady tokens/s, all sequences):\n\n"
-        + table(["batch", "kvjax weights", "kvjax", "llama.cpp", "kvjax / llama.cpp", "kvjax compile"], rows_decode))
+        + table(["batch", "kvjax weights", "kvjax", "llama.cpp", "kvjax / llama.cpp", "kvjax compile"], rows_decode)
+    )
 
 
 if __name__ == "__main__":

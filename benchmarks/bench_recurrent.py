@@ -48,8 +48,11 @@ def _median_seconds(fn, repeats):
 def _engine_rate(model, cfg, n_seq, steps, repeats):
     engine = Engine(model, kvjax.init(cfg.memory_config(n_seq)), n_ubatch=512)
     prompt = 64
-    engine.decode(list(np.arange(prompt * n_seq) % 50), list(range(prompt)) * n_seq,
-                  [[s] for s in range(n_seq) for _ in range(prompt)])
+    engine.decode(
+        list(np.arange(prompt * n_seq) % 50),
+        list(range(prompt)) * n_seq,
+        [[s] for s in range(n_seq) for _ in range(prompt)],
+    )
     state = {"pos": prompt}
 
     def run():
@@ -78,27 +81,36 @@ def _bare_rate(model, cfg, n_seq, steps, repeats):
 
 def _memory_loop(graphdef):
     """Greedy decode as one jitted ``fori_loop``: placement, the model through the memory, argmax."""
+
     def loop(state, memory, tok, pos, n):
         def body(i, carry):
             memory, tok = carry
-            ub = Ubatch(pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32),
-                        seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None], valid=jnp.ones(tok.shape, bool),
-                        n_seq_tokens=1)
+            ub = Ubatch(
+                pos=jnp.broadcast_to(pos + i, tok.shape).astype(jnp.int32),
+                seq_ids=jnp.arange(tok.shape[0], dtype=jnp.int32)[:, None],
+                valid=jnp.ones(tok.shape, bool),
+                n_seq_tokens=1,
+            )
             memory, placement, _ = memory.find_slot(ub)
             logits, memory = nnx.merge(graphdef, state)(tok, memory, UbatchInputs(ubatch=ub, placement=placement))
             return memory, jnp.argmax(logits, -1).astype(jnp.int32)
+
         return jax.lax.fori_loop(0, n, body, (memory, tok))
+
     return jax.jit(loop, static_argnames="n", donate_argnames="memory")
 
 
 def _bare_loop(graphdef):
     """Greedy decode as one jitted ``fori_loop`` of the bare step on states the loop carries."""
+
     def loop(state, conv, ssm, tok, n):
         def body(i, carry):
             conv, ssm, tok = carry
             logits, conv, ssm = nnx.merge(graphdef, state).step(tok[:, None], conv, ssm)
             return conv, ssm, jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+
         return jax.lax.fori_loop(0, n, body, (conv, ssm, tok))
+
     return jax.jit(loop, static_argnames="n", donate_argnums=(1, 2))
 
 
@@ -115,8 +127,12 @@ def _against_loops(model, cfg, quick: bool, cells: int = 8):
 
         def prefilled():
             engine = Engine(model, kvjax.init(cfg.memory_config(cells)))
-            logits = engine.decode(sum(prompts, []), [p for _ in prompts for p in range(prompt_len)],
-                                   [[s] for s in range(n_seq) for _ in range(prompt_len)], outputs="last")
+            logits = engine.decode(
+                sum(prompts, []),
+                [p for _ in prompts for p in range(prompt_len)],
+                [[s] for s in range(n_seq) for _ in range(prompt_len)],
+                outputs="last",
+            )
             return engine.cache, jnp.argmax(logits, -1).astype(jnp.int32)
 
         def timed(fn, *args, **kw):
@@ -134,13 +150,18 @@ def _against_loops(model, cfg, quick: bool, cells: int = 8):
             return timed(bare_loop, state, conv, ssm, jnp.ones((n_seq,), jnp.int32), n=n_new - 1)
 
         def gen(r):
-            return generate(Engine(model, kvjax.init(cfg.memory_config(cells))), prompts, max_new_tokens=n_new,
-                            key=jax.random.PRNGKey(r), sampling=SamplingConfig(temperature=0),
-                            sync_every=n_new).steady_tokens_per_second
+            return generate(
+                Engine(model, kvjax.init(cfg.memory_config(cells))),
+                prompts,
+                max_new_tokens=n_new,
+                key=jax.random.PRNGKey(r),
+                sampling=SamplingConfig(temperature=0),
+                sync_every=n_new,
+            ).steady_tokens_per_second
 
-        mem(), bare(), gen(0)                         # compile
+        mem(), bare(), gen(0)  # compile
         got = {"gen": [], "mem": [], "bare": []}
-        for r in range(repeats):                      # interleaved: a slow spell hits all three alike
+        for r in range(repeats):  # interleaved: a slow spell hits all three alike
             got["gen"].append(gen(r + 1))
             got["mem"].append(mem())
             got["bare"].append(bare())
@@ -162,8 +183,14 @@ def _prefill(model, cfg, quick: bool):
         def engine(m):
             e = Engine(m, kvjax.init(m.config.memory_config(8)), n_ubatch=512)
             t0 = time.perf_counter()
-            np.asarray(e.decode(prompts.reshape(-1).tolist(), list(range(length)) * n_seq,
-                                [[s] for s in range(n_seq) for _ in range(length)], outputs="last"))
+            np.asarray(
+                e.decode(
+                    prompts.reshape(-1).tolist(),
+                    list(range(length)) * n_seq,
+                    [[s] for s in range(n_seq) for _ in range(length)],
+                    outputs="last",
+                )
+            )
             return n_seq * length / (time.perf_counter() - t0)
 
         def bare():
@@ -171,7 +198,7 @@ def _prefill(model, cfg, quick: bool):
             jax.block_until_ready(forward(state, jnp.asarray(prompts, jnp.int32)))
             return n_seq * length / (time.perf_counter() - t0)
 
-        engine(forms["sequential"]), engine(forms["chunked"]), bare()            # compile
+        engine(forms["sequential"]), engine(forms["chunked"]), bare()  # compile
         got = {"sequential": [], "chunked": [], "bare": []}
         for _ in range(repeats):
             for scan, m in forms.items():
@@ -186,17 +213,17 @@ def _fork_cost(model, cfg, repeats):
     def fresh():
         engine = Engine(model, kvjax.init(cfg.memory_config(4)), n_ubatch=512)
         engine.decode(list(range(1, 33)), list(range(32)), [[0]] * 32)
-        engine.decode([1, 2], [0, 0], [[2], [3]])        # two more sequences, so the plain step has company
+        engine.decode([1, 2], [0, 0], [[2], [3]])  # two more sequences, so the plain step has company
         return engine
 
     plain_times, fork_times = [], []
     for r in range(repeats + 1):
         engine = fresh()
         t0 = time.perf_counter()
-        np.asarray(engine.decode([3, 4], [1, 1], [[2], [3]])[0, 0])            # plain: two own states
+        np.asarray(engine.decode([3, 4], [1, 1], [[2], [3]])[0, 0])  # plain: two own states
         t1 = time.perf_counter()
         engine.cache = kvjax.seq_cp(engine.cache, 0, 1)
-        np.asarray(engine.decode([5, 6], [32, 32], [[0], [1]])[0, 0])          # fork: copy-on-write
+        np.asarray(engine.decode([5, 6], [32, 32], [[0], [1]])[0, 0])  # fork: copy-on-write
         t2 = time.perf_counter()
         if r:
             plain_times.append(t1 - t0)
@@ -217,36 +244,57 @@ def run(quick: bool) -> str:
     prefill_rows, prefill_repeats = _prefill(model, cfg, quick)
     plain, fork = _fork_cost(model, cfg, repeats)
     state_kib = cfg.memory_config(1).nbytes() / 1024
-    return "\n".join([
-        "## Recurrent memory: Mamba decode and forks",
-        "",
-        f"Mamba, {cfg.n_layer} layers, d_model {cfg.d_model}, d_state {cfg.d_state} ({state_kib:.0f} KiB of state per "
-        f"sequence), float32; one token per sequence per step after a 64-token prompt each; median of {repeats} "
-        f"rounds of {steps} steps, compile excluded. 'bare step' is the same model's jitted step on states the "
-        f"caller keeps (no memory, no placement, no host work): what the memory's bookkeeping and the engine add to.",
-        "",
-        table(["sequences", "engine tokens/s", "bare step tokens/s", "engine / bare"], rows),
-        "",
-        f"`generate` (greedy, the device loop, a memory of {cells} state cells, {prompt_len}-token prompts, "
-        f"{n_new} new tokens each, steady "
-        f"tokens/s) against the same model's decode as one jitted `fori_loop`: 'memory loop' places each token and "
-        f"runs the model through the memory (the yardstick `bench_generate` uses for the Llama engine), 'bare "
-        f"loop' runs the bare step on states the loop carries; interleaved, median of {loop_repeats}:",
-        "",
-        table(["sequences", "generate tokens/s", "memory loop", "generate / memory loop", "bare loop",
-               "generate / bare loop"], loop_rows),
-        "",
-        f"Prefill tokens/s: the prompts through `Engine.decode` (engine, placement and memory included, "
-        f"8 state cells) with the per-token recurrence (`MambaConfig(scan='sequential')`, the default on CPU) and "
-        f"with the chunked parallel scan (`scan='chunked'`, chunks of {cfg.scan_chunk}), and the bare uncached "
-        f"`forward` of the same tokens (sequential scan); interleaved, median of {prefill_repeats}:",
-        "",
-        table(["sequences x prompt", "engine, sequential scan", "engine, chunked scan", "sequential / chunked",
-               "bare forward"], prefill_rows),
-        "",
-        f"A fork (`seq_cp`, then the first decode of both sequences, which copies the shared state inside the "
-        f"step) against a plain decode step of two sequences, median of {repeats}:",
-        "",
-        table(["plain step", "seq_cp + step with copy-on-write", "ratio"],
-              [[f"{plain * 1e3:.2f} ms", f"{fork * 1e3:.2f} ms", f"{fork / plain:.2f}"]]),
-    ])
+    return "\n".join(
+        [
+            "## Recurrent memory: Mamba decode and forks",
+            "",
+            f"Mamba, {cfg.n_layer} layers, d_model {cfg.d_model}, d_state {cfg.d_state} ({state_kib:.0f} KiB of state per "
+            f"sequence), float32; one token per sequence per step after a 64-token prompt each; median of {repeats} "
+            f"rounds of {steps} steps, compile excluded. 'bare step' is the same model's jitted step on states the "
+            f"caller keeps (no memory, no placement, no host work): what the memory's bookkeeping and the engine add to.",
+            "",
+            table(["sequences", "engine tokens/s", "bare step tokens/s", "engine / bare"], rows),
+            "",
+            f"`generate` (greedy, the device loop, a memory of {cells} state cells, {prompt_len}-token prompts, "
+            f"{n_new} new tokens each, steady "
+            f"tokens/s) against the same model's decode as one jitted `fori_loop`: 'memory loop' places each token and "
+            f"runs the model through the memory (the yardstick `bench_generate` uses for the Llama engine), 'bare "
+            f"loop' runs the bare step on states the loop carries; interleaved, median of {loop_repeats}:",
+            "",
+            table(
+                [
+                    "sequences",
+                    "generate tokens/s",
+                    "memory loop",
+                    "generate / memory loop",
+                    "bare loop",
+                    "generate / bare loop",
+                ],
+                loop_rows,
+            ),
+            "",
+            f"Prefill tokens/s: the prompts through `Engine.decode` (engine, placement and memory included, "
+            f"8 state cells) with the per-token recurrence (`MambaConfig(scan='sequential')`, the default on CPU) and "
+            f"with the chunked parallel scan (`scan='chunked'`, chunks of {cfg.scan_chunk}), and the bare uncached "
+            f"`forward` of the same tokens (sequential scan); interleaved, median of {prefill_repeats}:",
+            "",
+            table(
+                [
+                    "sequences x prompt",
+                    "engine, sequential scan",
+                    "engine, chunked scan",
+                    "sequential / chunked",
+                    "bare forward",
+                ],
+                prefill_rows,
+            ),
+            "",
+            f"A fork (`seq_cp`, then the first decode of both sequences, which copies the shared state inside the "
+            f"step) against a plain decode step of two sequences, median of {repeats}:",
+            "",
+            table(
+                ["plain step", "seq_cp + step with copy-on-write", "ratio"],
+                [[f"{plain * 1e3:.2f} ms", f"{fork * 1e3:.2f} ms", f"{fork / plain:.2f}"]],
+            ),
+        ]
+    )

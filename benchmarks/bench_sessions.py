@@ -81,8 +81,15 @@ class _Kvjax:
     def engine(self, kv_type: str, n_seq: int) -> kvjax.Engine:
         key = (kv_type, n_seq)
         if key not in self.engines:
-            cfg = kvjax.nn.memory_config_for(self.model, size=N_CTX, n_seq_max=n_seq, k_dtype=KV[kv_type],
-                                             v_dtype=KV[kv_type], padding=256, n_batch=512)
+            cfg = kvjax.nn.memory_config_for(
+                self.model,
+                size=N_CTX,
+                n_seq_max=n_seq,
+                k_dtype=KV[kv_type],
+                v_dtype=KV[kv_type],
+                padding=256,
+                n_batch=512,
+            )
             self.engines[key] = kvjax.Engine(self.model, kvjax.init(cfg), n_ubatch=512)
         engine = self.engines[key]
         engine.cache = kvjax.clear(engine.cache)
@@ -122,8 +129,10 @@ def _forced(engine: kvjax.Engine, histories, seq_ids, want, want_gaps):
             else:
                 widest[i] = max(widest[i], want_gaps[i][step])
         logits = engine.decode([w[step] for w in want], [len(h) + step for h in histories], [[s] for s in seq_ids])
-    return [f"{n} / {len(want[0])}" + (f" (others: llama.cpp margins <= {w:.2f})" if n < len(want[0]) else "")
-            for n, w in zip(same, widest)]
+    return [
+        f"{n} / {len(want[0])}" + (f" (others: llama.cpp margins <= {w:.2f})" if n < len(want[0]) else "")
+        for n, w in zip(same, widest)
+    ]
 
 
 def _agreement(a, a_gaps, b, b_gaps) -> str:
@@ -157,18 +166,53 @@ def _cases(prompt):
         ("F16 K/V, V transposed (no flash attention)", "llama.cpp -> kvjax", "f16", False, [prompt], 0, "session"),
         ("F16 K/V, V rows (flash attention)", "llama.cpp -> kvjax", "f16", True, [prompt], 0, "session"),
         ("Q8_0 K/V (flash attention)", "llama.cpp -> kvjax", "q8_0", True, [prompt], 0, "session"),
-        ("3 sequences sharing a prefix", "llama.cpp -> kvjax", "f16", True, shared_prompts, len(prompt) - 40,
-         "session"),
-        ("sequence 1's file into sequence 2 beside another conversation", "llama.cpp -> kvjax", "f16", True,
-         shared_prompts, len(prompt) - 40, "sequence"),
+        (
+            "3 sequences sharing a prefix",
+            "llama.cpp -> kvjax",
+            "f16",
+            True,
+            shared_prompts,
+            len(prompt) - 40,
+            "session",
+        ),
+        (
+            "sequence 1's file into sequence 2 beside another conversation",
+            "llama.cpp -> kvjax",
+            "f16",
+            True,
+            shared_prompts,
+            len(prompt) - 40,
+            "sequence",
+        ),
         ("F16 K/V, V transposed (no flash attention)", "kvjax -> llama.cpp", "f16", False, [prompt], 0, "session"),
         ("Q8_0 K/V (flash attention)", "kvjax -> llama.cpp", "q8_0", True, [prompt], 0, "session"),
-        ("after a context shift (K-shift applied), V transposed", "kvjax -> llama.cpp", "f16", False, [prompt], 0,
-         "shifted"),
-        ("3 sequences sharing a prefix", "kvjax -> llama.cpp", "f16", True, shared_prompts, len(prompt) - 40,
-         "session"),
-        ("sequence 1's file into sequence 2 beside another conversation", "kvjax -> llama.cpp", "f16", True,
-         shared_prompts, len(prompt) - 40, "sequence"),
+        (
+            "after a context shift (K-shift applied), V transposed",
+            "kvjax -> llama.cpp",
+            "f16",
+            False,
+            [prompt],
+            0,
+            "shifted",
+        ),
+        (
+            "3 sequences sharing a prefix",
+            "kvjax -> llama.cpp",
+            "f16",
+            True,
+            shared_prompts,
+            len(prompt) - 40,
+            "session",
+        ),
+        (
+            "sequence 1's file into sequence 2 beside another conversation",
+            "kvjax -> llama.cpp",
+            "f16",
+            True,
+            shared_prompts,
+            len(prompt) - 40,
+            "sequence",
+        ),
     ]
 
 
@@ -177,8 +221,14 @@ def _run_case(path, kv_side: _Kvjax, case, folder: pathlib.Path, other):
 
     name, direction, kv_type, flash, prompts, shared, what = case
     n_seq = len(prompts)
-    opts = dict(n_ctx=N_CTX, n_seq=max(n_seq, 3 if what == "sequence" else 1), kv_type=kv_type, flash_attn=flash,
-                n_batch=512, n_threads=N_THREADS)
+    opts = dict(
+        n_ctx=N_CTX,
+        n_seq=max(n_seq, 3 if what == "sequence" else 1),
+        kv_type=kv_type,
+        flash_attn=flash,
+        n_batch=512,
+        n_threads=N_THREADS,
+    )
     file = folder / "handover.bin"
     histories = [list(p) for p in prompts]
     engine = kv_side.engine(kv_type, opts["n_seq"])
@@ -237,7 +287,7 @@ def _load_vs_recompute(path, kv_side: _Kvjax, prompt, folder: pathlib.Path, repe
     ctx = LlamaCppContext(str(path), n_ctx=N_CTX, kv_type="f16", flash_attn=True, n_batch=512, n_threads=N_THREADS)
     engine = kv_side.engine("f16", 1)
     times = {"kv load": [], "kv prompt": [], "cpp load": [], "cpp prompt": []}
-    for r in range(repeats + 1):    # the first round compiles and warms up
+    for r in range(repeats + 1):  # the first round compiles and warms up
         engine.cache = kvjax.clear(engine.cache)
         t0 = time.perf_counter()
         evaluate_prompts(engine, [prompt], 0)
@@ -258,8 +308,12 @@ def _load_vs_recompute(path, kv_side: _Kvjax, prompt, folder: pathlib.Path, repe
         ctx.load_session(file)
         t7 = time.perf_counter()
         if r:
-            for key, dt in (("kv prompt", t1 - t0), ("kv load", t3 - t2), ("cpp prompt", t5 - t4),
-                            ("cpp load", t7 - t6)):
+            for key, dt in (
+                ("kv prompt", t1 - t0),
+                ("kv load", t3 - t2),
+                ("cpp prompt", t5 - t4),
+                ("cpp load", t7 - t6),
+            ):
                 times[key].append(dt)
     ctx.close()
     return {k: statistics.median(v) for k, v in times.items()}, file.stat().st_size
@@ -281,27 +335,52 @@ def run(quick: bool = False) -> str:
             for case in _cases(prompt):
                 free, forced, size = _run_case(path, kv_side, case, folder, other)
                 for s, (agreement, follow) in enumerate(zip(free, forced)):
-                    rows.append([label, case[1], case[0] + (f", sequence {s}" if len(free) > 1 else ""),
-                                 f"{size / 2**20:.1f} MiB", agreement, follow])
+                    rows.append(
+                        [
+                            label,
+                            case[1],
+                            case[0] + (f", sequence {s}" if len(free) > 1 else ""),
+                            f"{size / 2**20:.1f} MiB",
+                            agreement,
+                            follow,
+                        ]
+                    )
             t, size = _load_vs_recompute(path, kv_side, prompt, folder, 1 if quick else 3)
-            timing.append([label, f"{len(prompt)} tokens, {size / 2**20:.1f} MiB",
-                           f"{t['kv load'] * 1e3:.0f} ms", f"{t['kv prompt'] * 1e3:.0f} ms",
-                           f"{t['kv prompt'] / t['kv load']:.1f}x", f"{t['cpp load'] * 1e3:.0f} ms",
-                           f"{t['cpp prompt'] * 1e3:.0f} ms"])
+            timing.append(
+                [
+                    label,
+                    f"{len(prompt)} tokens, {size / 2**20:.1f} MiB",
+                    f"{t['kv load'] * 1e3:.0f} ms",
+                    f"{t['kv prompt'] * 1e3:.0f} ms",
+                    f"{t['kv prompt'] / t['kv load']:.1f}x",
+                    f"{t['cpp load'] * 1e3:.0f} ms",
+                    f"{t['cpp prompt'] * 1e3:.0f} ms",
+                ]
+            )
     notes = [] if not missing else ["", "Not run: " + "; ".join(missing) + "."]
-    return "\n".join([
-        head.rstrip(), "",
-        f"A {n_prompt}-token prompt evaluated by one program and saved (`llama_state_save_file` / "
-        f"`Engine.save_session`, or the one-sequence files); the other loads it and both continue greedily "
-        f"for {N_NEW} tokens from the same file. llama.cpp {N_THREADS} threads, n_ctx {N_CTX}; kvjax float32 "
-        f"weights, the iSWA memory for Gemma 3.", "",
-        "\"identical\": both programs generating freely from the file; \"kvjax on llama.cpp's tokens\": kvjax "
-        "fed llama.cpp's tokens, the steps where its own best token is llama.cpp's.", "",
-        table(["model", "direction", "case", "file", "identical greedy tokens", "kvjax on llama.cpp's tokens"],
-              rows), "",
-        "Loading the file against evaluating the prompt again (medians, F16 K/V, flash attention's V layout; "
-        "kvjax compile apart):", "",
-        table(["model", "prompt, file", "kvjax load", "kvjax prompt", "saved", "llama.cpp load",
-               "llama.cpp prompt"], timing),
-        *notes,
-    ])
+    return "\n".join(
+        [
+            head.rstrip(),
+            "",
+            f"A {n_prompt}-token prompt evaluated by one program and saved (`llama_state_save_file` / "
+            f"`Engine.save_session`, or the one-sequence files); the other loads it and both continue greedily "
+            f"for {N_NEW} tokens from the same file. llama.cpp {N_THREADS} threads, n_ctx {N_CTX}; kvjax float32 "
+            f"weights, the iSWA memory for Gemma 3.",
+            "",
+            "\"identical\": both programs generating freely from the file; \"kvjax on llama.cpp's tokens\": kvjax "
+            "fed llama.cpp's tokens, the steps where its own best token is llama.cpp's.",
+            "",
+            table(
+                ["model", "direction", "case", "file", "identical greedy tokens", "kvjax on llama.cpp's tokens"], rows
+            ),
+            "",
+            "Loading the file against evaluating the prompt again (medians, F16 K/V, flash attention's V layout; "
+            "kvjax compile apart):",
+            "",
+            table(
+                ["model", "prompt, file", "kvjax load", "kvjax prompt", "saved", "llama.cpp load", "llama.cpp prompt"],
+                timing,
+            ),
+            *notes,
+        ]
+    )

@@ -23,11 +23,25 @@ import numpy as np
 
 from benchmarks.common import table
 
-MESHES = ((None, "unified"), ((1, 8), "unified"), ((2, 4), "unified"), ((8, 1), "unified"),
-          (None, "streams"), ((1, 8), "streams"), ((2, 4), "streams"), ((8, 1), "streams"))
+MESHES = (
+    (None, "unified"),
+    ((1, 8), "unified"),
+    ((2, 4), "unified"),
+    ((8, 1), "unified"),
+    (None, "streams"),
+    ((1, 8), "streams"),
+    ((2, 4), "streams"),
+    ((8, 1), "streams"),
+)
 #: the K-shift on a mesh: now (every head of a layer per loop step) against the per-head loop it ran before
-SHIFT_MESHES = ((None, "unified"), ((1, 8), "unified"), ((2, 4), "unified"), (None, "streams"), ((8, 1), "streams"),
-                ((2, 4), "streams"))
+SHIFT_MESHES = (
+    (None, "unified"),
+    ((1, 8), "unified"),
+    ((2, 4), "unified"),
+    (None, "streams"),
+    ((8, 1), "streams"),
+    ((2, 4), "streams"),
+)
 
 
 def _measure(mesh_shape, kind: str, steps: int, repeats: int) -> float:
@@ -75,10 +89,15 @@ def _kv_collectives(hlo: str) -> int:
     import re
 
     count = 0
-    for shapes in re.findall(r"= (\([^)]*\)|\w+\[[0-9,]*\]\S*) (?:all-gather|all-reduce|all-to-all|"
-                             r"collective-permute|reduce-scatter)(?:-start)?\(", hlo):
-        count += sum(int(np.prod([int(d) for d in dims.split(",") if d])) >= 4096
-                     for dims in re.findall(r"\w+\[([0-9,]*)\]", shapes))
+    for shapes in re.findall(
+        r"= (\([^)]*\)|\w+\[[0-9,]*\]\S*) (?:all-gather|all-reduce|all-to-all|"
+        r"collective-permute|reduce-scatter)(?:-start)?\(",
+        hlo,
+    ):
+        count += sum(
+            int(np.prod([int(d) for d in dims.split(",") if d])) >= 4096
+            for dims in re.findall(r"\w+\[([0-9,]*)\]", shapes)
+        )
     return count
 
 
@@ -91,8 +110,9 @@ def _shift(mesh_shape, kind: str, per_head, repeats: int):
     from kvjax import shard
     from kvjax.attn._rope import _shift_group
 
-    base = kvjax.CacheConfig(size=1024, n_seq_max=8, n_layer=4, n_kv_heads=8, head_dim=64, padding=64,
-                             rope=kvjax.RopeConfig(n_rot=64))
+    base = kvjax.CacheConfig(
+        size=1024, n_seq_max=8, n_layer=4, n_kv_heads=8, head_dim=64, padding=64, rope=kvjax.RopeConfig(n_rot=64)
+    )
     config = kvjax.StreamsConfig(base.replace(size=256)) if kind == "streams" else base
     mesh = None if mesh_shape is None else shard.make_mesh(*mesh_shape)
     memory = kvjax.init(config, mesh=mesh)
@@ -124,20 +144,27 @@ def _child(quick: bool) -> None:
 
 
 def run(quick: bool) -> str:
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
-                                     f"--xla_force_host_platform_device_count=8".strip())
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_sharding", "--child"] + (["--quick"] if quick else []),
-                          env=env, capture_output=True, text=True, check=False)
+    env = dict(
+        os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_sharding", "--child"] + (["--quick"] if quick else []),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"the sharding benchmark's child process failed:\n{proc.stderr[-3000:]}")
-    rates = json.loads(lines[-1][len("RESULT "):])
+    rates = json.loads(lines[-1][len("RESULT ") :])
     rows = []
     for shape, kind in MESHES:
         rate = rates[f"{shape}-{kind}"]
         one = rates[f"None-{kind}"]
-        rows.append([kind, "1 device" if shape is None else f"{shape[0]}x{shape[1]}", f"{rate:.0f}",
-                     f"{rate / one:.2f}"])
+        rows.append(
+            [kind, "1 device" if shape is None else f"{shape[0]}x{shape[1]}", f"{rate:.0f}", f"{rate / one:.2f}"]
+        )
     shift_rows = []
     for shape, kind in SHIFT_MESHES:
         now, now_coll = rates[f"shift-{shape}-{kind}-now"]
@@ -146,27 +173,40 @@ def run(quick: bool) -> str:
             shift_rows.append([kind, "1 device", f"{now * 1e3:.2f}", "", str(now_coll), "", "1.00"])
             continue
         before, before_coll = rates[f"shift-{shape}-{kind}-before"]
-        shift_rows.append([kind, f"{shape[0]}x{shape[1]}", f"{now * 1e3:.2f}", f"{before * 1e3:.2f}", str(now_coll),
-                           str(before_coll), f"{now / one:.2f}"])
-    return "\n".join([
-        "## Sharding: a sanity run on 8 virtual CPU devices",
-        "",
-        "The reference model's jitted step (4 layers, width 128, 8 heads, 8 kv heads, float32) decoding one "
-        "token for each of 8 sequences after 64 tokens each, on `data x model` meshes of virtual CPU devices "
-        "that share this machine's cores: a check that the sharded step runs without a cliff, not a speed "
-        "claim (one device is expected to win here). Median of rounds of steps, compile excluded:",
-        "",
-        table(["memory", "mesh", "tokens/s", "vs 1 device"], rows),
-        "",
-        "The K-shift of every cell (4 layers, 8 kv heads of 64, float32; unified 1024 cells, streams 8 x 256), "
-        "now (each loop step rotates every head of a layer where K lives on a mesh) against the per-head loop "
-        "it ran before on a mesh (one `(layer, head)` slice per step: slicing a head out of a split head axis "
-        "made XLA gather or all-reduce all of K). Median ms, compile excluded, with the K/V-sized collectives "
-        "in each compiled program:",
-        "",
-        table(["memory", "mesh", "now ms", "before ms", "K/V collectives now", "before", "now vs 1 device"],
-              shift_rows),
-    ])
+        shift_rows.append(
+            [
+                kind,
+                f"{shape[0]}x{shape[1]}",
+                f"{now * 1e3:.2f}",
+                f"{before * 1e3:.2f}",
+                str(now_coll),
+                str(before_coll),
+                f"{now / one:.2f}",
+            ]
+        )
+    return "\n".join(
+        [
+            "## Sharding: a sanity run on 8 virtual CPU devices",
+            "",
+            "The reference model's jitted step (4 layers, width 128, 8 heads, 8 kv heads, float32) decoding one "
+            "token for each of 8 sequences after 64 tokens each, on `data x model` meshes of virtual CPU devices "
+            "that share this machine's cores: a check that the sharded step runs without a cliff, not a speed "
+            "claim (one device is expected to win here). Median of rounds of steps, compile excluded:",
+            "",
+            table(["memory", "mesh", "tokens/s", "vs 1 device"], rows),
+            "",
+            "The K-shift of every cell (4 layers, 8 kv heads of 64, float32; unified 1024 cells, streams 8 x 256), "
+            "now (each loop step rotates every head of a layer where K lives on a mesh) against the per-head loop "
+            "it ran before on a mesh (one `(layer, head)` slice per step: slicing a head out of a split head axis "
+            "made XLA gather or all-reduce all of K). Median ms, compile excluded, with the K/V-sized collectives "
+            "in each compiled program:",
+            "",
+            table(
+                ["memory", "mesh", "now ms", "before ms", "K/V collectives now", "before", "now vs 1 device"],
+                shift_rows,
+            ),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def _run(make_target, make_draft, prompts, n_new, repeats, n_draft=4):
         draft = make_draft() if make_draft is not None else None
         options = dict(draft=draft, n_draft=n_draft) if draft is not None else {}
         t0 = time.perf_counter()
-        out = kvjax.generate(target, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(0), sampling=GREEDY,
-                             **options)
+        out = kvjax.generate(
+            target, prompts, max_new_tokens=n_new, key=jax.random.PRNGKey(0), sampling=GREEDY, **options
+        )
         seconds = time.perf_counter() - t0 - out.compile_seconds
         if r:
             rates.append(sum(len(t) for t in out.tokens) / seconds)
@@ -76,8 +77,9 @@ def run(quick: bool) -> str:
     prompts = [tok.encode(p).tolist() for p in ("The file is ", "Return the ", "If the value ")]
 
     def unified(model):
-        return lambda: kvjax.Engine(model, kvjax.init(model.config.cache_config(size=512, n_seq_max=4, padding=64)),
-                                    n_ubatch=64)
+        return lambda: kvjax.Engine(
+            model, kvjax.init(model.config.cache_config(size=512, n_seq_max=4, padding=64)), n_ubatch=64
+        )
 
     rows = []
     plain, _ = _run(unified(target_model), None, prompts, n_new, repeats)
@@ -86,13 +88,15 @@ def run(quick: bool) -> str:
         rate, acc = _run(unified(target_model), unified(draft), prompts, n_new, repeats)
         rows.append(["unified", f"draft: {name}", f"{rate:.0f}", f"{acc:.2f}", f"{rate / plain:.2f}"])
 
-    hcfg = HybridLMConfig(vocab_size=cfg.vocab_size, d_model=128, n_layer=4, recurrent_layers=(0, 2), n_heads=4,
-                          n_kv_heads=2, d_state=16)
+    hcfg = HybridLMConfig(
+        vocab_size=cfg.vocab_size, d_model=128, n_layer=4, recurrent_layers=(0, 2), n_heads=4, n_kv_heads=2, d_state=16
+    )
     hybrid_model = HybridLM(hcfg, rngs=nnx.Rngs(0))
 
     def hybrid():
-        return kvjax.Engine(hybrid_model, kvjax.init(hcfg.memory_config(size=512, n_seq_max=4, n_states=6,
-                                                                        padding=64)), n_ubatch=64)
+        return kvjax.Engine(
+            hybrid_model, kvjax.init(hcfg.memory_config(size=512, n_seq_max=4, n_states=6, padding=64)), n_ubatch=64
+        )
 
     h_plain, _ = _run(hybrid, None, prompts, n_new, repeats)
     h_rate, h_acc = _run(hybrid, hybrid, prompts, n_new, repeats)
@@ -104,20 +108,22 @@ def run(quick: bool) -> str:
         step, rollback = _rollback_cost(make, repeats + 2)
         cost_rows.append([name, f"{step * 1e3:.2f} ms", f"{rollback * 1e3:.2f} ms", f"{rollback / step:.2f}"])
 
-    return "\n".join([
-        "## Speculative decoding",
-        "",
-        f"Target: the demo's character model ({'trained' if trained else 'RANDOM weights: charlm.npz missing'}; "
-        f"{cfg.n_layer} layers, width {cfg.d_model}); 3 prompts, {n_new} new tokens each, greedy, n_draft 4; "
-        f"tokens/s over the whole call with compile time subtracted, median of {repeats}. The small draft was trained "
-        f"here for {train_steps} steps. On this CPU the engine's per-call overhead is a large part of a tiny model's "
-        f"step, so a draft step costs almost as much as a target step: the speed-up needs a target much costlier "
-        f"than its draft.",
-        "",
-        table(["memory", "decoding", "tokens/s", "acceptance", "vs plain"], rows),
-        "",
-        "A rollback (`seq_rm` of the last 3 positions of a sequence, what a rejected draft costs) against one "
-        "decode step of 4 tokens:",
-        "",
-        table(["memory", "decode step", "rollback", "ratio"], cost_rows),
-    ])
+    return "\n".join(
+        [
+            "## Speculative decoding",
+            "",
+            f"Target: the demo's character model ({'trained' if trained else 'RANDOM weights: charlm.npz missing'}; "
+            f"{cfg.n_layer} layers, width {cfg.d_model}); 3 prompts, {n_new} new tokens each, greedy, n_draft 4; "
+            f"tokens/s over the whole call with compile time subtracted, median of {repeats}. The small draft was trained "
+            f"here for {train_steps} steps. On this CPU the engine's per-call overhead is a large part of a tiny model's "
+            f"step, so a draft step costs almost as much as a target step: the speed-up needs a target much costlier "
+            f"than its draft.",
+            "",
+            table(["memory", "decoding", "tokens/s", "acceptance", "vs plain"], rows),
+            "",
+            "A rollback (`seq_rm` of the last 3 positions of a sequence, what a rejected draft costs) against one "
+            "decode step of 4 tokens:",
+            "",
+            table(["memory", "decode step", "rollback", "ratio"], cost_rows),
+        ]
+    )

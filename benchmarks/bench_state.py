@@ -24,8 +24,7 @@ from kvjax.io import _state
 
 
 def _cache(size: int, n_layer: int):
-    cfg = kvjax.CacheConfig(size=size, n_seq_max=8, n_layer=n_layer, n_kv_heads=8, head_dim=64,
-                            padding=256)
+    cfg = kvjax.CacheConfig(size=size, n_seq_max=8, n_layer=n_layer, n_kv_heads=8, head_dim=64, padding=256)
     cache = kvjax.init(cfg)
     per_seq = size // 8
     for s in range(8):
@@ -55,8 +54,18 @@ def run(quick: bool) -> str:
         t = median_time(fn, repeats=repeats, warmup=0)
         gc.collect()
         rate = n_bytes / t
-        rows.append([name, cells, f"{n_bytes / 2**20:.0f} MiB", fmt_time(t), fmt_rate(rate),
-                     fmt_rate(copy_bps), f"{rate / copy_bps:.2f}", fmt_time(first_s)])
+        rows.append(
+            [
+                name,
+                cells,
+                f"{n_bytes / 2**20:.0f} MiB",
+                fmt_time(t),
+                fmt_rate(rate),
+                fmt_rate(copy_bps),
+                f"{rate / copy_bps:.2f}",
+                fmt_time(first_s),
+            ]
+        )
 
     # -- whole cache --------------------------------------------------------------------------
     blob, t_first = _first(lambda: kvjax.state_write(cache))
@@ -67,8 +76,14 @@ def run(quick: bool) -> str:
     t0 = time.perf_counter()
     _state._parse(cache.config, memoryview(blob), -1, size, "")
     t_parse_first = time.perf_counter() - t0
-    row("parse + validate only (host, whole)", size, n_whole,
-        lambda: _state._parse(cache.config, memoryview(blob), -1, size, ""), copy_whole, t_parse_first)
+    row(
+        "parse + validate only (host, whole)",
+        size,
+        n_whole,
+        lambda: _state._parse(cache.config, memoryview(blob), -1, size, ""),
+        copy_whole,
+        t_parse_first,
+    )
     fresh = kvjax.init(cache.config)
     restored, t_first = _first(lambda: kvjax.state_read(fresh, blob))
     assert kvjax.state_write(restored) == blob
@@ -92,8 +107,14 @@ def run(quick: bool) -> str:
     copy_seq = copy_bandwidth(n_seq, repeats=repeats)
     row("state_write (one sequence)", per_seq, n_seq, lambda: kvjax.state_write(cache, 3), copy_seq, t_first)
     _, t_first = _first(lambda: kvjax.state_read(cache, seq_blob, 7))
-    row("state_read (one sequence into another id)", per_seq, n_seq,
-        lambda: kvjax.state_read(cache, seq_blob, 7), copy_seq, t_first)
+    row(
+        "state_read (one sequence into another id)",
+        per_seq,
+        n_seq,
+        lambda: kvjax.state_read(cache, seq_blob, 7),
+        copy_seq,
+        t_first,
+    )
     holder = [cache]
 
     def seq_donated():
@@ -108,26 +129,40 @@ def run(quick: bool) -> str:
         path = os.path.join(folder, "seq.kvjax")
         tokens = np.arange(per_seq)
         _, t_first = _first(lambda: kvjax.save(path, cache, 3, tokens))
-        row("save (one sequence, file, fsync)", per_seq, os.path.getsize(path),
-            lambda: kvjax.save(path, cache, 3, tokens), copy_seq, t_first)
+        row(
+            "save (one sequence, file, fsync)",
+            per_seq,
+            os.path.getsize(path),
+            lambda: kvjax.save(path, cache, 3, tokens),
+            copy_seq,
+            t_first,
+        )
         _, t_first = _first(lambda: kvjax.load(path, cache, 7)[0])
-        row("load (one sequence, file)", per_seq, os.path.getsize(path),
-            lambda: kvjax.load(path, cache, 7)[0], copy_seq, t_first)
+        row(
+            "load (one sequence, file)",
+            per_seq,
+            os.path.getsize(path),
+            lambda: kvjax.load(path, cache, 7)[0],
+            copy_seq,
+            t_first,
+        )
 
     cfg = cache.config
     kv_bytes = kvjax.total_size(cfg)
-    return "\n".join([
-        "## State I/O (the seed's byte format)",
-        "",
-        f"Cache: {size} cells, {n_layer} layers, 8 kv heads x head size 64, float32 "
-        f"({kv_bytes / 2**30:.2f} GiB of K/V), 8 sequences of {per_seq} cells, 256 cells shared. "
-        "Rate = blob bytes per second (warm median); copy = a plain jitted copy of the same number "
-        "of bytes in this run; ratio = rate / copy. \"first call\" includes compilation. A one-sequence "
-        "read without donation copies the whole K/V once (the old value stays valid); with "
-        "donate=True it scatters into the old buffers.",
-        "",
-        table(["operation", "cells", "bytes", "median", "rate", "copy", "ratio", "first call"], rows),
-    ])
+    return "\n".join(
+        [
+            "## State I/O (the seed's byte format)",
+            "",
+            f"Cache: {size} cells, {n_layer} layers, 8 kv heads x head size 64, float32 "
+            f"({kv_bytes / 2**30:.2f} GiB of K/V), 8 sequences of {per_seq} cells, 256 cells shared. "
+            "Rate = blob bytes per second (warm median); copy = a plain jitted copy of the same number "
+            "of bytes in this run; ratio = rate / copy. \"first call\" includes compilation. A one-sequence "
+            "read without donation copies the whole K/V once (the old value stays valid); with "
+            "donate=True it scatters into the old buffers.",
+            "",
+            table(["operation", "cells", "bytes", "median", "rate", "copy", "ratio", "first call"], rows),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -51,14 +51,24 @@ def run(quick: bool) -> str:
                 _prefill(engine, n_seq, context)
                 rounds[name] = greedy_decode_rounds(engine, n_seq, context, steps)
             rates = {name: n_seq / t for name, t in interleaved_medians(rounds, repeats).items()}
-            rows.append([f"{n_seq}", f"{context}", f"{n_seq * per_seq}", f"{rates['unified']:.0f}",
-                         f"{rates['streams']:.0f}", f"{rates['streams'] / rates['unified']:.2f}"])
-    return "\n".join([
-        "## Streams: per-sequence streams against one unified cache",
-        "",
-        f"Decode through kvjax.Engine, a 4-layer width-128 Llama (4 heads, 2 kv heads, float32), B sequences "
-        f"after a prompt of `context` tokens each; both memories hold B x (context + margin) cells; median of "
-        f"{repeats} rounds of {steps} steps, the two memories' rounds interleaved, compile excluded:",
-        "",
-        table(["B", "context", "cells in all", "unified tok/s", "streams tok/s", "streams / unified"], rows),
-    ])
+            rows.append(
+                [
+                    f"{n_seq}",
+                    f"{context}",
+                    f"{n_seq * per_seq}",
+                    f"{rates['unified']:.0f}",
+                    f"{rates['streams']:.0f}",
+                    f"{rates['streams'] / rates['unified']:.2f}",
+                ]
+            )
+    return "\n".join(
+        [
+            "## Streams: per-sequence streams against one unified cache",
+            "",
+            f"Decode through kvjax.Engine, a 4-layer width-128 Llama (4 heads, 2 kv heads, float32), B sequences "
+            f"after a prompt of `context` tokens each; both memories hold B x (context + margin) cells; median of "
+            f"{repeats} rounds of {steps} steps, the two memories' rounds interleaved, compile excluded:",
+            "",
+            table(["B", "context", "cells in all", "unified tok/s", "streams tok/s", "streams / unified"], rows),
+        ]
+    )

@@ -74,6 +74,7 @@ def greedy_decode_rounds(engine, n_seq: int, first: int, steps: int) -> Callable
             state["tok"] = [int(t) for t in np.argmax(np.asarray(logits), axis=-1)]
             state["pos"] += 1
         return (time.perf_counter() - t0) / steps
+
     return one_round
 
 

@@ -52,9 +52,19 @@ class LlamaCppContext:
         n_threads: CPU threads.
     """
 
-    def __init__(self, path: str, *, n_ctx: int = 512, n_seq: int = 1, kv_type: str = "f16",
-                 flash_attn: Optional[bool] = None, kv_unified: bool = True, swa_full: bool = False, n_batch: int = 512,
-                 n_threads: int = 2):
+    def __init__(
+        self,
+        path: str,
+        *,
+        n_ctx: int = 512,
+        n_seq: int = 1,
+        kv_type: str = "f16",
+        flash_attn: Optional[bool] = None,
+        kv_unified: bool = True,
+        swa_full: bool = False,
+        n_batch: int = 512,
+        n_threads: int = 2,
+    ):
         import llama_cpp as lc
 
         self.lc = lc
@@ -70,7 +80,7 @@ class LlamaCppContext:
         cparams.n_threads = cparams.n_threads_batch = n_threads
         cparams.type_k = cparams.type_v = GGML_KV_TYPES[kv_type]
         if flash_attn is not None:
-            cparams.flash_attn_type = 1 if flash_attn else 0     # enabled / disabled (not "auto")
+            cparams.flash_attn_type = 1 if flash_attn else 0  # enabled / disabled (not "auto")
         cparams.kv_unified = kv_unified
         cparams.swa_full = swa_full
         self.ctx = lc.llama_init_from_model(self.model, cparams)
@@ -83,8 +93,13 @@ class LlamaCppContext:
 
     # -- evaluation -------------------------------------------------------------------------------
 
-    def decode(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]],
-               outputs: Optional[Sequence[int]] = None) -> None:
+    def decode(
+        self,
+        tokens: Sequence[int],
+        pos: Sequence[int],
+        seq_ids: Sequence[Sequence[int]],
+        outputs: Optional[Sequence[int]] = None,
+    ) -> None:
         """One ``llama_decode`` of the rows; ``outputs``: the rows with logits (default the last one)."""
         b = self.batch
         n = len(tokens)
@@ -107,7 +122,7 @@ class LlamaCppContext:
         rest = [(t, p, s) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt) if p >= shared]
         for rows in (prefix, rest):
             for i in range(0, len(rows), self.n_batch):
-                chunk = rows[i:i + self.n_batch]
+                chunk = rows[i : i + self.n_batch]
                 self.decode([r[0] for r in chunk], [r[1] for r in chunk], [[r[2]] for r in chunk])
             if rows is prefix and shared:
                 for s in range(1, len(prompts)):
@@ -158,8 +173,7 @@ class LlamaCppContext:
     def load_sequence(self, path, seq_id: int, capacity: int = 1 << 16) -> List[int]:
         arr = (self.lc.llama_token * capacity)()
         n = ctypes.c_size_t(0)
-        if not self.lc.llama_state_seq_load_file(self.ctx, str(path).encode(), seq_id, arr, capacity,
-                                                 ctypes.byref(n)):
+        if not self.lc.llama_state_seq_load_file(self.ctx, str(path).encode(), seq_id, arr, capacity, ctypes.byref(n)):
             raise RuntimeError(f"llama_state_seq_load_file({path}) refused the file")
         return list(arr[: n.value])
 
@@ -178,8 +192,12 @@ class LlamaCppContext:
         """
         for h, s in zip(histories, seq_ids):
             self.seq_rm(s, len(h) - 1, -1)
-        self.decode([h[-1] for h in histories], [len(h) - 1 for h in histories], [[s] for s in seq_ids],
-                    outputs=range(len(seq_ids)))
+        self.decode(
+            [h[-1] for h in histories],
+            [len(h) - 1 for h in histories],
+            [[s] for s in seq_ids],
+            outputs=range(len(seq_ids)),
+        )
         out = [[] for _ in seq_ids]
         gaps = [[] for _ in seq_ids]
         for step in range(n_new):
@@ -192,8 +210,9 @@ class LlamaCppContext:
             for i, t in enumerate(nxt):
                 out[i].append(t)
             if step + 1 < n_new:
-                self.decode(nxt, [len(h) + step for h in histories], [[s] for s in seq_ids],
-                            outputs=range(len(seq_ids)))
+                self.decode(
+                    nxt, [len(h) + step for h in histories], [[s] for s in seq_ids], outputs=range(len(seq_ids))
+                )
         return out, gaps
 
     def close(self) -> None:

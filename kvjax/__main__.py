@@ -45,15 +45,20 @@ def enable_compile_cache(folder: pathlib.Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax", description=__doc__.splitlines()[0])
-    parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not keep compiled programs between runs (default: kept in "
-                             "~/.cache/kvjax/xla or $KVJAX_CACHE_DIR)")
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not keep compiled programs between runs (default: kept in ~/.cache/kvjax/xla or $KVJAX_CACHE_DIR)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk through the cache operations (the main job)")
     demo.add_argument("--quick", action="store_true", help="a shorter run (used by the test suite)")
-    demo.add_argument("--cache-type", default="float32",
-                      choices=["float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"],
-                      help="K/V storage type of the cache (default float32; q8_0 etc. are ggml's blocks)")
+    demo.add_argument(
+        "--cache-type",
+        default="float32",
+        choices=["float32", "float16", "bfloat16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"],
+        help="K/V storage type of the cache (default float32; q8_0 etc. are ggml's blocks)",
+    )
     train = sub.add_parser("train", help="train the demo's character-level model on the bundled corpus")
     train.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     train.add_argument("--seed", type=int, default=0)
@@ -70,8 +75,10 @@ def main(argv=None) -> int:
         return demo_mod.main(quick=args.quick, cache_type=args.cache_type)
     if args.command == "train":
         result = charlm.train(steps=args.steps, seed=args.seed)
-        print(f"trained {args.steps} steps in {result.seconds:.0f} s, final loss "
-              f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}; weights in {charlm.WEIGHTS}")
+        print(
+            f"trained {args.steps} steps in {result.seconds:.0f} s, final loss "
+            f"{sum(result.losses[-50:]) / len(result.losses[-50:]):.3f}; weights in {charlm.WEIGHTS}"
+        )
         return 0
     if args.command == "generate":
         return generate_mod.main(args)

@@ -50,8 +50,7 @@ EMBED = "embed"
 VOCAB = "vocab"
 
 #: every logical axis name kvjax knows, memories first
-LOGICAL_AXES = (LAYERS, KV_HEADS, CELLS, HEAD_DIM, SEQ_WORDS, SEQS, STREAMS, STATE_ROWS, STATE, HEADS, FF, EMBED,
-                VOCAB)
+LOGICAL_AXES = (LAYERS, KV_HEADS, CELLS, HEAD_DIM, SEQ_WORDS, SEQS, STREAMS, STATE_ROWS, STATE, HEADS, FF, EMBED, VOCAB)
 
 
 def kv_axes() -> PartitionSpec:

@@ -48,16 +48,16 @@ ERROR_MESSAGES = {
     ErrorFlag.DIVISOR: "seq_div divisor d <= 0 (an op was skipped)",
     ErrorFlag.SLOT: "slot index outside [-1, size) (a write dropped those rows; a model step was skipped)",
     ErrorFlag.UBATCH: "ubatch token with a negative position or a seq id outside [0, n_seq_max) "
-                      "(find_slot refused the ubatch)",
+    "(find_slot refused the ubatch)",
     ErrorFlag.LAYER: "layer id not cached (the write was dropped)",
     ErrorFlag.MAX_MOVES: "defrag max_moves < 0 (nothing was moved)",
     ErrorFlag.OVERFLOW: "seq_add would push a position to 2**31 - 1 or past it, outside [0, 2**31 - 1) "
-                        "(an op was skipped)",
+    "(an op was skipped)",
     ErrorFlag.STATE_SHIFT: "seq_add would move a recurrent state below position 0; a state holds its whole "
-                           "sequence, so it is never dropped (the op was skipped)",
+    "sequence, so it is never dropped (the op was skipped)",
     ErrorFlag.TOKEN: "a model step's token id outside [0, vocab_size) (the step was skipped, ok false)",
     ErrorFlag.WINDOW: "a model step's placed cells lie outside the windows it was given (the step was skipped, "
-                      "ok false; pick windows with kvjax.nn.window_for / windows_for)",
+    "ok false; pick windows with kvjax.nn.window_for / windows_for)",
 }
 
 

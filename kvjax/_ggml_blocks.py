@@ -118,8 +118,10 @@ def row_bytes(name: str, n: int) -> int:
     """Bytes of a row of ``n`` values of type ``name`` (``n`` a multiple of the type's block)."""
     t = check_type(name)
     if n <= 0 or n % t.block:
-        raise ValueError(f"a row of {n} values cannot be stored as {name}: allowed a positive multiple "
-                         f"of its block of {t.block} values")
+        raise ValueError(
+            f"a row of {n} values cannot be stored as {name}: allowed a positive multiple "
+            f"of its block of {t.block} values"
+        )
     return n // t.block * t.type_size
 
 
@@ -229,7 +231,7 @@ def _mxfp4(b):
     # e < 2 makes d a float32 subnormal, which XLA flushes to zero before the product: scale in two
     # exact steps there instead (results still below float32's normal range flush to a signed zero)
     up = jax.lax.bitcast_convert_type(e + 63 << 23, jnp.float32)  # 2^(e - 64)
-    return jnp.where(e < 2, q * up * jnp.float32(2.0 ** -64), d * q)
+    return jnp.where(e < 2, q * up * jnp.float32(2.0**-64), d * q)
 
 
 def _nvfp4(b):
@@ -237,8 +239,7 @@ def _nvfp4(b):
     x = b[:, :4]
     exp = (x >> 3).astype(jnp.int32) & 0xF
     man = (x & 0x7).astype(jnp.float32)
-    raw = jnp.where(exp == 0, man * jnp.float32(2.0 ** -9),
-                    jnp.ldexp(1 + man / 8, exp - 7))
+    raw = jnp.where(exp == 0, man * jnp.float32(2.0**-9), jnp.ldexp(1 + man / 8, exp - 7))
     d = jnp.where((x == 0) | (x == 0x7F), jnp.float32(0), raw * jnp.float32(0.5))
     q = _bits(b[:, 4:], 8, (0, 4), 0x0F).reshape(-1, 4, 16)
     return (d[..., None] * _lookup(FP4_LEVELS, q)).reshape(-1, 64)
@@ -323,8 +324,9 @@ def _ternary(q: jax.Array) -> jax.Array:
 def _tq1_0(b):
     # uint8 products wrap mod 256, which is how the trits are shifted to the top of the byte
     def digits(x, group, k):
-        p = jnp.asarray([3 ** i for i in range(k)], jnp.uint8).reshape(1, 1, k, 1)
+        p = jnp.asarray([3**i for i in range(k)], jnp.uint8).reshape(1, 1, k, 1)
         return (x.reshape(x.shape[0], -1, 1, group) * p).reshape(x.shape[0], -1)
+
     q = jnp.concatenate([digits(b[:, :32], 32, 5), digits(b[:, 32:48], 16, 5), digits(b[:, 48:52], 4, 4)], axis=-1)
     return _f16(b[:, 52:54]) * _ternary(q)
 
@@ -343,8 +345,9 @@ def _grid(name: str) -> np.ndarray:
     try:
         import gguf.quants as gq
     except ImportError as e:  # pragma: no cover - reading a GGUF file already needs gguf
-        raise ImportError(f"dequantizing {name} needs its lattice grid from the gguf package: "
-                          "pip install 'kvjax[gguf]'") from e
+        raise ImportError(
+            f"dequantizing {name} needs its lattice grid from the gguf package: pip install 'kvjax[gguf]'"
+        ) from e
     cls = getattr(gq, name)
     cls.init_grid()
     return np.asarray(cls.grid, np.float32).reshape(cls.grid_shape)
@@ -384,7 +387,7 @@ def _half_scales(s: jax.Array) -> jax.Array:
 def _iq2_xs(b):
     d = _f16(b[:, :2])
     qs = _u16(b[:, 2:66])  # [N, 32]: 9-bit grid index, 7-bit sign index
-    db = (d * (jnp.float32(0.5) + _half_scales(b[:, 66:74]).astype(jnp.float32)) * jnp.float32(0.25))
+    db = d * (jnp.float32(0.5) + _half_scales(b[:, 66:74]).astype(jnp.float32)) * jnp.float32(0.25)
     signs = _even_signs(qs >> 9).reshape(-1, 16, 2, 8)
     grid = _grid_rows("IQ2_XS", qs & 511).reshape(-1, 16, 2, 8)
     return (db[..., None, None] * grid * signs).reshape(-1, QK_K)
@@ -392,7 +395,7 @@ def _iq2_xs(b):
 
 def _iq2_s(b):
     d = _f16(b[:, :2])
-    db = (d * (jnp.float32(0.5) + _half_scales(b[:, 74:82]).astype(jnp.float32)) * jnp.float32(0.25))
+    db = d * (jnp.float32(0.5) + _half_scales(b[:, 74:82]).astype(jnp.float32)) * jnp.float32(0.25)
     signs = _signs(_bits(b[:, 34:66], 1, range(8), 1)).reshape(-1, 16, 2, 8)
     qh = _bits(b[:, 66:74], 1, (0, 2, 4, 6), 3).astype(jnp.uint16)
     idx = b[:, 2:34].astype(jnp.uint16) | (qh << 8)
@@ -449,13 +452,32 @@ def _iq1_m(b):
 
 
 _DEQUANTIZERS: Dict[str, Callable[[jax.Array], jax.Array]] = {
-    "F32": _f32, "F16": _f16, "BF16": _bf16,
-    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "MXFP4": _mxfp4, "NVFP4": _nvfp4,
-    "TQ1_0": _tq1_0, "TQ2_0": _tq2_0,
-    "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs, "IQ2_S": _iq2_s, "IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s,
-    "IQ1_S": _iq1_s, "IQ1_M": _iq1_m,
+    "F32": _f32,
+    "F16": _f16,
+    "BF16": _bf16,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+    "MXFP4": _mxfp4,
+    "NVFP4": _nvfp4,
+    "TQ1_0": _tq1_0,
+    "TQ2_0": _tq2_0,
+    "IQ2_XXS": _iq2_xxs,
+    "IQ2_XS": _iq2_xs,
+    "IQ2_S": _iq2_s,
+    "IQ3_XXS": _iq3_xxs,
+    "IQ3_S": _iq3_s,
+    "IQ1_S": _iq1_s,
+    "IQ1_M": _iq1_m,
 }
 assert set(_DEQUANTIZERS) == set(WEIGHT_TYPES)
 
@@ -484,8 +506,10 @@ def dequantize(raw, name: str, dtype=jnp.float32) -> jax.Array:
             raise ValueError("raw must have at least one axis of bytes")
         raw = jax.lax.bitcast_convert_type(raw, jnp.uint8).reshape(*raw.shape[:-1], -1)
     if raw.ndim == 0 or raw.shape[-1] % t.type_size:
-        raise ValueError(f"raw's last axis has {raw.shape[-1] if raw.ndim else 0} bytes: allowed a multiple of "
-                         f"{name}'s block of {t.type_size} bytes")
+        raise ValueError(
+            f"raw's last axis has {raw.shape[-1] if raw.ndim else 0} bytes: allowed a multiple of "
+            f"{name}'s block of {t.type_size} bytes"
+        )
     lead, n_blocks = raw.shape[:-1], raw.shape[-1] // t.type_size
     values = _DEQUANTIZERS[name](raw.reshape(-1, t.type_size))
     return values.reshape(*lead, n_blocks * t.block).astype(dtype)

@@ -62,9 +62,16 @@ def cell_table(cache: KVCache) -> CellTable:
         cells = jax.device_get(cache.cells)
         seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)
         used = seqs.any(axis=1)
-        return CellTable(np.asarray(cells.pos), seqs, np.zeros_like(cells.pos), int(cells.head),
-                         src=np.where(used, np.arange(len(used)), -1).astype(np.int32), tail=np.asarray(cells.tail),
-                         roll=np.asarray(cells.roll), hist=np.asarray(cells.hist))
+        return CellTable(
+            np.asarray(cells.pos),
+            seqs,
+            np.zeros_like(cells.pos),
+            int(cells.head),
+            src=np.where(used, np.arange(len(used)), -1).astype(np.int32),
+            tail=np.asarray(cells.tail),
+            roll=np.asarray(cells.roll),
+            hist=np.asarray(cells.hist),
+        )
     require_cache(cache, "cell_table")
     cells = cache.cells
     seqs = unpack(np.asarray(cells.seq), cells.n_seq_max)
@@ -95,7 +102,7 @@ def cell_map(cache: KVCache, width: int = 64) -> str:
     nz = np.flatnonzero(table.seqs.any(axis=1))
     cmax = int(nz[-1]) + 1 if nz.size else 0
     chars = "".join(_cell_char(row) for row in table.seqs)
-    lines = [chars[i:i + width] for i in range(0, size, width)]
+    lines = [chars[i : i + width] for i in range(0, size, width)]
     if table.tail is not None:  # a recurrent memory: no attention window
         header = f"cells {used}/{size} used, head {table.head}, tails {table.tail.tolist()}"
         return "\n".join([header] + lines)

@@ -42,9 +42,19 @@ Rules = Union[None, Mapping[str, MeshAxes], Sequence[Tuple[str, MeshAxes]]]
 #: logical axis -> mesh axis: kv heads (and the weights' heads and MLP width) on ``"model"``,
 #: streams on ``"data"``, everything else whole on every device
 DEFAULT_RULES: Tuple[Tuple[str, MeshAxes], ...] = (
-    (ax.LAYERS, None), (ax.KV_HEADS, MODEL), (ax.CELLS, None), (ax.HEAD_DIM, None), (ax.SEQ_WORDS, None),
-    (ax.SEQS, None), (ax.STREAMS, DATA), (ax.STATE_ROWS, None), (ax.STATE, None),
-    (ax.HEADS, MODEL), (ax.FF, MODEL), (ax.EMBED, None), (ax.VOCAB, None),
+    (ax.LAYERS, None),
+    (ax.KV_HEADS, MODEL),
+    (ax.CELLS, None),
+    (ax.HEAD_DIM, None),
+    (ax.SEQ_WORDS, None),
+    (ax.SEQS, None),
+    (ax.STREAMS, DATA),
+    (ax.STATE_ROWS, None),
+    (ax.STATE, None),
+    (ax.HEADS, MODEL),
+    (ax.FF, MODEL),
+    (ax.EMBED, None),
+    (ax.VOCAB, None),
 )
 
 
@@ -68,9 +78,11 @@ def make_mesh(data: int, model: int, devices: Optional[Sequence[Any]] = None) ->
     pool = list(jax.devices() if devices is None else devices)
     need = int(data) * int(model)
     if need > len(pool):
-        raise ValueError(f"data * model = {need} devices is out of range: allowed at most {len(pool)} (the devices "
-                         f"given; for virtual CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count=N "
-                         f"before jax starts)")
+        raise ValueError(
+            f"data * model = {need} devices is out of range: allowed at most {len(pool)} (the devices "
+            f"given; for virtual CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            f"before jax starts)"
+        )
     return Mesh(np.asarray(pool[:need], dtype=object).reshape(int(data), int(model)), (DATA, MODEL))
 
 
@@ -81,15 +93,17 @@ def _mesh_axes_of(value, logical: str) -> Tuple[str, ...]:
         return (value,)
     if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ValueError(f"rules[{logical!r}]={value!r} is out of range: allowed a mesh axis name, a tuple of them, "
-                     f"or None")
+    raise ValueError(
+        f"rules[{logical!r}]={value!r} is out of range: allowed a mesh axis name, a tuple of them, or None"
+    )
 
 
 def check_mesh(mesh) -> Mesh:
     """``mesh`` if it is a ``jax.sharding.Mesh``, else ``ValueError``."""
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. kvjax.shard.make_mesh(data, model)), got "
-                         f"{type(mesh).__name__}")
+        raise ValueError(
+            f"mesh must be a jax.sharding.Mesh (e.g. kvjax.shard.make_mesh(data, model)), got {type(mesh).__name__}"
+        )
     return mesh
 
 
@@ -117,11 +131,15 @@ def check_rules(rules: Rules, mesh: Optional[Mesh] = None) -> Dict[str, Tuple[st
             try:
                 pairs = [tuple(p) for p in rules]
             except TypeError:
-                raise ValueError(f"rules={rules!r} is out of range: allowed a mapping or a sequence of "
-                                 f"(logical axis, mesh axes) pairs") from None
+                raise ValueError(
+                    f"rules={rules!r} is out of range: allowed a mapping or a sequence of "
+                    f"(logical axis, mesh axes) pairs"
+                ) from None
             if any(len(p) != 2 for p in pairs):
-                raise ValueError(f"rules={rules!r} is out of range: allowed a mapping or a sequence of "
-                                 f"(logical axis, mesh axes) pairs")
+                raise ValueError(
+                    f"rules={rules!r} is out of range: allowed a mapping or a sequence of "
+                    f"(logical axis, mesh axes) pairs"
+                )
         for name, value in pairs:
             if name not in ax.LOGICAL_AXES:
                 raise ValueError(f"rules names the logical axis {name!r}: allowed {list(ax.LOGICAL_AXES)}")
@@ -131,10 +149,15 @@ def check_rules(rules: Rules, mesh: Optional[Mesh] = None) -> Dict[str, Tuple[st
         for logical, axes in table.items():
             for a in axes:
                 if a not in names:
-                    hint = " (the default rules use the axes 'data' and 'model': kvjax.shard.make_mesh, " \
-                           "or pass rules)" if a in (DATA, MODEL) else ""
-                    raise ValueError(f"rules map the logical axis {logical!r} to the mesh axis {a!r}: allowed the "
-                                     f"mesh's axes {list(names)} or None{hint}")
+                    hint = (
+                        " (the default rules use the axes 'data' and 'model': kvjax.shard.make_mesh, or pass rules)"
+                        if a in (DATA, MODEL)
+                        else ""
+                    )
+                    raise ValueError(
+                        f"rules map the logical axis {logical!r} to the mesh axis {a!r}: allowed the "
+                        f"mesh's axes {list(names)} or None{hint}"
+                    )
     return table
 
 
@@ -142,8 +165,9 @@ def freeze_rules(table: Dict[str, Tuple[str, ...]]):
     return tuple(sorted(table.items()))
 
 
-def to_mesh_spec(logical: PartitionSpec, shape: Tuple[int, ...], table: Dict[str, Tuple[str, ...]],
-                 mesh: Optional[Mesh], where: str) -> PartitionSpec:
+def to_mesh_spec(
+    logical: PartitionSpec, shape: Tuple[int, ...], table: Dict[str, Tuple[str, ...]], mesh: Optional[Mesh], where: str
+) -> PartitionSpec:
     """One leaf's mesh ``PartitionSpec`` from its logical one, checked against its shape and the mesh.
 
     Raises:
@@ -151,34 +175,43 @@ def to_mesh_spec(logical: PartitionSpec, shape: Tuple[int, ...], table: Dict[str
             twice in one leaf, or a dimension the mesh axes do not divide.
     """
     if not isinstance(logical, PartitionSpec):
-        raise ValueError(f"{where}: logical axes must be a jax.sharding.PartitionSpec of logical names, got "
-                         f"{type(logical).__name__}")
+        raise ValueError(
+            f"{where}: logical axes must be a jax.sharding.PartitionSpec of logical names, got {type(logical).__name__}"
+        )
     names = tuple(logical)
     if len(names) != len(shape):
-        raise ValueError(f"{where} has {len(shape)} dimensions {tuple(shape)} but {len(names)} logical axes "
-                         f"{names}: allowed one logical axis per dimension")
+        raise ValueError(
+            f"{where} has {len(shape)} dimensions {tuple(shape)} but {len(names)} logical axes "
+            f"{names}: allowed one logical axis per dimension"
+        )
     out, used = [], {}
     for i, (name, n) in enumerate(zip(names, shape)):
         if name is None:
             out.append(None)
             continue
         if name not in table:
-            raise ValueError(f"{where}: the logical axis {name!r} has no rule: allowed {sorted(table)} (a new axis "
-                             f"name needs a rule: add it to kvjax.shard.LOGICAL_AXES and DEFAULT_RULES)")
+            raise ValueError(
+                f"{where}: the logical axis {name!r} has no rule: allowed {sorted(table)} (a new axis "
+                f"name needs a rule: add it to kvjax.shard.LOGICAL_AXES and DEFAULT_RULES)"
+            )
         axes = table[name]
         for a in axes:
             if a in used:
-                raise ValueError(f"{where}: the mesh axis {a!r} splits both dimension {used[a]} and dimension {i} "
-                                 f"({name!r}): allowed each mesh axis once per leaf (change the rules)")
+                raise ValueError(
+                    f"{where}: the mesh axis {a!r} splits both dimension {used[a]} and dimension {i} "
+                    f"({name!r}): allowed each mesh axis once per leaf (change the rules)"
+                )
             used[a] = i
         if mesh is not None and axes:
             parts = math.prod(mesh.shape[a] for a in axes)
             if n % parts:
                 allowed = [d for d in range(1, n + 1) if n % d == 0]
-                raise ValueError(f"mesh={dict(mesh.shape)} does not divide {where}: dimension {i} ({name!r}, size "
-                                 f"{n}) is split over mesh axes {list(axes)} of {parts} devices; allowed a mesh "
-                                 f"whose {'x'.join(axes)} size is one of {allowed} (or a rule mapping {name!r} "
-                                 f"to None)")
+                raise ValueError(
+                    f"mesh={dict(mesh.shape)} does not divide {where}: dimension {i} ({name!r}, size "
+                    f"{n}) is split over mesh axes {list(axes)} of {parts} devices; allowed a mesh "
+                    f"whose {'x'.join(axes)} size is one of {allowed} (or a rule mapping {name!r} "
+                    f"to None)"
+                )
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*out)
 
@@ -218,5 +251,7 @@ def type_mesh(x) -> Tuple[Any, Dict[str, int]]:
 
 def spans_devices(tree) -> bool:
     """Whether any array leaf of ``tree`` lives on more than one device (it was placed on a mesh)."""
-    return any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1
-               for x in jax.tree.leaves(tree))
+    return any(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1
+        for x in jax.tree.leaves(tree)
+    )

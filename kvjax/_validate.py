@@ -46,7 +46,9 @@ def concrete_int(name: str, x):
     """
     if is_traced(x):
         if x.shape != () or not np.issubdtype(x.dtype, np.integer):
-            raise ValueError(f"{name} is out of range: allowed an integer scalar, got a traced {x.dtype}{list(x.shape)}")
+            raise ValueError(
+                f"{name} is out of range: allowed an integer scalar, got a traced {x.dtype}{list(x.shape)}"
+            )
         return None
     arr = np.asarray(x)
     # a bool is not an id or a position (seq_rm(cache, True) would mean sequence 1)
@@ -92,12 +94,15 @@ def check_position(name: str, x) -> None:
 def check_window(n_kv, padding: int, size: int) -> int:
     """Check a static attention window: a positive multiple of ``padding``, at most ``size``."""
     if is_traced(n_kv):
-        raise ValueError("n_kv must be a static Python int (it sets array shapes); pick it on the "
-                         "host with kvjax.n_kv(cache) or kvjax.window_bucket")
+        raise ValueError(
+            "n_kv must be a static Python int (it sets array shapes); pick it on the "
+            "host with kvjax.n_kv(cache) or kvjax.window_bucket"
+        )
     value = concrete_int("n_kv", n_kv)
     if value <= 0 or value % padding or value > size:
-        raise ValueError(f"n_kv={value} is out of range: allowed a positive multiple of "
-                         f"padding={padding}, at most size={size}")
+        raise ValueError(
+            f"n_kv={value} is out of range: allowed a positive multiple of padding={padding}, at most size={size}"
+        )
     return value
 
 
@@ -182,8 +187,9 @@ def check_count(name: str, value, minimum: int = 0, maximum: int = None) -> int:
     if maximum is None:
         require(number is not None and number >= minimum, name, value, f"an integer >= {minimum}")
     else:
-        require(number is not None and minimum <= number <= maximum, name, value,
-                f"an integer in [{minimum}, {maximum}]")
+        require(
+            number is not None and minimum <= number <= maximum, name, value, f"an integer in [{minimum}, {maximum}]"
+        )
     return int(number)
 
 
@@ -196,7 +202,7 @@ def _scalar(value, kinds: str):
         return value if ("f" in kinds or isinstance(value, int)) else None
     try:
         arr = np.asarray(value)
-    except Exception:   # noqa: BLE001 - anything numpy cannot read is not a number
+    except Exception:  # noqa: BLE001 - anything numpy cannot read is not a number
         return None
     if arr.ndim != 0 or arr.dtype.kind not in kinds:
         return None
@@ -220,7 +226,7 @@ def check_real(name: str, value, *, above: float = None, optional: bool = False)
     number = _scalar(value, "iuf")
     allowed = "a finite number" + ("" if above is None else f" > {above:g}") + (" (or None)" if optional else "")
     try:
-        real = None if number is None else float(number)   # a Python int past 2**1024 overflows here
+        real = None if number is None else float(number)  # a Python int past 2**1024 overflows here
     except OverflowError:
         real = None
     require(real is not None and math.isfinite(real) and (above is None or real > above), name, value, allowed)

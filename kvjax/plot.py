@@ -131,12 +131,16 @@ def plot_sharding(x, dims=(0, 1), ax=None, *, names=None, title=None):
     for (r0, r1, c0, c1), devs in pieces.items():
         lab = tuple(sorted(devs))
         image[r0:r1, c0:c1] = colour[lab]
-        text = (f"device{'s' if len(lab) > 1 else ''} " + ",".join(map(str, lab)) if len(lab) <= 4
-                else f"{len(lab)} devices")
+        text = (
+            f"device{'s' if len(lab) > 1 else ''} " + ",".join(map(str, lab))
+            if len(lab) <= 4
+            else f"{len(lab)} devices"
+        )
         ax.text((c0 + c1 - 1) / 2, (r0 + r1 - 1) / 2, text, ha="center", va="center", fontsize=7)
     many = len(labels) > 10
-    ax.imshow(image, aspect="auto", cmap="tab20" if many else "tab10", vmin=0, vmax=19 if many else 9,
-              interpolation="nearest")
+    ax.imshow(
+        image, aspect="auto", cmap="tab20" if many else "tab10", vmin=0, vmax=19 if many else 9, interpolation="nearest"
+    )
     ax.set_ylabel(names[0] if names else f"dim {a}")
     ax.set_xlabel(names[1] if names else f"dim {b}")
     ax.set_title(title if title is not None else str(getattr(x.sharding, "spec", x.sharding)))

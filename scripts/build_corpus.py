@@ -11,12 +11,57 @@ import pathlib
 import re
 import sys
 
-MODULES = ["json", "collections", "itertools", "functools", "textwrap", "string", "random", "heapq",
-           "bisect", "pathlib", "datetime", "fractions", "statistics", "shutil", "tempfile", "csv",
-           "argparse", "logging", "contextlib", "dataclasses", "enum", "typing", "abc", "copy",
-           "pprint", "difflib", "base64", "hashlib", "zipfile", "tarfile", "queue", "threading",
-           "subprocess", "os", "re", "math", "operator", "io", "codecs", "unittest", "doctest",
-           "calendar", "decimal", "fnmatch", "glob", "gzip", "html", "http.client", "inspect"]
+MODULES = [
+    "json",
+    "collections",
+    "itertools",
+    "functools",
+    "textwrap",
+    "string",
+    "random",
+    "heapq",
+    "bisect",
+    "pathlib",
+    "datetime",
+    "fractions",
+    "statistics",
+    "shutil",
+    "tempfile",
+    "csv",
+    "argparse",
+    "logging",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "typing",
+    "abc",
+    "copy",
+    "pprint",
+    "difflib",
+    "base64",
+    "hashlib",
+    "zipfile",
+    "tarfile",
+    "queue",
+    "threading",
+    "subprocess",
+    "os",
+    "re",
+    "math",
+    "operator",
+    "io",
+    "codecs",
+    "unittest",
+    "doctest",
+    "calendar",
+    "decimal",
+    "fnmatch",
+    "glob",
+    "gzip",
+    "html",
+    "http.client",
+    "inspect",
+]
 
 
 def _clean(text: str) -> str:
@@ -50,8 +95,10 @@ def build(limit: int = 600_000) -> str:
 
 
 if __name__ == "__main__":
-    header = (f"# Assembled from the docstrings of the Python {sys.version.split()[0]} standard library "
-              "(PSF License Agreement) by scripts/build_corpus.py.\n\n")
+    header = (
+        f"# Assembled from the docstrings of the Python {sys.version.split()[0]} standard library "
+        "(PSF License Agreement) by scripts/build_corpus.py.\n\n"
+    )
     out = pathlib.Path(__file__).resolve().parent.parent / "kvjax" / "data" / "corpus.txt"
     out.write_text(header + build() + "\n")
     print(f"wrote {out} ({out.stat().st_size} bytes)")

@@ -32,19 +32,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = write_llamacpp_mamba(pathlib.Path(folder) / "mamba.gguf")
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=2, logits_all=True,
-                              verbose=False)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=2, logits_all=True, verbose=False)
         llm.reset()
         llm.eval(TOKENS)
-        batch = np.asarray(llm.scores[:len(TOKENS)], np.float64)
+        batch = np.asarray(llm.scores[: len(TOKENS)], np.float64)
         llm.reset()
         for t in TOKENS:
             llm.eval([t])
-        stepwise = np.asarray(llm.scores[:len(TOKENS)], np.float64)
-    FIXTURE.write_text(json.dumps({
-        "llama_cpp_python": llama_cpp.__version__, "gguf_sha256": digest, "tokens": TOKENS,
-        "logits_batch": np.round(batch, 6).tolist(), "logits_stepwise": np.round(stepwise, 6).tolist(),
-    }, indent=1) + "\n")
+        stepwise = np.asarray(llm.scores[: len(TOKENS)], np.float64)
+    FIXTURE.write_text(
+        json.dumps(
+            {
+                "llama_cpp_python": llama_cpp.__version__,
+                "gguf_sha256": digest,
+                "tokens": TOKENS,
+                "logits_batch": np.round(batch, 6).tolist(),
+                "logits_stepwise": np.round(stepwise, 6).tolist(),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {FIXTURE} (batch against one-by-one: max difference {np.abs(batch - stepwise).max():.2e})")
     return 0
 

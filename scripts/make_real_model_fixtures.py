@@ -22,9 +22,13 @@ import numpy as np
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "tests" / "data" / "real_model"
 N_NEW = 24
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-           "Once upon a time, in a small village by the sea,", "1, 2, 3, 4, 5, 6,",
-           "Question: What is the boiling point of water at sea level?\nAnswer:"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5, 6,",
+    "Question: What is the boiling point of water at sea level?\nAnswer:",
+]
 
 
 def _greedy(llm, ids, n_new):
@@ -57,8 +61,9 @@ def main(argv=None) -> int:
         path = package.assemble(path)
     text = (DATA / "text.txt").read_text()
     prompts = PROMPTS + [text + "\n\n" + text + "\n\nSummary:"]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, n_threads=2, logits_all=True,
-                          verbose=False, seed=0)
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=2048, n_batch=512, n_threads=2, logits_all=True, verbose=False, seed=0
+    )
     cases = []
     for prompt in prompts:
         ids = llm.tokenize(prompt.encode(), add_bos=True, special=False)
@@ -68,11 +73,17 @@ def main(argv=None) -> int:
     ids = llm.tokenize(text.encode(), add_bos=True, special=False)
     llm.reset()
     llm.eval(ids)
-    nll = _nll(np.asarray(llm.scores[:len(ids)]), ids)
+    nll = _nll(np.asarray(llm.scores[: len(ids)]), ids)
     ppl = {"ids": ids, "perplexity": float(np.exp(nll.mean())), "mean_nll": float(nll.mean())}
     print(f"perplexity over {len(ids)} tokens: {ppl['perplexity']:.4f}", file=sys.stderr)
-    out = {"model": path.name, "llama_cpp_python": llama_cpp.__version__, "n_threads": 2, "type_kv": "f16",
-           "cases": cases, "text": ppl}
+    out = {
+        "model": path.name,
+        "llama_cpp_python": llama_cpp.__version__,
+        "n_threads": 2,
+        "type_kv": "f16",
+        "cases": cases,
+        "text": ppl,
+    }
     (DATA / "llamacpp.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

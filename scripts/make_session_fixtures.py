@@ -48,16 +48,43 @@ CASES = {
     "llama-f16-rows": dict(model="llama", kv_type="f16", flash_attn=True, prompts=[PROMPT]),
     "llama-q8_0": dict(model="llama", kv_type="q8_0", flash_attn=True, prompts=[PROMPT]),
     # heads of 64: llama.cpp's quantized K/V in its rotated basis
-    "llama64-q8_0": dict(model="llama64", kv_type="q8_0", flash_attn=True, n_seq=2, shared=len(PREFIX),
-                         prompts=[PREFIX + s for s in SUFFIXES[:2]], seq=dict(src=1, dest=1)),
-    "llama-shared": dict(model="llama", kv_type="f16", flash_attn=False, n_seq=3, shared=len(PREFIX),
-                         prompts=[PREFIX + s for s in SUFFIXES], seq=dict(src=1, dest=2)),
-    "llama-streams": dict(model="llama", kv_type="f16", flash_attn=False, n_seq=2, kv_unified=False,
-                          prompts=[PROMPT, PREFIX + SUFFIXES[0]]),
+    "llama64-q8_0": dict(
+        model="llama64",
+        kv_type="q8_0",
+        flash_attn=True,
+        n_seq=2,
+        shared=len(PREFIX),
+        prompts=[PREFIX + s for s in SUFFIXES[:2]],
+        seq=dict(src=1, dest=1),
+    ),
+    "llama-shared": dict(
+        model="llama",
+        kv_type="f16",
+        flash_attn=False,
+        n_seq=3,
+        shared=len(PREFIX),
+        prompts=[PREFIX + s for s in SUFFIXES],
+        seq=dict(src=1, dest=2),
+    ),
+    "llama-streams": dict(
+        model="llama",
+        kv_type="f16",
+        flash_attn=False,
+        n_seq=2,
+        kv_unified=False,
+        prompts=[PROMPT, PREFIX + SUFFIXES[0]],
+    ),
     "gemma3-f16-vtrans": dict(model="gemma3", kv_type="f16", flash_attn=False, prompts=[PROMPT]),
     "gemma3-q8_0": dict(model="gemma3", kv_type="q8_0", flash_attn=True, prompts=[PROMPT]),
-    "gemma3-shared": dict(model="gemma3", kv_type="f16", flash_attn=True, n_seq=3, shared=len(PREFIX),
-                          prompts=[PREFIX + s for s in SUFFIXES], seq=dict(src=1, dest=2)),
+    "gemma3-shared": dict(
+        model="gemma3",
+        kv_type="f16",
+        flash_attn=True,
+        n_seq=3,
+        shared=len(PREFIX),
+        prompts=[PREFIX + s for s in SUFFIXES],
+        seq=dict(src=1, dest=2),
+    ),
 }
 
 
@@ -66,9 +93,16 @@ def _byte_vocab_kv() -> dict:
     from benchmarks.bench_llamacpp import _byte_tokens
 
     toks = _byte_tokens()
-    return {"add_tokenizer_model": "gpt2", "add_tokenizer_pre": "default", "add_token_list": (toks,),
-            "add_token_types": ([1] * 256,), "add_token_merges": ([f"{toks[1]} {toks[2]}"],),
-            "add_bos_token_id": 0, "add_eos_token_id": 0, "add_add_bos_token": False}
+    return {
+        "add_tokenizer_model": "gpt2",
+        "add_tokenizer_pre": "default",
+        "add_token_list": (toks,),
+        "add_token_types": ([1] * 256,),
+        "add_token_merges": ([f"{toks[1]} {toks[2]}"],),
+        "add_bos_token_id": 0,
+        "add_eos_token_id": 0,
+        "add_add_bos_token": False,
+    }
 
 
 def _random_sd(n_layer: int, gemma: bool, rng, hd: int = 32) -> dict:
@@ -79,20 +113,34 @@ def _random_sd(n_layer: int, gemma: bool, rng, hd: int = 32) -> dict:
     """
     d, ff, vocab = 64, 128, 256
     w_std, norm_std = (1.0, 0.6) if gemma else (0.25, 0.3)
-    shapes = {"self_attn.q_proj.weight": (4 * hd, d), "self_attn.k_proj.weight": (2 * hd, d),
-              "self_attn.v_proj.weight": (2 * hd, d), "self_attn.o_proj.weight": (d, 4 * hd),
-              "mlp.gate_proj.weight": (ff, d), "mlp.up_proj.weight": (ff, d), "mlp.down_proj.weight": (d, ff)}
+    shapes = {
+        "self_attn.q_proj.weight": (4 * hd, d),
+        "self_attn.k_proj.weight": (2 * hd, d),
+        "self_attn.v_proj.weight": (2 * hd, d),
+        "self_attn.o_proj.weight": (d, 4 * hd),
+        "mlp.gate_proj.weight": (ff, d),
+        "mlp.up_proj.weight": (ff, d),
+        "mlp.down_proj.weight": (d, ff),
+    }
     norms = {"input_layernorm.weight": d, "post_attention_layernorm.weight": d}
     if gemma:
-        norms.update({"pre_feedforward_layernorm.weight": d, "post_feedforward_layernorm.weight": d,
-                      "self_attn.q_norm.weight": hd, "self_attn.k_norm.weight": hd})
+        norms.update(
+            {
+                "pre_feedforward_layernorm.weight": d,
+                "post_feedforward_layernorm.weight": d,
+                "self_attn.q_norm.weight": hd,
+                "self_attn.k_norm.weight": hd,
+            }
+        )
     embed = rng.standard_normal((vocab, d)).astype(np.float32)
     if gemma:
         embed /= np.linalg.norm(embed, axis=1, keepdims=True)
     # gemma's norms are 1 + w (write_gguf adds the 1); llama's are w
     offset = 0.0 if gemma else 1.0
-    sd = {"model.embed_tokens.weight": embed,
-          "model.norm.weight": (norm_std * rng.standard_normal(d) + offset).astype(np.float32)}
+    sd = {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": (norm_std * rng.standard_normal(d) + offset).astype(np.float32),
+    }
     if not gemma:
         sd["lm_head.weight"] = (0.25 * rng.standard_normal((vocab, d))).astype(np.float32)
     for il in range(n_layer):
@@ -110,24 +158,63 @@ def write_models(folder: pathlib.Path) -> dict:
     from tests.test_gguf import write_gguf
 
     rng = np.random.default_rng(7)
-    llama = write_gguf(folder / "tiny-llama.gguf", "llama", _random_sd(2, False, rng), n_layer=2, n_heads=4,
-                       n_kv_heads=2, eps=1e-5, theta=10000.0, qtype=gguf.GGMLQuantizationType.F16,
-                       extra_kv=_byte_vocab_kv(), head_dim=32)
-    gemma_kv = dict(_byte_vocab_kv(), add_sliding_window=8, add_sliding_window_pattern=([True, True, False],),
-                    add_rope_freq_base_swa=10000.0)
-    gemma = write_gguf(folder / "tiny-gemma3.gguf", "gemma3", _random_sd(3, True, rng), n_layer=3, n_heads=4,
-                       n_kv_heads=2, eps=1e-6, theta=1e6, qtype=gguf.GGMLQuantizationType.F16, extra_kv=gemma_kv,
-                       head_dim=32)
+    llama = write_gguf(
+        folder / "tiny-llama.gguf",
+        "llama",
+        _random_sd(2, False, rng),
+        n_layer=2,
+        n_heads=4,
+        n_kv_heads=2,
+        eps=1e-5,
+        theta=10000.0,
+        qtype=gguf.GGMLQuantizationType.F16,
+        extra_kv=_byte_vocab_kv(),
+        head_dim=32,
+    )
+    gemma_kv = dict(
+        _byte_vocab_kv(),
+        add_sliding_window=8,
+        add_sliding_window_pattern=([True, True, False],),
+        add_rope_freq_base_swa=10000.0,
+    )
+    gemma = write_gguf(
+        folder / "tiny-gemma3.gguf",
+        "gemma3",
+        _random_sd(3, True, rng),
+        n_layer=3,
+        n_heads=4,
+        n_kv_heads=2,
+        eps=1e-6,
+        theta=1e6,
+        qtype=gguf.GGMLQuantizationType.F16,
+        extra_kv=gemma_kv,
+        head_dim=32,
+    )
     # heads of 64 values: llama.cpp stores its quantized K/V Walsh-Hadamard-rotated (kvjax.io._attn_rot)
-    llama64 = write_gguf(folder / "tiny-llama64.gguf", "llama", _random_sd(2, False, rng, hd=64), n_layer=2,
-                         n_heads=4, n_kv_heads=2, eps=1e-5, theta=10000.0, qtype=gguf.GGMLQuantizationType.F16,
-                         extra_kv=_byte_vocab_kv(), head_dim=64)
+    llama64 = write_gguf(
+        folder / "tiny-llama64.gguf",
+        "llama",
+        _random_sd(2, False, rng, hd=64),
+        n_layer=2,
+        n_heads=4,
+        n_kv_heads=2,
+        eps=1e-5,
+        theta=10000.0,
+        qtype=gguf.GGMLQuantizationType.F16,
+        extra_kv=_byte_vocab_kv(),
+        head_dim=64,
+    )
     return {"llama": llama, "gemma3": gemma, "llama64": llama64}
 
 
 def context_options(case: dict) -> dict:
-    return dict(n_ctx=N_CTX, n_seq=case.get("n_seq", 1), kv_type=case["kv_type"], flash_attn=case["flash_attn"],
-                kv_unified=case.get("kv_unified", True))
+    return dict(
+        n_ctx=N_CTX,
+        n_seq=case.get("n_seq", 1),
+        kv_type=case["kv_type"],
+        flash_attn=case["flash_attn"],
+        kv_unified=case.get("kv_unified", True),
+    )
 
 
 def main() -> int:

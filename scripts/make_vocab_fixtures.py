@@ -69,8 +69,12 @@ def _record(path: str, name: str, digest=None) -> dict:
     cases = []
     for text in TEXTS:
         case = {"text": text}
-        for key, add, parse in (("ids", False, False), ("ids_special", False, True),
-                                ("ids_add", True, False), ("ids_add_special", True, True)):
+        for key, add, parse in (
+            ("ids", False, False),
+            ("ids_special", False, True),
+            ("ids_add", True, False),
+            ("ids_add_special", True, True),
+        ):
             case[key] = tokenize(text, add, parse)
         ids_of = {"ids_special": case["ids_special"]}
         for key in ("ids_add", "ids_add_special"):
@@ -86,7 +90,7 @@ def _record(path: str, name: str, digest=None) -> dict:
                 out = detokenize(case.get(key, ids_of.get(key)), remove, unparse)
                 if out != text:
                     case[f"{key}:{mode}"] = out
-        if case["ids_special"] == case["ids"]:      # a text without special-token strings
+        if case["ids_special"] == case["ids"]:  # a text without special-token strings
             del case["ids_special"]
         cases.append(case)
     return {
@@ -108,8 +112,10 @@ def _dump(data: dict, file: pathlib.Path) -> None:
     # one case a line: small diffs when llama.cpp changes its answer for a few texts
     head = {k: v for k, v in data.items() if k != "cases"}
     lines = [json.dumps(head, ensure_ascii=False)[:-1] + ', "cases": [']
-    lines += [json.dumps(c, ensure_ascii=False) + ("," if i + 1 < len(data["cases"]) else "")
-              for i, c in enumerate(data["cases"])]
+    lines += [
+        json.dumps(c, ensure_ascii=False) + ("," if i + 1 < len(data["cases"]) else "")
+        for i, c in enumerate(data["cases"])
+    ]
     lines.append("]}")
     file.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

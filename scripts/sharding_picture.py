@@ -25,12 +25,27 @@ def main(path="docs/sharding.png"):
     unified = kvjax.init(base, mesh=mesh)
     streams = kvjax.init(kvjax.StreamsConfig(base), mesh=mesh)
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    plot_sharding(unified.k[0], dims=(1, 2), ax=axes[0], names=("kv head", "cell"),
-                  title="unified K [L, H, C, D]: heads on 'model',\nreplicated over 'data'")
-    plot_sharding(unified.cells.pos[None, :], dims=(0, 1), ax=axes[1], names=("", "cell"),
-                  title="unified cell metadata (pos, seq, head):\nwhole on every device")
-    plot_sharding(streams.cache.k[0], dims=(0, 2), ax=axes[2], names=("stream", "kv head"),
-                  title="streams K [S, L, H, C, D]: streams on 'data',\nheads on 'model'")
+    plot_sharding(
+        unified.k[0],
+        dims=(1, 2),
+        ax=axes[0],
+        names=("kv head", "cell"),
+        title="unified K [L, H, C, D]: heads on 'model',\nreplicated over 'data'",
+    )
+    plot_sharding(
+        unified.cells.pos[None, :],
+        dims=(0, 1),
+        ax=axes[1],
+        names=("", "cell"),
+        title="unified cell metadata (pos, seq, head):\nwhole on every device",
+    )
+    plot_sharding(
+        streams.cache.k[0],
+        dims=(0, 2),
+        ax=axes[2],
+        names=("stream", "kv head"),
+        title="streams K [S, L, H, C, D]: streams on 'data',\nheads on 'model'",
+    )
     axes[1].set_yticks([])
     fig.suptitle("kvjax.init(config, mesh=make_mesh(data=2, model=4)) with the default rules")
     fig.tight_layout()

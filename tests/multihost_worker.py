@@ -26,7 +26,9 @@ def _shards_equal(sharded, plain) -> bool:
 
     whole = np.asarray(plain)
     # within float rounding: the sharded projections may sum in another order
-    return all(np.allclose(np.asarray(s.data), whole[s.index], rtol=1e-5, atol=1e-5) for s in sharded.addressable_shards)
+    return all(
+        np.allclose(np.asarray(s.data), whole[s.index], rtol=1e-5, atol=1e-5) for s in sharded.addressable_shards
+    )
 
 
 def main(process_id: int, n_processes: int, port: int, out: str) -> None:
@@ -34,8 +36,9 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=n_processes, process_id=process_id
+    )
     import numpy as np
     from flax import nnx
 
@@ -44,8 +47,11 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
     from kvjax.nn import Llama, LlamaConfig, make_step
 
     local = jax.local_devices()[0]
-    report = {"process_count": jax.process_count(), "device_count": jax.device_count(),
-              "local_device_count": jax.local_device_count()}
+    report = {
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+    }
     cfg = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8)
     model = Llama(cfg, rngs=nnx.Rngs(0))  # same seed in every process: the same weights
     step = make_step(model)
@@ -63,7 +69,10 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
         got, memory, ok = step(state, memory, ubatch, tokens, n_kv=16)
         memory = kvjax.seq_cp(memory, 0, 2)
         plain = kvjax.seq_cp(plain, 0, 2)
-        memory, plain = kvjax.update(kvjax.seq_add(memory, 5, 0, -1, 3)), kvjax.update(kvjax.seq_add(plain, 5, 0, -1, 3))
+        memory, plain = (
+            kvjax.update(kvjax.seq_add(memory, 5, 0, -1, 3)),
+            kvjax.update(kvjax.seq_add(plain, 5, 0, -1, 3)),
+        )
         # a parked conversation resumed: sequence 5 read back from its blob into the global memory
         # (the rows go to the devices that hold their heads, in both processes)
         blob = kvjax.state_write(plain, 5)
@@ -77,8 +86,10 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
         report[name + "-restore"] = {
             "shards_equal": _shards_equal(restored.k[0], plain_restored.k[0])
             and _shards_equal(restored.v[0], plain_restored.v[0]),
-            "cells_equal": all(np.array_equal(np.asarray(a), np.asarray(b))
-                               for a, b in zip(jax.tree.leaves(restored.cells), jax.tree.leaves(plain_restored.cells))),
+            "cells_equal": all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(restored.cells), jax.tree.leaves(plain_restored.cells))
+            ),
             "same_shardings": shard.same_shardings(restored, kvjax.init(config, mesh=mesh)),
             "seq_pos_max": int(kvjax.seq_pos_max(restored, 5)),
             "written_back": written,
@@ -91,8 +102,10 @@ def main(process_id: int, n_processes: int, port: int, out: str) -> None:
             "k_fully_addressable": bool(k.is_fully_addressable),
             "k_local_heads": sorted({h for s in k.addressable_shards for h in range(k.shape[1])[s.index[1]]}),
             "k_shards_equal": _shards_equal(k, plain.k[0]) and _shards_equal(memory.v[0], plain.v[0]),
-            "cells_equal": all(np.array_equal(np.asarray(a), np.asarray(b))
-                               for a, b in zip(jax.tree.leaves(memory.cells), jax.tree.leaves(plain.cells))),
+            "cells_equal": all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(memory.cells), jax.tree.leaves(plain.cells))
+            ),
             "used": int(kvjax.used_cells(memory)),
             "same_shardings": shard.same_shardings(memory, kvjax.init(config, mesh=mesh)),
         }

@@ -25,8 +25,16 @@ MASKS = [
 
 def _config(**kw):
     # layer 0, 2: 2 kv heads of size 16 (V size 8); layer 1: 1 kv head of size 8; layer 3 not cached
-    args = dict(size=64, n_seq_max=4, n_layer=4, n_kv_heads=(2, 1, 2, 2), head_dim=(16, 8, 16, 16),
-                head_dim_v=(8, 8, 8, 8), padding=16, layer_filter=[0, 1, 2])
+    args = dict(
+        size=64,
+        n_seq_max=4,
+        n_layer=4,
+        n_kv_heads=(2, 1, 2, 2),
+        head_dim=(16, 8, 16, 16),
+        head_dim_v=(8, 8, 8, 8),
+        padding=16,
+        layer_filter=[0, 1, 2],
+    )
     args.update(kw)
     return kvjax.CacheConfig(**args)
 
@@ -37,7 +45,7 @@ def _scene(dtype="float32", seed=0):
     cache = fill(kvjax.init(cfg), list(range(20)), [[0]] * 20)
     cache = kvjax.seq_cp(cache, 0, 1, 0, 8)
     cache = fill(cache, list(range(8, 14)), [[1]] * 6)
-    cache, _ = kvjax.seq_rm(cache, 0, 10, 13)   # holes
+    cache, _ = kvjax.seq_rm(cache, 0, 10, 13)  # holes
     cache = fill(cache, list(range(5)), [[2]] * 5)
     ub = kvjax.make_ubatch([20, 21, 14, 5, 6], [[0], [0], [1], [2, 1], [2]], length=8)
     cache, slot, ok = kvjax.find_slot(cache, ub)
@@ -84,7 +92,9 @@ def naive_attention(q, cache, layer, mask, scale, bias=None):
 
 
 @pytest.mark.parametrize("layer,hq", [(0, 2), (0, 8), (1, 3), (2, 4)])
-@pytest.mark.parametrize("mask_kind", range(len(MASKS)), ids=lambda i: "-".join(f"{k}={v}" for k, v in MASKS[i].items()))
+@pytest.mark.parametrize(
+    "mask_kind", range(len(MASKS)), ids=lambda i: "-".join(f"{k}={v}" for k, v in MASKS[i].items())
+)
 def test_attention_matches_naive_gather(layer, hq, mask_kind):
     cache, ub = _scene()
     cfg = cache.config
@@ -140,17 +150,23 @@ def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, max_chunk, n_kv):
     cache, ub = _scene()
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
-    qr = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3).reshape(2, 16, 16) * 0.25   # rows (g, t) per kv head
+    qr = q.reshape(8, 2, 2, 16).transpose(1, 2, 0, 3).reshape(2, 16, 16) * 0.25  # rows (g, t) per kv head
 
     def attend(qr, cache, mask, skip):
-        return module._attend(qr, cache.k[0], cache.v[0], jnp.int32(0), n_kv, mask, None, max_chunk, 2,
-                              skip_masked=skip)
+        return module._attend(
+            qr, cache.k[0], cache.v[0], jnp.int32(0), n_kv, mask, None, max_chunk, 2, skip_masked=skip
+        )
 
-    cases = [(20, 37), (0, 5), (n_kv - 3, n_kv), (33, 34), (0, n_kv), (10, 10)]   # [lo, hi) some row sees
+    cases = [(20, 37), (0, 5), (n_kv - 3, n_kv), (33, 34), (0, n_kv), (10, 10)]  # [lo, hi) some row sees
     for lo, hi in cases:
-        outside = np.r_[0:lo, hi:cache.config.size]
-        poisoned = kvjax.write(cache, 0, jnp.asarray(outside), jnp.full((len(outside), 2, 16), jnp.nan),
-                               jnp.full((len(outside), 2, 8), jnp.nan))
+        outside = np.r_[0:lo, hi : cache.config.size]
+        poisoned = kvjax.write(
+            cache,
+            0,
+            jnp.asarray(outside),
+            jnp.full((len(outside), 2, 16), jnp.nan),
+            jnp.full((len(outside), 2, 8), jnp.nan),
+        )
         visible = rng.random((8, n_kv)) < 0.5
         visible[:, :lo] = visible[:, hi:] = False
         if hi > lo:
@@ -165,8 +181,9 @@ def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, max_chunk, n_kv):
         # the loop over every chunk gives the same bits (masked cells are neutral either way), and so
         # does each of a vmapped batch
         full, skipped = (jax.jit(attend, static_argnums=3)(qr, poisoned, mask, s) for s in (False, True))
-        batched = jax.vmap(attend, in_axes=(0, None, 0, None))(jnp.stack([qr, qr[::-1]]), poisoned,
-                                                               jnp.stack([mask, mask[::-1]]), True)
+        batched = jax.vmap(attend, in_axes=(0, None, 0, None))(
+            jnp.stack([qr, qr[::-1]]), poisoned, jnp.stack([mask, mask[::-1]]), True
+        )
         for a, b, c in zip(full, skipped, batched):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             np.testing.assert_array_equal(np.asarray(c[0]), np.asarray(b))
@@ -175,11 +192,16 @@ def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, max_chunk, n_kv):
         read = np.zeros(cache.config.size, bool)
         for i in range(first, stop):
             start = min(i * max_chunk, n_kv - max_chunk)
-            read[start:start + max_chunk] = True
+            read[start : start + max_chunk] = True
         if not read[:n_kv].all():
             unread = np.flatnonzero(~read)
-            unread_nan = kvjax.write(cache, 0, jnp.asarray(unread), jnp.full((len(unread), 2, 16), jnp.nan),
-                                     jnp.full((len(unread), 2, 8), jnp.nan))
+            unread_nan = kvjax.write(
+                cache,
+                0,
+                jnp.asarray(unread),
+                jnp.full((len(unread), 2, 16), jnp.nan),
+                jnp.full((len(unread), 2, 8), jnp.nan),
+            )
             grads = [jax.grad(lambda qr, s=s: jnp.sum(attend(qr, unread_nan, mask, s)[0]))(qr) for s in (False, True)]
             assert np.isnan(np.asarray(grads[0])).any() and np.isfinite(np.asarray(grads[1])).all()
         clean = [jax.grad(lambda qr, s=s: jnp.sum(attend(qr, cache, mask, s)[0] ** 2))(qr) for s in (False, True)]
@@ -195,8 +217,12 @@ def test_boolean_mask_scale_and_bias():
     q = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4, 16)), jnp.float32)
     visible = kvjax.kq_mask_bool(cache, ub, 64)
     additive = kvjax.kq_mask(cache, ub, 64)
-    np.testing.assert_allclose(np.asarray(kvjax.attention(q, cache, 2, visible)),
-                               np.asarray(kvjax.attention(q, cache, 2, additive)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(kvjax.attention(q, cache, 2, visible)),
+        np.asarray(kvjax.attention(q, cache, 2, additive)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     # ALiBi-like bias per query head, and an explicit scale
     slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])[:, None, None]
     dist = kvjax.kq_mask(cache, ub, 64, alibi=True)
@@ -254,7 +280,9 @@ def test_bad_input():
     cache, ub = _scene()
     mask = kvjax.kq_mask(cache, ub, 64)
     q = jnp.zeros((8, 4, 16))
-    with pytest.raises(ValueError, match="q has 3 query heads: allowed a positive multiple of the layer's n_kv_heads=2"):
+    with pytest.raises(
+        ValueError, match="q has 3 query heads: allowed a positive multiple of the layer's n_kv_heads=2"
+    ):
         kvjax.attention(jnp.zeros((8, 3, 16)), cache, 0, mask)
     with pytest.raises(ValueError, match="head size 8: allowed the layer's head_dim=16"):
         kvjax.attention(jnp.zeros((8, 4, 8)), cache, 0, mask)
@@ -300,8 +328,13 @@ def _side_by_side(n_seq=8, prompt=3, steps=5, shared=0, **config):
     rng = np.random.default_rng(11)
     for il in cfg.cached_layers:
         h, d, dv = cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il]
-        cache = kvjax.write(cache, il, jnp.arange(cfg.size), jnp.asarray(rng.standard_normal((cfg.size, h, d)), jnp.float32),
-                            jnp.asarray(rng.standard_normal((cfg.size, h, dv)), jnp.float32))
+        cache = kvjax.write(
+            cache,
+            il,
+            jnp.arange(cfg.size),
+            jnp.asarray(rng.standard_normal((cfg.size, h, d)), jnp.float32),
+            jnp.asarray(rng.standard_normal((cfg.size, h, dv)), jnp.float32),
+        )
     return cache, ub
 
 
@@ -330,7 +363,7 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk, n_kv)
     """
     module = importlib.import_module("kvjax.attn._attention")
     _retrace(monkeypatch, module, "MAX_CHUNK", max_chunk)
-    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 8)   # the 8 rows of this scene
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 8)  # the 8 rows of this scene
     cache, ub = _side_by_side(shared=shared)
     rng = np.random.default_rng(12)
     q = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
@@ -340,12 +373,13 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk, n_kv)
     bias = jnp.asarray(rng.standard_normal((4, 8, n_kv)), jnp.float32)
     cases = (dict(), dict(bias=bias), dict(bias=bias[:, :1]), dict(softcap=0.7), dict(scale=0.5))
     owned = [kvjax.attention(q, cache, 0, mask, return_lse=True, **kw) for kw in cases]
-    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 9)   # the dense loop only
+    _retrace(monkeypatch, module, "OWNED_MIN_TOKENS", 9)  # the dense loop only
     dense = [kvjax.attention(q, cache, 0, mask, return_lse=True, **kw) for kw in cases]
     for kw, (out, lse), (dense_out, dense_lse) in zip(cases, owned, dense):
         if "softcap" not in kw:
-            ref_out, ref_lse = naive_attention(q, cache, 0, mask, kw.get("scale", 0.25),
-                                               bias=None if "bias" not in kw else np.asarray(kw["bias"]))
+            ref_out, ref_lse = naive_attention(
+                q, cache, 0, mask, kw.get("scale", 0.25), bias=None if "bias" not in kw else np.asarray(kw["bias"])
+            )
             np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(out), np.asarray(dense_out), rtol=1e-5, atol=1e-5)
@@ -356,12 +390,14 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk, n_kv)
     # vmapped (each chunk's switch becomes a select over its branches): each query set's own answer
     batched = jax.vmap(lambda q: kvjax.attention(q, cache, 0, mask))(jnp.stack([q, -q]))
     np.testing.assert_allclose(np.asarray(batched[0]), np.asarray(owned[0][0]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(kvjax.attention(-q, cache, 0, mask)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(batched[1]), np.asarray(kvjax.attention(-q, cache, 0, mask)), rtol=1e-5, atol=1e-5
+    )
     # the owned step is what ran: a marked one changes the rows it served, the dense ones not
     real = module._owned_step
-    _retrace(monkeypatch, module, "_owned_step",
-             lambda *a: (lambda m, l, o: (m, l, o + 1000.0 * l[..., None]))(*real(*a)))
+    _retrace(
+        monkeypatch, module, "_owned_step", lambda *a: (lambda m, l, o: (m, l, o + 1000.0 * l[..., None]))(*real(*a))
+    )
     marked = np.asarray(kvjax.attention(q, cache, 0, mask))
     _retrace(monkeypatch, module, "_owned_step", real)
     moved = np.any(np.abs(marked - np.asarray(owned[0][0])) > 100, axis=(1, 2))
@@ -372,8 +408,8 @@ def test_owned_chunks_match_the_dense_step(monkeypatch, shared, max_chunk, n_kv)
     sees = np.asarray(mask) > -np.inf
     expected = np.zeros(8, bool)
     for start in range(0, n_kv, chunk):
-        if viewers[start:start + chunk].max() == 1:
-            expected |= sees[:, start:start + chunk].any(axis=1)
+        if viewers[start : start + chunk].max() == 1:
+            expected |= sees[:, start : start + chunk].any(axis=1)
     assert expected.any() == (not (shared and chunk == n_kv))
     np.testing.assert_array_equal(moved, expected)
     # gradients through the owned chunks equal the dense loop's
@@ -391,8 +427,9 @@ def test_owned_chunks_non_finite_bytes(monkeypatch):
     hidden = np.setdiff1d(np.arange(128), visible)
     base = np.asarray(kvjax.attention(q, cache, 0, mask))
     for value in (np.nan, np.inf):
-        poisoned = kvjax.write(cache, 0, jnp.asarray(hidden), jnp.full((len(hidden), 2, 16), value),
-                               jnp.full((len(hidden), 2, 8), value))
+        poisoned = kvjax.write(
+            cache, 0, jnp.asarray(hidden), jnp.full((len(hidden), 2, 16), value), jnp.full((len(hidden), 2, 8), value)
+        )
         np.testing.assert_array_equal(np.asarray(kvjax.attention(q, poisoned, 0, mask)), base)
     cell = visible[len(visible) // 2]
     k = np.asarray(cache.k[0][0, :, cell]).copy()
@@ -403,7 +440,9 @@ def test_owned_chunks_non_finite_bytes(monkeypatch):
     row = owner[cell]
     assert np.isnan(out[row, :2]).all() and np.isfinite(np.delete(out, row, axis=0)).all()
     k[1, 0] = np.nan
-    bad_k = kvjax.write(cache, 0, jnp.asarray([cell]), jnp.asarray(k)[None], jnp.asarray(np.asarray(cache.v[0][0, :, cell]))[None])
+    bad_k = kvjax.write(
+        cache, 0, jnp.asarray([cell]), jnp.asarray(k)[None], jnp.asarray(np.asarray(cache.v[0][0, :, cell]))[None]
+    )
     out = np.asarray(kvjax.attention(q, bad_k, 0, mask))
     assert np.isnan(out[row, 2:]).all() and np.isfinite(out[row, :2]).all()
     assert np.isfinite(np.delete(out, row, axis=0)).all()

@@ -20,8 +20,11 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("layer,hq,mask_kind", [(0, 8, 0), (1, 3, 3), (2, 4, 5), (0, 2, 2)],
-                         ids=["gqa-causal", "mqa-swa", "symmetric", "alibi-mask"])
+@pytest.mark.parametrize(
+    "layer,hq,mask_kind",
+    [(0, 8, 0), (1, 3, 3), (2, 4, 5), (0, 2, 2)],
+    ids=["gqa-causal", "mqa-swa", "symmetric", "alibi-mask"],
+)
 def test_pallas_equals_xla_and_naive(layer, hq, mask_kind):
     """Several layers and groups, windows of 48 and 64 cells, padded rows, float and bool masks."""
     cache, ub = _scene()
@@ -50,8 +53,9 @@ def test_pallas_jitted_equals_eager_and_options():
     q = jnp.asarray(np.random.default_rng(1).standard_normal((8, 4, 16)), jnp.bfloat16)
 
     def run(q, cache, mask, implementation):
-        return kvjax.attention(q, cache, 0, mask, scale=0.3, softcap=2.0, return_lse=True,
-                               implementation=implementation)
+        return kvjax.attention(
+            q, cache, 0, mask, scale=0.3, softcap=2.0, return_lse=True, implementation=implementation
+        )
 
     eager = run(q, cache, mask, "pallas")
     jitted = jax.jit(run, static_argnums=3)(q, cache, mask, "pallas")
@@ -125,8 +129,7 @@ def test_bad_implementation_raises(monkeypatch):
     with pytest.raises(ValueError, match="KVJAX_ATTENTION='fast'"):
         kvjax.attention(q, cache, 0, mask)
     monkeypatch.delenv(_attention.ENV_IMPLEMENTATION)
-    cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=32, padding=16,
-                            k_dtype="q8_0")
+    cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=32, padding=16, k_dtype="q8_0")
     qcache = fill(kvjax.init(cfg), [0], [[0]])
     with pytest.raises(ValueError, match="does not support quantized K/V"):
         kvjax.attention(jnp.zeros((1, 1, 32)), qcache, 0, jnp.zeros((1, 16)), implementation="pallas")

@@ -28,25 +28,30 @@ def test_the_matrix_is_sylvesters_orthonormal_involution(n):
 
 
 def _config(k_dtype="q8_0", v_dtype="q8_0", head_dim=256, **kw):
-    return kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=head_dim, k_dtype=k_dtype,
-                             v_dtype=v_dtype, **kw)
+    return kvjax.CacheConfig(
+        size=32, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=head_dim, k_dtype=k_dtype, v_dtype=v_dtype, **kw
+    )
 
 
-@pytest.mark.parametrize("k_dtype, v_dtype, head_dim, want", [
-    ("q8_0", "q8_0", 256, (256, 64)),     # K: the largest power of two dividing the head; V: 64
-    ("q8_0", "q8_0", 192, (64, 64)),
-    ("q4_0", "float16", 128, (128, 0)),    # only a quantized side is rotated
-    ("float16", "q8_0", 128, (0, 64)),
-    ("q8_0", "q8_0", 32, (0, 0)),          # heads of 32 values: not a multiple of 64
-    ("float16", "float16", 256, (0, 0)),
-])
+@pytest.mark.parametrize(
+    "k_dtype, v_dtype, head_dim, want",
+    [
+        ("q8_0", "q8_0", 256, (256, 64)),  # K: the largest power of two dividing the head; V: 64
+        ("q8_0", "q8_0", 192, (64, 64)),
+        ("q4_0", "float16", 128, (128, 0)),  # only a quantized side is rotated
+        ("float16", "q8_0", 128, (0, 64)),
+        ("q8_0", "q8_0", 32, (0, 0)),  # heads of 32 values: not a multiple of 64
+        ("float16", "float16", 256, (0, 0)),
+    ],
+)
 def test_which_caches_llama_cpp_rotates(k_dtype, v_dtype, head_dim, want):
     assert rotation_sizes(_config(k_dtype, v_dtype, head_dim)) == want
 
 
 def test_heads_of_several_sizes_are_not_rotated():
-    cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=2, n_kv_heads=1, head_dim=(64, 128), k_dtype="q8_0",
-                            v_dtype="q8_0")
+    cfg = kvjax.CacheConfig(
+        size=32, n_seq_max=1, n_layer=2, n_kv_heads=1, head_dim=(64, 128), k_dtype="q8_0", v_dtype="q8_0"
+    )
     assert rotation_sizes(cfg) == (0, 0)
 
 
@@ -70,7 +75,7 @@ def test_a_rotated_section_reads_back_within_a_quantization_step(k_dtype):
     rotated = memory_state_write(cache)
     plain = memory_state_write(cache, attn_rot=False)
     assert len(rotated) == len(plain) and rotated != plain
-    assert rotate_section(plain, cfg) == rotated            # the writer rotates exactly this way
+    assert rotate_section(plain, cfg) == rotated  # the writer rotates exactly this way
     back = memory_state_read(kvjax.init(cfg), rotated)
     step = {"q8_0": 1 / 127, "q4_0": 1 / 7}[k_dtype]
     for il in range(cfg.n_layer):

@@ -21,8 +21,16 @@ def test_init_and_abstract_agree():
 
 
 def test_sizes_match_the_seed_formula():
-    cfg = kvjax.CacheConfig(size=128, n_seq_max=2, n_layer=3, n_kv_heads=(2, 4, 2), head_dim=8,
-                            head_dim_v=(8, 8, 4), k_dtype="float16", layer_filter=[0, 1])
+    cfg = kvjax.CacheConfig(
+        size=128,
+        n_seq_max=2,
+        n_layer=3,
+        n_kv_heads=(2, 4, 2),
+        head_dim=8,
+        head_dim_v=(8, 8, 4),
+        k_dtype="float16",
+        layer_filter=[0, 1],
+    )
     # seed: sum over cached layers of ggml_nbytes(k) = n_embd_k_gqa * kv_size * type size
     assert kvjax.size_k_bytes(cfg) == (2 * 8 + 4 * 8) * 128 * 2
     assert kvjax.size_v_bytes(cfg) == (2 * 8 + 4 * 8) * 128 * 4
@@ -91,13 +99,16 @@ def test_write_traced_uncached_layer_is_dropped():
     assert "layer id not cached" in kvjax.errors(out)[0]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(k=jnp.ones((2, 3, 8))), r"k has shape \(2, 3, 8\): allowed \(2, 2, 8\)"),
-    (dict(v=jnp.ones((2, 2, 4))), r"v has shape \(2, 2, 4\): allowed \(2, 2, 8\)"),
-    (dict(k=jnp.ones((2, 2, 8), jnp.int32)), r"k has dtype int32: allowed a floating dtype"),
-    (dict(slot=jnp.array([0.0, 1.0])), r"slot has shape \(2,\) and dtype float32"),
-    (dict(layer=2), r"layer=2 is not a cached layer: allowed \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(k=jnp.ones((2, 3, 8))), r"k has shape \(2, 3, 8\): allowed \(2, 2, 8\)"),
+        (dict(v=jnp.ones((2, 2, 4))), r"v has shape \(2, 2, 4\): allowed \(2, 2, 8\)"),
+        (dict(k=jnp.ones((2, 2, 8), jnp.int32)), r"k has dtype int32: allowed a floating dtype"),
+        (dict(slot=jnp.array([0.0, 1.0])), r"slot has shape \(2,\) and dtype float32"),
+        (dict(layer=2), r"layer=2 is not a cached layer: allowed \[0, 1\]"),
+    ],
+)
 def test_write_bad_input(bad, match):
     cache = kvjax.init(small_config())
     args = dict(layer=0, slot=jnp.array([0, 1]), k=jnp.ones((2, 2, 8)), v=jnp.ones((2, 2, 8)))
@@ -128,8 +139,7 @@ def test_write_casts_to_storage_dtype():
 def test_write_compiles_once_for_every_slot_and_value():
     cache = kvjax.init(small_config())
     step = jax.jit(kvjax.write, static_argnums=1)
-    inputs = [(jnp.asarray(np.arange(s, s + 4), jnp.int32), jnp.full((4, 2, 8), float(s)))
-              for s in (0, 4, 17, 60)]
+    inputs = [(jnp.asarray(np.arange(s, s + 4), jnp.int32), jnp.full((4, 2, 8), float(s))) for s in (0, 4, 17, 60)]
     cache = step(cache, 0, *inputs[0], inputs[0][1])
     cache = kvjax.write(cache, 0, *inputs[0], inputs[0][1])
     with CompileCounter() as counter:

@@ -31,8 +31,9 @@ def cache():
 
 def snapshot(cache):
     cells = cache.cells
-    return tuple(np.asarray(x).copy() for x in (cells.pos, cells.seq, cells.delta, cells.head,
-                                                 cells.error, cells.defrag))
+    return tuple(
+        np.asarray(x).copy() for x in (cells.pos, cells.seq, cells.delta, cells.head, cells.error, cells.defrag)
+    )
 
 
 def assert_unchanged(before, cache):
@@ -62,8 +63,11 @@ SEQ_ARGS = [
     ("seq_pos_min", "seq_id", lambda c, s: kvjax.seq_pos_min(c, s), -1),
     ("seq_pos_max", "seq_id", lambda c, s: kvjax.seq_pos_max(c, s), -1),
 ]
-SEQ_CASES = [pytest.param(call, arg, lo, bad, id=f"{op}-{arg}={bad}")
-             for op, arg, call, lo in SEQ_ARGS for bad in (lo - 1, S, 1000)]
+SEQ_CASES = [
+    pytest.param(call, arg, lo, bad, id=f"{op}-{arg}={bad}")
+    for op, arg, call, lo in SEQ_ARGS
+    for bad in (lo - 1, S, 1000)
+]
 RETURNS_CACHE = [p for p in SEQ_CASES if not p.id.startswith("seq_pos")]
 
 
@@ -89,19 +93,25 @@ def test_seq_div_divisor_must_be_positive(cache, d):
 def test_ubatch_longer_than_the_cache(cache):
     before = snapshot(cache)
     long = kvjax.make_ubatch(range(17), [[0]] * 17)
-    for place in (lambda: kvjax.find_slot(cache, long), lambda: kvjax.find_slot(cache, long, contiguous=False),
-                  lambda: kvjax.prepare(cache, [long])):
+    for place in (
+        lambda: kvjax.find_slot(cache, long),
+        lambda: kvjax.find_slot(cache, long, contiguous=False),
+        lambda: kvjax.prepare(cache, [long]),
+    ):
         with pytest.raises(ValueError, match=r"ubatch has 17 tokens: allowed at most size=16"):
             place()
     assert_unchanged(before, cache)
 
 
-@pytest.mark.parametrize("pos, seq_ids, match", [
-    ([0, 1], [[0], [S]], rf"ubatch seq id {S} is out of range: allowed \[0, {S}\)"),
-    ([0, 1], [[0], [1, -2]], rf"ubatch seq id -2 is out of range: allowed \[0, {S}\)"),
-    ([0, 1], [[-1, 1], [0]], rf"ubatch seq id -1 is out of range: allowed \[0, {S}\)"),
-    ([0, -3], [[0], [1]], r"ubatch position -3 is out of range: allowed >= 0"),
-])
+@pytest.mark.parametrize(
+    "pos, seq_ids, match",
+    [
+        ([0, 1], [[0], [S]], rf"ubatch seq id {S} is out of range: allowed \[0, {S}\)"),
+        ([0, 1], [[0], [1, -2]], rf"ubatch seq id -2 is out of range: allowed \[0, {S}\)"),
+        ([0, 1], [[-1, 1], [0]], rf"ubatch seq id -1 is out of range: allowed \[0, {S}\)"),
+        ([0, -3], [[0], [1]], r"ubatch position -3 is out of range: allowed >= 0"),
+    ],
+)
 def test_bad_ubatch_tokens_raise(cache, pos, seq_ids, match):
     before = snapshot(cache)
     with pytest.raises(ValueError, match=match):
@@ -111,20 +121,29 @@ def test_bad_ubatch_tokens_raise(cache, pos, seq_ids, match):
     assert_unchanged(before, cache)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda c: kvjax.seq_rm(c, 1.5, 0, -1), r"seq_id=1.5 is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_rm(c, 0, 0.5, -1), r"p0=0.5 is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_rm(c, 0, 0, "3"), r"p1='3' is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_cp(c, 0, None, 0, -1), r"seq_id_dst=None is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_keep(c, np.array([0, 1])), r"seq_id=array\(\[0, 1\]\) is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_add(c, 0, 0, -1, 0.5), r"delta=0.5 is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_add(c, 0, 0, 2**31, 1), r"p1=2147483648 is out of range: allowed \[-2147483648, 2147483647\]"),
-    (lambda c: kvjax.seq_add(c, 0, 0, -1, -(2**31) - 1), r"delta=-2147483649 is out of range"),
-    (lambda c: kvjax.seq_div(c, 0, 0, -1, 2.0), r"d=2.0 is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.seq_pos_max(c, np.float32(1)), r"seq_id=.*1.* is out of range: allowed an integer scalar"),
-    (lambda c: kvjax.find_slot(c, [(0, [0])]), r"ubatch must be a kvjax.Ubatch"),
-    (lambda c: kvjax.prepare(c, [None]), r"ubatch must be a kvjax.Ubatch"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda c: kvjax.seq_rm(c, 1.5, 0, -1), r"seq_id=1.5 is out of range: allowed an integer scalar"),
+        (lambda c: kvjax.seq_rm(c, 0, 0.5, -1), r"p0=0.5 is out of range: allowed an integer scalar"),
+        (lambda c: kvjax.seq_rm(c, 0, 0, "3"), r"p1='3' is out of range: allowed an integer scalar"),
+        (lambda c: kvjax.seq_cp(c, 0, None, 0, -1), r"seq_id_dst=None is out of range: allowed an integer scalar"),
+        (
+            lambda c: kvjax.seq_keep(c, np.array([0, 1])),
+            r"seq_id=array\(\[0, 1\]\) is out of range: allowed an integer scalar",
+        ),
+        (lambda c: kvjax.seq_add(c, 0, 0, -1, 0.5), r"delta=0.5 is out of range: allowed an integer scalar"),
+        (
+            lambda c: kvjax.seq_add(c, 0, 0, 2**31, 1),
+            r"p1=2147483648 is out of range: allowed \[-2147483648, 2147483647\]",
+        ),
+        (lambda c: kvjax.seq_add(c, 0, 0, -1, -(2**31) - 1), r"delta=-2147483649 is out of range"),
+        (lambda c: kvjax.seq_div(c, 0, 0, -1, 2.0), r"d=2.0 is out of range: allowed an integer scalar"),
+        (lambda c: kvjax.seq_pos_max(c, np.float32(1)), r"seq_id=.*1.* is out of range: allowed an integer scalar"),
+        (lambda c: kvjax.find_slot(c, [(0, [0])]), r"ubatch must be a kvjax.Ubatch"),
+        (lambda c: kvjax.prepare(c, [None]), r"ubatch must be a kvjax.Ubatch"),
+    ],
+)
 def test_non_integer_arguments_raise(cache, call, match):
     before = snapshot(cache)
     with pytest.raises(ValueError, match=match):
@@ -133,14 +152,25 @@ def test_non_integer_arguments_raise(cache, call, match):
 
 
 PUBLIC_OPS = [
-    lambda c: kvjax.clear(c), lambda c: kvjax.seq_rm(c, 0), lambda c: kvjax.seq_cp(c, 0, 1),
-    lambda c: kvjax.seq_keep(c, 0), lambda c: kvjax.seq_add(c, 0, 0, -1, 1),
-    lambda c: kvjax.seq_div(c, 0, 0, -1, 2), lambda c: kvjax.seq_pos_min(c, 0),
-    lambda c: kvjax.seq_pos_max(c, 0), kvjax.pos_max, kvjax.used_cells, kvjax.n_tokens,
-    kvjax.cell_max, kvjax.n_kv, kvjax.has_shift,
+    lambda c: kvjax.clear(c),
+    lambda c: kvjax.seq_rm(c, 0),
+    lambda c: kvjax.seq_cp(c, 0, 1),
+    lambda c: kvjax.seq_keep(c, 0),
+    lambda c: kvjax.seq_add(c, 0, 0, -1, 1),
+    lambda c: kvjax.seq_div(c, 0, 0, -1, 2),
+    lambda c: kvjax.seq_pos_min(c, 0),
+    lambda c: kvjax.seq_pos_max(c, 0),
+    kvjax.pos_max,
+    kvjax.used_cells,
+    kvjax.n_tokens,
+    kvjax.cell_max,
+    kvjax.n_kv,
+    kvjax.has_shift,
     lambda c: kvjax.find_slot(c, kvjax.make_ubatch([0], [[0]])),
     lambda c: kvjax.prepare(c, [kvjax.make_ubatch([0], [[0]])]),
-    kvjax.errors, kvjax.check, kvjax.clear_errors,
+    kvjax.errors,
+    kvjax.check,
+    kvjax.clear_errors,
 ]
 
 
@@ -158,7 +188,7 @@ def test_every_op_rejects_a_non_cache(cache, op):
 @pytest.mark.parametrize("call, arg, lo, bad", RETURNS_CACHE)
 def test_traced_bad_seq_id_sets_the_seq_id_bit(cache, call, arg, lo, bad):
     run = jax.jit(call)
-    good = run(cache, lo + 1)                  # warm-up with a valid id: a real change, no bit
+    good = run(cache, lo + 1)  # warm-up with a valid id: a real change, no bit
     assert kvjax.errors(good) == []
     before = snapshot(cache)
     with no_recompile():
@@ -175,9 +205,9 @@ def test_traced_bad_seq_id_sets_the_seq_id_bit(cache, call, arg, lo, bad):
 @pytest.mark.parametrize("bad", [-2, S, 1000])
 def test_traced_query_with_a_bad_seq_id_answers_absent(cache, op, bad):
     run = jax.jit(getattr(kvjax, op))
-    assert int(run(cache, -1)) >= 0            # warm-up: "every sequence" finds cells
+    assert int(run(cache, -1)) >= 0  # warm-up: "every sequence" finds cells
     with no_recompile():
-        assert int(run(cache, bad)) == -1      # as the seed answers for an id no cell holds
+        assert int(run(cache, bad)) == -1  # as the seed answers for an id no cell holds
 
 
 @pytest.mark.parametrize("d", [0, -1, -7])
@@ -194,9 +224,15 @@ def test_traced_bad_divisor_sets_the_divisor_bit(cache, d):
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
-@pytest.mark.parametrize("pos, seq_ids", [
-    ([5, 6], [[0], [S]]), ([5, 6], [[0], [1, 1000]]), ([5, 6], [[-1, 1], [0]]), ([5, -1], [[0], [1]]),
-])
+@pytest.mark.parametrize(
+    "pos, seq_ids",
+    [
+        ([5, 6], [[0], [S]]),
+        ([5, 6], [[0], [1, 1000]]),
+        ([5, 6], [[-1, 1], [0]]),
+        ([5, -1], [[0], [1]]),
+    ],
+)
 def test_traced_bad_ubatch_is_refused_with_the_ubatch_bit(cache, contiguous, pos, seq_ids):
     run = jax.jit(kvjax.find_slot, static_argnames="contiguous")
     width = np.asarray(ubatch(pos, seq_ids).seq_ids).shape[1]
@@ -225,10 +261,15 @@ def test_traced_ubatch_longer_than_the_cache_is_refused(cache):
         assert_unchanged(before, out)
 
 
-@pytest.mark.parametrize("call", [
-    lambda c, x: kvjax.seq_rm(c, x, 0, -1), lambda c, x: kvjax.seq_add(c, 0, 0, -1, x),
-    lambda c, x: kvjax.seq_div(c, 0, 0, -1, x), lambda c, x: kvjax.seq_pos_min(c, x),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c, x: kvjax.seq_rm(c, x, 0, -1),
+        lambda c, x: kvjax.seq_add(c, 0, 0, -1, x),
+        lambda c, x: kvjax.seq_div(c, 0, 0, -1, x),
+        lambda c, x: kvjax.seq_pos_min(c, x),
+    ],
+)
 def test_traced_non_integer_is_refused_at_trace_time(cache, call):
     """Shape and dtype are static: a traced float would otherwise be truncated silently."""
     with pytest.raises(ValueError, match=r"is out of range: allowed an integer scalar, got a traced float32\[\]"):
@@ -241,7 +282,7 @@ def test_error_bits_are_sticky_until_cleared(cache):
     bad = jax.jit(kvjax.seq_keep)(cache, S)
     bad = jax.jit(kvjax.seq_div)(bad, 0, 0, -1, 0)
     assert int(bad.cells.error) == ErrorFlag.SEQ_ID | ErrorFlag.DIVISOR
-    later, _ = kvjax.seq_rm(bad, 2, -1, -1)       # a valid op keeps the bits
+    later, _ = kvjax.seq_rm(bad, 2, -1, -1)  # a valid op keeps the bits
     assert int(later.cells.error) == int(bad.cells.error)
     with pytest.raises(ValueError, match="error flags set: seq_id out of range"):
         kvjax.check(later)

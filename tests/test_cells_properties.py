@@ -45,28 +45,38 @@ def seq_pool(n_seq_max):
 
 def make_config(index):
     size, padding, n_seq_max = CONFIGS[index]
-    return kvjax.CacheConfig(size=size, n_seq_max=n_seq_max, n_layer=1, n_kv_heads=1, head_dim=4,
-                             padding=padding)
+    return kvjax.CacheConfig(size=size, n_seq_max=n_seq_max, n_layer=1, n_kv_heads=1, head_dim=4, padding=padding)
 
 
 EAGER = types.SimpleNamespace(
-    clear=kvjax.clear, seq_rm=kvjax.seq_rm, seq_cp=kvjax.seq_cp, seq_keep=kvjax.seq_keep,
-    seq_add=kvjax.seq_add, seq_div=kvjax.seq_div, find_slot=kvjax.find_slot,
-    seq_pos_min=kvjax.seq_pos_min, seq_pos_max=kvjax.seq_pos_max, pos_max=kvjax.pos_max,
-    n_tokens=kvjax.n_tokens, used_cells=kvjax.used_cells, cell_max=kvjax.cell_max,
-    n_kv=kvjax.n_kv, has_shift=kvjax.has_shift,
+    clear=kvjax.clear,
+    seq_rm=kvjax.seq_rm,
+    seq_cp=kvjax.seq_cp,
+    seq_keep=kvjax.seq_keep,
+    seq_add=kvjax.seq_add,
+    seq_div=kvjax.seq_div,
+    find_slot=kvjax.find_slot,
+    seq_pos_min=kvjax.seq_pos_min,
+    seq_pos_max=kvjax.seq_pos_max,
+    pos_max=kvjax.pos_max,
+    n_tokens=kvjax.n_tokens,
+    used_cells=kvjax.used_cells,
+    cell_max=kvjax.cell_max,
+    n_kv=kvjax.n_kv,
+    has_shift=kvjax.has_shift,
 )
-JITTED = types.SimpleNamespace(**{
-    name: (jax.jit(fn, static_argnames="contiguous") if name == "find_slot" else jax.jit(fn))
-    for name, fn in vars(EAGER).items()
-})
+JITTED = types.SimpleNamespace(
+    **{
+        name: (jax.jit(fn, static_argnames="contiguous") if name == "find_slot" else jax.jit(fn))
+        for name, fn in vars(EAGER).items()
+    }
+)
 
 
 # -- scenarios ----------------------------------------------------------------------------------
 
 # find_slot first (shrinking moves towards the first kind) and most often: it fills the cache
-KINDS = ["find_slot"] * 5 + ["seq_rm"] * 2 + ["seq_add"] * 2 + ["seq_div"] * 2 + [
-    "seq_cp", "seq_keep", "clear"]
+KINDS = ["find_slot"] * 5 + ["seq_rm"] * 2 + ["seq_add"] * 2 + ["seq_div"] * 2 + ["seq_cp", "seq_keep", "clear"]
 POS = st.integers(-3, 40)
 
 
@@ -105,21 +115,54 @@ def run_of(seq, start, n, step=1):
 
 
 # Hand-made scenarios that reach the tricky paths every run (test_examples_reach_* checks it).
-RESET = (2, [("find_slot", [(p, [p % 2]) for p in range(s, s + 8)], True) for s in range(0, 40, 8)]
-         + [("seq_rm", 1, -1, -1), ("find_slot", run_of(0, 40, 8), True),
-            ("find_slot", run_of(1, 48, 1), True), ("find_slot", run_of(2, 49, 2), False)])
-WRAP = (0, [("find_slot", run_of(1, 0, 3), True),
-            ("find_slot", [(10, [0]), (11, [0]), (12, [0]), (0, [2]), (13, [0])], True),
-            ("seq_rm", 1, -1, -1), ("seq_add", 2, 0, -1, -1), ("find_slot", run_of(1, 20, 2), True),
-            ("find_slot", run_of(2, 30, 8), True), ("find_slot", run_of(2, 30, 3), False),
-            ("seq_add", -1, 3, 25, -15), ("find_slot", run_of(0, 1, 8), False)])
-FULL = (1, [("find_slot", [(p, [p % 4, (p + 1) % 4]) for p in range(s, s + 8)], s % 16 == 0)
-            for s in range(0, 40, 8)]
-        + [("seq_keep", 2), ("seq_div", -1, 2, -1, 3), ("find_slot", run_of(3, 0, 8), True),
-           ("seq_cp", 3, 1, 0, 5), ("seq_add", 1, -1, 3, -2), ("find_slot", run_of(0, 9, 7), False)])
-TWO_WORDS = (3, [("find_slot", [(0, [31, 32]), (1, [33]), (2, [39, 0, 1]), (3, [32])], True),
-                 ("seq_cp", 32, 5, -1, -1), ("seq_rm", 31, 0, 1), ("seq_add", 32, 0, 4, -1),
-                 ("seq_keep", 5), ("find_slot", run_of(39, 7, 8), False), ("seq_rm", -1, 7, 9)])
+RESET = (
+    2,
+    [("find_slot", [(p, [p % 2]) for p in range(s, s + 8)], True) for s in range(0, 40, 8)]
+    + [
+        ("seq_rm", 1, -1, -1),
+        ("find_slot", run_of(0, 40, 8), True),
+        ("find_slot", run_of(1, 48, 1), True),
+        ("find_slot", run_of(2, 49, 2), False),
+    ],
+)
+WRAP = (
+    0,
+    [
+        ("find_slot", run_of(1, 0, 3), True),
+        ("find_slot", [(10, [0]), (11, [0]), (12, [0]), (0, [2]), (13, [0])], True),
+        ("seq_rm", 1, -1, -1),
+        ("seq_add", 2, 0, -1, -1),
+        ("find_slot", run_of(1, 20, 2), True),
+        ("find_slot", run_of(2, 30, 8), True),
+        ("find_slot", run_of(2, 30, 3), False),
+        ("seq_add", -1, 3, 25, -15),
+        ("find_slot", run_of(0, 1, 8), False),
+    ],
+)
+FULL = (
+    1,
+    [("find_slot", [(p, [p % 4, (p + 1) % 4]) for p in range(s, s + 8)], s % 16 == 0) for s in range(0, 40, 8)]
+    + [
+        ("seq_keep", 2),
+        ("seq_div", -1, 2, -1, 3),
+        ("find_slot", run_of(3, 0, 8), True),
+        ("seq_cp", 3, 1, 0, 5),
+        ("seq_add", 1, -1, 3, -2),
+        ("find_slot", run_of(0, 9, 7), False),
+    ],
+)
+TWO_WORDS = (
+    3,
+    [
+        ("find_slot", [(0, [31, 32]), (1, [33]), (2, [39, 0, 1]), (3, [32])], True),
+        ("seq_cp", 32, 5, -1, -1),
+        ("seq_rm", 31, 0, 1),
+        ("seq_add", 32, 0, 4, -1),
+        ("seq_keep", 5),
+        ("find_slot", run_of(39, 7, 8), False),
+        ("seq_rm", -1, 7, 9),
+    ],
+)
 EXAMPLES = [RESET, WRAP, FULL, TWO_WORDS]
 
 
@@ -161,11 +204,18 @@ def assert_same(ref, cache, api, pool):
     """Every cell, the head, the used count, the error word and every query equal the model's."""
     assert_cells_match(cache, ref)
     assert kvjax.errors(cache) == [], "error bits"
-    got = {name: int(getattr(api, name)(cache)) for name in
-           ("used_cells", "pos_max", "n_tokens", "cell_max", "n_kv", "has_shift")}
-    want = dict(used_cells=ref.used, pos_max=ref.pos_max(), n_tokens=ref.n_tokens(),
-                cell_max=ref.cell_max(), n_kv=ref.n_kv(),
-                has_shift=int(any(c.delta for c in ref.cells)))
+    got = {
+        name: int(getattr(api, name)(cache))
+        for name in ("used_cells", "pos_max", "n_tokens", "cell_max", "n_kv", "has_shift")
+    }
+    want = dict(
+        used_cells=ref.used,
+        pos_max=ref.pos_max(),
+        n_tokens=ref.n_tokens(),
+        cell_max=ref.cell_max(),
+        n_kv=ref.n_kv(),
+        has_shift=int(any(c.delta for c in ref.cells)),
+    )
     for s in [-1] + pool:
         got[f"seq_pos_min({s})"] = int(api.seq_pos_min(cache, s))
         got[f"seq_pos_max({s})"] = int(api.seq_pos_max(cache, s))
@@ -190,8 +240,9 @@ def run_scenario(index, ops):
                 assert result == expected, f"find_slot result {result} != {expected}"
                 assert_same(ref, caches[name], api, pool)
             except AssertionError as err:  # say where, only when it fails (a cell map is slow)
-                raise AssertionError(f"{name} API after step {step} {op}: {err}\n"
-                                     f"{kvjax.cell_map(caches[name])}") from None
+                raise AssertionError(
+                    f"{name} API after step {step} {op}: {err}\n{kvjax.cell_map(caches[name])}"
+                ) from None
     return ref
 
 
@@ -204,10 +255,19 @@ def warm_up(index):
         return
     pool = seq_pool(CONFIGS[index][2])
     a, b = pool[0], pool[-1]
-    run_scenario(index, [("find_slot", [(0, [a]), (1, [a, b])], True),
-                         ("find_slot", [(2, [b])], False), ("seq_cp", a, b, 0, 1),
-                         ("seq_rm", a, 0, 1), ("seq_keep", b), ("seq_add", -1, 0, -1, 1),
-                         ("seq_div", b, 0, -1, 2), ("clear",)])
+    run_scenario(
+        index,
+        [
+            ("find_slot", [(0, [a]), (1, [a, b])], True),
+            ("find_slot", [(2, [b])], False),
+            ("seq_cp", a, b, 0, 1),
+            ("seq_rm", a, 0, 1),
+            ("seq_keep", b),
+            ("seq_add", -1, 0, -1, 1),
+            ("seq_div", b, 0, -1, 2),
+            ("clear",),
+        ],
+    )
     _WARM.add(index)
 
 

@@ -37,8 +37,11 @@ def test_unchanged_arrays_are_shared():
 def test_window_search_by_shifts_equals_prefix_sum(monkeypatch):
     """Both ways of finding n free cells give the same placement, for several n and heads."""
     cells = _cells_of_cache()
-    cases = [(kvjax.make_ubatch(range(100, 100 + n), [[2]] * n, length=8), np.int32(head))
-             for n in (0, 1, 3, 5, 8) for head in (0, 3, 17, 63)]  # one program per search: n, head are data
+    cases = [
+        (kvjax.make_ubatch(range(100, 100 + n), [[2]] * n, length=8), np.int32(head))
+        for n in (0, 1, 3, 5, 8)
+        for head in (0, 3, 17, 63)
+    ]  # one program per search: n, head are data
     results = {}
     for unroll in (16, 0):
         monkeypatch.setattr(_slots, "WINDOW_UNROLL", unroll)

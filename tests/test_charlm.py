@@ -13,7 +13,7 @@ def test_committed_weights_load_and_model_the_text():
     model, tok, trained = charlm.load()
     assert trained, "kvjax/app/data/charlm.npz should be committed; retrain with `python -m kvjax train`"
     text = charlm.read_corpus()
-    windows = jnp.asarray(np.stack([tok.encode(text[s:s + 97]) for s in range(5_000, 200_000, 24_000)]))
+    windows = jnp.asarray(np.stack([tok.encode(text[s : s + 97]) for s in range(5_000, 200_000, 24_000)]))
     logits = model.forward(windows[:, :-1])  # windows of the training length (96 characters)
     loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean())
     assert loss < 1.4, loss  # a random model is at ~log(97) = 4.6

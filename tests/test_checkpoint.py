@@ -19,8 +19,8 @@ CFG = kvjax.CacheConfig(**MIXED)
 
 def sample():
     cache = with_random_kv(fill(kvjax.init(CFG), range(9), [[0], [1], [0, 2]] * 3), 21)
-    cache, _ = kvjax.seq_rm(cache, 1, 2, 6)        # a hole
-    cache = kvjax.seq_add(cache, 0, 3, -1, 2)   # pending shifts: kept by a checkpoint
+    cache, _ = kvjax.seq_rm(cache, 1, 2, 6)  # a hole
+    cache = kvjax.seq_add(cache, 0, 3, -1, 2)  # pending shifts: kept by a checkpoint
     return jax.jit(kvjax.seq_rm)(cache, 9, 0, -1)[0]  # a flagged error bit: kept too
 
 
@@ -86,13 +86,28 @@ def test_orbax_missing(tmp_path, monkeypatch):
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("corrupt, match", [
-    (lambda c: c.replace(head=jnp.int32(-3)), r"cells.head: expected a cell in \[0, 64\), found -3"),
-    (lambda c: c.replace(seq=c.seq.at[7, 0].set(jnp.uint32(1 << 31))), r"cells.seq: expected sequence ids in \[0, 5\)"),
-    (lambda c: c.replace(pos=c.pos.at[40].set(9)), r"cells.pos: expected -1 in an empty cell \(a position without a sequence\), found 9 in cell 40"),
-    (lambda c: c.replace(pos=c.pos.at[0].set(-5)), r"cells.pos: expected \[0, 2147483647\) in a used cell, found -5 in cell 0"),
-    (lambda c: c.replace(delta=c.delta.at[40].set(2)), r"cells.delta: expected 0 in an empty cell, found 2 in cell 40"),
-])
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (lambda c: c.replace(head=jnp.int32(-3)), r"cells.head: expected a cell in \[0, 64\), found -3"),
+        (
+            lambda c: c.replace(seq=c.seq.at[7, 0].set(jnp.uint32(1 << 31))),
+            r"cells.seq: expected sequence ids in \[0, 5\)",
+        ),
+        (
+            lambda c: c.replace(pos=c.pos.at[40].set(9)),
+            r"cells.pos: expected -1 in an empty cell \(a position without a sequence\), found 9 in cell 40",
+        ),
+        (
+            lambda c: c.replace(pos=c.pos.at[0].set(-5)),
+            r"cells.pos: expected \[0, 2147483647\) in a used cell, found -5 in cell 0",
+        ),
+        (
+            lambda c: c.replace(delta=c.delta.at[40].set(2)),
+            r"cells.delta: expected 0 in an empty cell, found 2 in cell 40",
+        ),
+    ],
+)
 def test_restore_enforces_the_cell_invariants(tmp_path, corrupt, match):
     """A checkpoint edited by hand (or written by a buggy tool) is refused like a corrupt state blob."""
     cache = sample()

@@ -18,24 +18,36 @@ import pytest
 import kvjax
 from kvjax.memory._composite import Composite
 
-ATTN = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=3, n_kv_heads=1, head_dim=4, padding=16,
-                         layer_filter=(1, 2), rope=kvjax.RopeConfig(n_rot=4))
+ATTN = kvjax.CacheConfig(
+    size=32,
+    n_seq_max=2,
+    n_layer=3,
+    n_kv_heads=1,
+    head_dim=4,
+    padding=16,
+    layer_filter=(1, 2),
+    rope=kvjax.RopeConfig(n_rot=4),
+)
 REC = kvjax.RecurrentConfig(size=2, n_seq_max=2, n_layer=1, k_shape=(4, 3), v_shape=(4, 2), n_states=1)
 ISWA_BASE = kvjax.CacheConfig(size=64, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=4, padding=16)
 
 COMPOSITES = {
     "iswa": kvjax.IswaConfig(ISWA_BASE, swa_layers=(0,), n_swa=4, n_batch=8),
     "hybrid": kvjax.HybridConfig(ATTN, REC, recurrent_layers=(0,)),
-    "hybrid-iswa": kvjax.HybridConfig(kvjax.IswaConfig(ATTN, swa_layers=(1,), n_swa=4, n_batch=8), REC,
-                                      recurrent_layers=(0,)),
+    "hybrid-iswa": kvjax.HybridConfig(
+        kvjax.IswaConfig(ATTN, swa_layers=(1,), n_swa=4, n_batch=8), REC, recurrent_layers=(0,)
+    ),
 }
 
 
 def filled(config):
     """A memory holding sequence 0 at positions 0..5 (equal splits for the hybrids)."""
     memory = kvjax.init(config)
-    ubatch = kvjax.make_equal_ubatch([(list(range(6)), [0])]) if memory.ubatch_split == "equal" else \
-        kvjax.make_ubatch(range(6), [[0]] * 6)
+    ubatch = (
+        kvjax.make_equal_ubatch([(list(range(6)), [0])])
+        if memory.ubatch_split == "equal"
+        else kvjax.make_ubatch(range(6), [[0]] * 6)
+    )
     memory, _, ok = kvjax.find_slot(memory, ubatch)
     assert bool(ok)
     return kvjax.commit(memory, [ubatch])
@@ -43,9 +55,11 @@ def filled(config):
 
 def assert_refused(before, after, expected_bits):
     """``after`` equals ``before`` leaf for leaf, but for the error words; its bits are ``expected_bits``."""
+
     def no_errors(memory):
         return jax.tree_util.tree_map_with_path(
-            lambda path, x: None if getattr(path[-1], "name", None) == "error" else np.asarray(x), memory)
+            lambda path, x: None if getattr(path[-1], "name", None) == "error" else np.asarray(x), memory
+        )
 
     jax.tree.map(np.testing.assert_array_equal, no_errors(before), no_errors(after))
     assert int(after.error_bits()) == int(expected_bits)
@@ -121,10 +135,11 @@ def test_a_shift_one_member_refuses_moves_no_member():
 def test_a_partial_removal_the_recurrent_member_refuses_keeps_every_cell(memory):
     after, ok = memory.seq_rm(jnp.int32(0), jnp.int32(2), jnp.int32(-1))
     has_state = any(isinstance(m, kvjax.RecurrentCache) for m in memory.members)
-    assert bool(ok) != has_state        # a window or unified cache removes a tail; a state cannot
+    assert bool(ok) != has_state  # a window or unified cache removes a tail; a state cannot
     if has_state:
-        assert_refused(memory, after, members_bits(memory, lambda m: m.seq_rm(jnp.int32(0), jnp.int32(2),
-                                                                                jnp.int32(-1))))
+        assert_refused(
+            memory, after, members_bits(memory, lambda m: m.seq_rm(jnp.int32(0), jnp.int32(2), jnp.int32(-1)))
+        )
 
 
 def test_every_composite_routes_its_queries_to_its_members(memory):

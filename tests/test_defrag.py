@@ -45,8 +45,9 @@ def make_cache(cfg, cells, head, seed):
     pos = np.array([p for p, _ in cells], np.int32)
     delta = np.where(pos >= 0, rng.integers(-3, 4, cfg.size), 0).astype(np.int32)
     cache = kvjax.init(cfg)
-    c = cache.cells.replace(pos=jnp.asarray(pos), seq=jnp.asarray(words), delta=jnp.asarray(delta),
-                            head=jnp.int32(head))
+    c = cache.cells.replace(
+        pos=jnp.asarray(pos), seq=jnp.asarray(words), delta=jnp.asarray(delta), head=jnp.int32(head)
+    )
     k = tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.k)
     v = tuple(jnp.asarray(rng.standard_normal(b.shape), b.dtype) for b in cache.v)
     return cache.replace(cells=c, k=k, v=v)
@@ -59,7 +60,7 @@ def fragmented(draw, cfg):
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
     density = draw(st.sampled_from([0.1, 0.3, 0.5, 0.7, 0.9]))
     mean_run = draw(st.sampled_from([1.0, 2.0, 4.0, 12.0]))
-    extent = draw(st.sampled_from([0.5, 1.0]))                  # part of the cache ever written
+    extent = draw(st.sampled_from([0.5, 1.0]))  # part of the cache ever written
     occupied, state = [], bool(rng.random() < density)
     while len(occupied) < cfg.size * extent:
         mean = mean_run * (density if state else 1 - density) * 2
@@ -105,7 +106,7 @@ def check_result(before, after, expected: ref.Moved):
 
 def check_plan(plan, expected: ref.Moved):
     src = np.asarray(plan.src)
-    assert sorted(src.tolist()) == list(range(src.shape[0]))       # a permutation
+    assert sorted(src.tolist()) == list(range(src.shape[0]))  # a permutation
     assert set(np.flatnonzero(np.asarray(plan.moved)).tolist()) == set(expected.dest.values())
     for s, d in expected.dest.items():
         assert src[d] == s
@@ -145,7 +146,7 @@ def test_a_cap_stops_in_the_middle_of_a_hole():
     full = ref.defrag_prepare(cells, 0)
     capped = ref.defrag_prepare(cells, 0, max_moves=2)
     assert (full.n_moves, capped.n_moves) == (3, 2)
-    assert len(capped.dest) == 3 and capped.cells[5] == (-1, set())     # the hole is filled 3 of 4
+    assert len(capped.dest) == 3 and capped.cells[5] == (-1, set())  # the hole is filled 3 of 4
     cache = make_cache(CFG_GROUPS, cells, 0, 1)
     check_result(cache, kvjax.defrag(cache, 2), capped)
     check_result(cache, kvjax.defrag(cache), full)
@@ -183,7 +184,7 @@ def test_compact_equals_the_model(cfg, data):
     expected = ref.compact(cells, head)
     for out in (kvjax.compact(cache), _compact_jit(cache)):
         check_result(cache, out, expected)
-        assert int(kvjax.cell_max(out)) == ref.used(cells)      # the window is as small as it can be
+        assert int(kvjax.cell_max(out)) == ref.used(cells)  # the window is as small as it can be
 
 
 @ALL_CONFIGS
@@ -198,7 +199,7 @@ def test_compact_seq_equals_the_model(cfg, data):
         check_result(cache, out, expected)
         members = [seq_id in s for _, s in cells_of(out)]
         n = sum(members)
-        assert all(members[:n]) and not any(members[n:])          # the sequence is the prefix [0, n)
+        assert all(members[:n]) and not any(members[n:])  # the sequence is the prefix [0, n)
 
 
 # -- attention is unchanged ---------------------------------------------------------------------
@@ -251,7 +252,7 @@ def build(cfg, ops, seed):
             if bool(ok):
                 cache, next_pos[s] = placed, next_pos[s] + n
         elif op[0] == "cp" and op[1] != op[2]:
-            _, src, dst, p1 = op      # replace dst by a prefix of src: positions stay unique per sequence
+            _, src, dst, p1 = op  # replace dst by a prefix of src: positions stay unique per sequence
             cache = kvjax.seq_cp(kvjax.seq_rm(cache, dst, -1, -1)[0], src, dst, 0, p1)
             next_pos[dst] = max(next_pos[src], 0)
         elif op[0] == "rm":
@@ -269,11 +270,15 @@ def test_every_sequence_attends_the_same_after_defrag_and_compaction(case):
     cfg = CFG_GROUPS
     cache = build(cfg, ops, seed=len(ops))
     rng = np.random.default_rng(7)
-    queries = [rng.standard_normal((g.n_kv_heads, g.head_dim)).astype(np.float32)
-               for g in cfg.groups for _ in g.layers]
+    queries = [rng.standard_normal((g.n_kv_heads, g.head_dim)).astype(np.float32) for g in cfg.groups for _ in g.layers]
     before = [naive_attention(cache, s, queries) for s in range(cfg.n_seq_max)]
-    outs = [kvjax.defrag(cache, max_moves), _defrag_jit(cache), kvjax.compact(cache),
-            _compact_seq_jit(cache, jnp.int32(seq_id)), kvjax.compact_seq(cache, seq_id)]
+    outs = [
+        kvjax.defrag(cache, max_moves),
+        _defrag_jit(cache),
+        kvjax.compact(cache),
+        _compact_seq_jit(cache, jnp.int32(seq_id)),
+        kvjax.compact_seq(cache, seq_id),
+    ]
     for out in outs:
         assert kvjax.errors(out) == []
         for s in range(cfg.n_seq_max):
@@ -303,7 +308,7 @@ def test_fragmentation_is_the_seeds_measure(used_mask, scale):
 
 def test_defrag_sched_sets_the_flag_above_the_threshold_only():
     cells = [(i, {0}) if not 1024 <= i < 3072 else (-1, set()) for i in range(4096)]
-    cache = make_cache(CFG_BIG, cells, 0, 0)                # half the window empty
+    cache = make_cache(CFG_BIG, cells, 0, 0)  # half the window empty
     frag = float(kvjax.fragmentation(cache))
     assert frag == pytest.approx(1 - (2048 + 256) / 4096)
     assert bool(kvjax.defrag_sched(cache, frag - 0.01).cells.defrag)
@@ -316,7 +321,7 @@ def test_defrag_sched_sets_the_flag_above_the_threshold_only():
     assert bool(kvjax.defrag_sched(pending, 0.99).cells.defrag)
     small, _ = kvjax.seq_rm(fill(kvjax.init(CFG_GROUPS), range(40), [[0]] * 40), 0, 0, 30)
     assert float(kvjax.fragmentation(small)) == 0.0 and not bool(kvjax.defrag_sched(small, 0.0).cells.defrag)
-    assert bool(kvjax.defrag_sched(small, -1.0).cells.defrag)   # as in the seed: 0 > -1
+    assert bool(kvjax.defrag_sched(small, -1.0).cells.defrag)  # as in the seed: 0 > -1
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -337,16 +342,24 @@ def test_apply_pending_runs_defrag_only_when_flagged(jit):
 
 def test_one_compilation_serves_every_cache_content():
     rng = np.random.default_rng(0)
-    layouts = [[(int(p), {int(p) % 4}) if rng.random() < 0.5 else (-1, set()) for p in range(64)]
-               for _ in range(3)]
+    layouts = [[(int(p), {int(p) % 4}) if rng.random() < 0.5 else (-1, set()) for p in range(64)] for _ in range(3)]
     caches = [make_cache(CFG_GROUPS, cells, 3 * i, seed=i) for i, cells in enumerate(layouts)]
     pending = caches[0].replace(cells=caches[0].cells.replace(defrag=jnp.bool_(True)))
 
     def run_all(c, n, s):
-        return [kvjax.defrag(c), kvjax.defrag(c, n), kvjax.defrag_plan(c, n), kvjax.compact(c),
-                kvjax.compact_seq(c, s), kvjax.fragmentation(c), kvjax.defrag_sched(c, 0.5),
-                apply_pending(c), apply_pending(pending), _defrag_jit(c, jnp.int32(n)),
-                _compact_seq_jit(c, jnp.int32(s))]
+        return [
+            kvjax.defrag(c),
+            kvjax.defrag(c, n),
+            kvjax.defrag_plan(c, n),
+            kvjax.compact(c),
+            kvjax.compact_seq(c, s),
+            kvjax.fragmentation(c),
+            kvjax.defrag_sched(c, 0.5),
+            apply_pending(c),
+            apply_pending(pending),
+            _defrag_jit(c, jnp.int32(n)),
+            _compact_seq_jit(c, jnp.int32(s)),
+        ]
 
     jax.block_until_ready(run_all(caches[0], 1, 0))
     with no_recompile():
@@ -358,7 +371,7 @@ def test_donated_defrag_moves_in_place_and_retires_the_old_buffers():
     cells, head = [(i, {0}) if i % 3 else (-1, set()) for i in range(48)] + [(-1, set())] * 16, 0
     cache = make_cache(CFG_GROUPS, cells, head, 5)
     expected = ref.defrag_prepare(cells, head)
-    twin = make_cache(CFG_GROUPS, cells, head, 5)      # the same content (a host view would pin the buffers)
+    twin = make_cache(CFG_GROUPS, cells, head, 5)  # the same content (a host view would pin the buffers)
     donated = jax.jit(kvjax.defrag, donate_argnums=0)
     with CompileCounter() as counter:
         out = donated(cache)
@@ -391,10 +404,12 @@ def test_traced_bad_arguments_move_nothing_and_flag():
     cells = [(i, {0}) if i % 2 else (-1, set()) for i in range(30)] + [(-1, set())] * 34
     cache = make_cache(CFG_GROUPS, cells, 0, 0)
     cache = cache.replace(cells=cache.cells.replace(defrag=jnp.bool_(True)))
-    for out, flag in ((_defrag_jit(cache, jnp.int32(-3)), "max_moves"),
-                      (_compact_seq_jit(cache, jnp.int32(9)), "seq_id")):
+    for out, flag in (
+        (_defrag_jit(cache, jnp.int32(-3)), "max_moves"),
+        (_compact_seq_jit(cache, jnp.int32(9)), "seq_id"),
+    ):
         assert any(flag in m for m in kvjax.errors(out))
-        assert bool(out.cells.defrag)                     # still pending: nothing was done
+        assert bool(out.cells.defrag)  # still pending: nothing was done
         for name in ("pos", "seq", "delta", "head"):
             np.testing.assert_array_equal(getattr(out.cells, name), getattr(cache.cells, name))
         for a, b in zip(out.k + out.v, cache.k + cache.v):
@@ -406,7 +421,7 @@ def test_traced_bad_arguments_move_nothing_and_flag():
 def test_update_applies_a_pending_defrag_after_the_k_shift(jit):
     cfg = CFG_GROUPS.replace(rope=kvjax.RopeConfig(n_rot=4))
     cells = [(i, {i % 2}) if i % 3 else (-1, set()) for i in range(45)] + [(-1, set())] * 19
-    cache = make_cache(cfg, cells, 0, 4)                      # random deltas: a K-shift is pending
+    cache = make_cache(cfg, cells, 0, 4)  # random deltas: a K-shift is pending
     assert bool(kvjax.has_shift(cache))
     update = jax.jit(kvjax.update) if jit else kvjax.update
     pending = cache.replace(cells=cache.cells.replace(defrag=jnp.bool_(True)))
@@ -415,7 +430,7 @@ def test_update_applies_a_pending_defrag_after_the_k_shift(jit):
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
     assert not bool(out.cells.defrag) and not bool(kvjax.has_shift(out))
-    assert cells_of(out)[:ref.used(cells)] == ref.defrag_prepare(cells, 0).cells[:ref.used(cells)]
+    assert cells_of(out)[: ref.used(cells)] == ref.defrag_prepare(cells, 0).cells[: ref.used(cells)]
     # without the flag, update shifts but moves nothing
     assert cells_of(update(cache)) == cells_of(cache)
 
@@ -423,9 +438,13 @@ def test_update_applies_a_pending_defrag_after_the_k_shift(jit):
 @pytest.mark.parametrize("op", ["defrag", "compact", "compact_seq", "apply_pending"])
 def test_donate_true_reuses_the_buffers(op):
     cells = [(i, {i % 3}) if i % 4 else (-1, set()) for i in range(50)] + [(-1, set())] * 14
-    run = {"defrag": lambda c, **kw: kvjax.defrag(c, 3, **kw), "compact": kvjax.compact,
-           "compact_seq": lambda c, **kw: kvjax.compact_seq(c, 2, **kw), "apply_pending": apply_pending}[op]
-    pending = lambda c: c.replace(cells=c.cells.replace(defrag=jnp.bool_(True)))   # noqa: E731
+    run = {
+        "defrag": lambda c, **kw: kvjax.defrag(c, 3, **kw),
+        "compact": kvjax.compact,
+        "compact_seq": lambda c, **kw: kvjax.compact_seq(c, 2, **kw),
+        "apply_pending": apply_pending,
+    }[op]
+    pending = lambda c: c.replace(cells=c.cells.replace(defrag=jnp.bool_(True)))  # noqa: E731
     want = run(pending(make_cache(CFG_GROUPS, cells, 0, 6)))
     cache = pending(make_cache(CFG_GROUPS, cells, 0, 6))
     out = run(cache, donate=True)

@@ -10,8 +10,9 @@ from kvjax.__main__ import compile_cache_dir
 
 def test_demo_quick_runs(tmp_path):
     env = dict(os.environ, KVJAX_CACHE_DIR=str(tmp_path / "xla"))
-    out = subprocess.run([sys.executable, "-m", "kvjax", "demo", "--quick"], capture_output=True, text=True,
-                         timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax", "demo", "--quick"], capture_output=True, text=True, timeout=600, env=env
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     for step in ("no sharing", "evaluated once and shared", "context shift of sequence 0", "after defrag"):

@@ -26,8 +26,7 @@ SAMPLED = kvjax.SamplingConfig(temperature=1.5, top_k=24)
 LLAMA = LlamaConfig(vocab_size=48, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1)
 SWA = LlamaConfig(vocab_size=48, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1, swa_layers=(1,), n_swa=6)
 MAMBA = MambaConfig(vocab_size=40, d_model=16, n_layer=2, d_state=4, d_conv=4, scan_chunk=4)
-HYBRID = HybridLMConfig(vocab_size=40, d_model=16, n_layer=2, recurrent_layers=(0,), n_heads=2, n_kv_heads=1,
-                        d_state=4)
+HYBRID = HybridLMConfig(vocab_size=40, d_model=16, n_layer=2, recurrent_layers=(0,), n_heads=2, n_kv_heads=1, d_state=4)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 1, 2], [5, 6, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 4]]
 
 
@@ -45,8 +44,9 @@ def _engine(kind, size=128, n_seq=4, padding=16, **kwargs):
     if kind == "unified":
         config = LLAMA.cache_config(size=size, n_seq_max=n_seq, padding=padding)
     elif kind == "iswa":
-        config = kvjax.IswaConfig(SWA.cache_config(size=size, n_seq_max=n_seq, padding=16), swa_layers=(1,), n_swa=6,
-                                  n_batch=16)
+        config = kvjax.IswaConfig(
+            SWA.cache_config(size=size, n_seq_max=n_seq, padding=16), swa_layers=(1,), n_swa=6, n_batch=16
+        )
     elif kind == "streams":  # one stream per sequence: placement and attention per stream
         config = kvjax.StreamsConfig(LLAMA.cache_config(size=size, n_seq_max=n_seq, padding=padding))
     elif kind == "recurrent":
@@ -71,8 +71,15 @@ def test_device_loop_gives_the_host_loops_tokens(kind):
     cells past 64 (iSWA: its window cache prunes and wraps), sequences stop at different steps."""
     # a recurrent memory compiles a program per power-of-two piece of an equal-split prompt: short ones
     prompts = PROMPTS if kind in ("unified", "iswa", "streams") else [[5, 6, 7, 8], [9, 3], [4]]
-    host, device = _both(kind, prompts, max_new_tokens=[30, 9, 22], key=jax.random.PRNGKey(4), sampling=SAMPLED,
-                         stop_tokens=[17], sync_every=8)
+    host, device = _both(
+        kind,
+        prompts,
+        max_new_tokens=[30, 9, 22],
+        key=jax.random.PRNGKey(4),
+        sampling=SAMPLED,
+        stop_tokens=[17],
+        sync_every=8,
+    )
     assert device.tokens == host.tokens
     assert [len(t) for t in host.tokens] != [30, 9, 22] or 17 not in sum(host.tokens, [])
     assert host.dispatches == 0 and 0 < device.dispatches < sum(len(t) for t in host.tokens) // 2
@@ -81,17 +88,27 @@ def test_device_loop_gives_the_host_loops_tokens(kind):
 def test_greedy_parallel_and_context_shift():
     """Greedy n_parallel continuations reach n_ctx: the loop returns for each shift, the host shifts."""
     # one window bucket (padding = size): the shifts are what this test is about
-    host, device = _both("unified", [PROMPTS[0]], dict(size=64, padding=64), max_new_tokens=40,
-                         key=jax.random.PRNGKey(0), sampling=GREEDY, n_parallel=2, n_ctx=24, n_keep=4)
+    host, device = _both(
+        "unified",
+        [PROMPTS[0]],
+        dict(size=64, padding=64),
+        max_new_tokens=40,
+        key=jax.random.PRNGKey(0),
+        sampling=GREEDY,
+        n_parallel=2,
+        n_ctx=24,
+        n_keep=4,
+    )
     assert host.context_shifts >= 3 and device.context_shifts == host.context_shifts
     assert device.tokens == host.tokens
 
 
 def test_few_dispatches_and_streaming_in_chunks():
-    engine = _engine("unified", size=128, padding=128)     # one window, no context shift
+    engine = _engine("unified", size=128, padding=128)  # one window, no context shift
     chunks, stats = [], {}
-    for s, tok in generate_stream(engine, PROMPTS[:2], max_new_tokens=40, key=jax.random.PRNGKey(1),
-                                  sampling=GREEDY, sync_every=16, stats=stats):
+    for s, tok in generate_stream(
+        engine, PROMPTS[:2], max_new_tokens=40, key=jax.random.PRNGKey(1), sampling=GREEDY, sync_every=16, stats=stats
+    ):
         chunks.append(s)
     assert len(chunks) == 80
     # 39 steps after the first token, 16 per dispatch: 3 dispatches, plus the run-ahead one that
@@ -114,6 +131,7 @@ def test_the_compiled_loop_copies_no_kv_buffer(monkeypatch):
         def call(*a, **kw):
             texts.append(loop.lower(*a, **kw).compile(compiler_options=USER_HLO).as_text())
             return loop(*a, **kw)
+
         return call
 
     monkeypatch.setattr(_device_loop, "_jit_loop", spy)
@@ -128,8 +146,15 @@ def test_the_compiled_loop_copies_no_kv_buffer(monkeypatch):
 
 def test_new_prompts_keys_budgets_and_stops_do_not_recompile():
     def run(prompts, key, budgets, stops):
-        return generate(_engine("unified"), prompts, max_new_tokens=budgets, key=jax.random.PRNGKey(key),
-                        sampling=SAMPLED, stop_tokens=stops, sync_every=8)
+        return generate(
+            _engine("unified"),
+            prompts,
+            max_new_tokens=budgets,
+            key=jax.random.PRNGKey(key),
+            sampling=SAMPLED,
+            stop_tokens=stops,
+            sync_every=8,
+        )
 
     first = run([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]], 0, [10, 24], [])
     unused = sorted(set(range(48)) - set(sum(first.tokens, [])))
@@ -142,14 +167,20 @@ def test_new_prompts_keys_budgets_and_stops_do_not_recompile():
     assert same.tokens == first.tokens
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(sync_every=0), r"sync_every=0 is out of range: allowed an integer in \[1, 4096\]"),
-    (dict(sync_every=5000), r"sync_every=5000 is out of range: allowed an integer in \[1, 4096\]"),
-    (dict(sync_every=2.0), r"sync_every=2.0 is out of range"),
-    (dict(device_loop="yes"), r"device_loop='yes' is out of range: allowed True or False"),
-    (dict(max_new_tokens=[3]), r"max_new_tokens has 1 entries: allowed an int, or one int per sequence \(2\)"),
-    (dict(max_new_tokens=[3, 0]), r"max_new_tokens\[1\]=0 is out of range: allowed an integer in \[1, 1073741824\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sync_every=0), r"sync_every=0 is out of range: allowed an integer in \[1, 4096\]"),
+        (dict(sync_every=5000), r"sync_every=5000 is out of range: allowed an integer in \[1, 4096\]"),
+        (dict(sync_every=2.0), r"sync_every=2.0 is out of range"),
+        (dict(device_loop="yes"), r"device_loop='yes' is out of range: allowed True or False"),
+        (dict(max_new_tokens=[3]), r"max_new_tokens has 1 entries: allowed an int, or one int per sequence \(2\)"),
+        (
+            dict(max_new_tokens=[3, 0]),
+            r"max_new_tokens\[1\]=0 is out of range: allowed an integer in \[1, 1073741824\]",
+        ),
+    ],
+)
 def test_bad_arguments_name_the_argument_and_change_nothing(kwargs, match):
     engine = _engine("unified")
     engine.decode([1, 2, 3], [0, 1, 2], [[3]] * 3)

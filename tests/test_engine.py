@@ -55,7 +55,7 @@ def reference_greedy(prompt, n_new, n_ctx=None, n_keep=0, cfg=CFG):
             return out
         if n_ctx is not None and len(ctx) >= n_ctx:
             n_discard = (len(ctx) - n_keep) // 2
-            ctx = ctx[:n_keep] + ctx[n_keep + n_discard:]
+            ctx = ctx[:n_keep] + ctx[n_keep + n_discard :]
         ctx.append(nxt)
         nxt = int(np.argmax(uncached_last_logits(ctx, cfg)))
 
@@ -80,8 +80,7 @@ def test_greedy_generation_equals_uncached_with_shared_prefix():
 def test_context_shift_matches_uncached_over_kept_tokens():
     engine = make_engine(size=128, cfg=CFG_1)
     prompt = PROMPTS[0]
-    out = generate(engine, [prompt], max_new_tokens=40, key=jax.random.PRNGKey(0), sampling=GREEDY,
-                   n_ctx=24, n_keep=4)
+    out = generate(engine, [prompt], max_new_tokens=40, key=jax.random.PRNGKey(0), sampling=GREEDY, n_ctx=24, n_keep=4)
     assert out.context_shifts >= 2
     assert out.tokens[0] == reference_greedy(prompt, 40, n_ctx=24, n_keep=4, cfg=CFG_1)
     assert int(kvjax.seq_pos_max(engine.cache, 0)) < 24
@@ -167,23 +166,31 @@ def test_speculative_rollback_is_as_if_the_draft_never_ran():
 def test_parallel_sampling_and_streaming():
     engine = make_engine()
     streamed = []
-    out = generate(engine, [PROMPTS[1]], max_new_tokens=12, key=jax.random.PRNGKey(7),
-                   sampling=kvjax.SamplingConfig(temperature=1.5), n_parallel=4,
-                   on_token=lambda s, t: streamed.append((s, t)))
+    out = generate(
+        engine,
+        [PROMPTS[1]],
+        max_new_tokens=12,
+        key=jax.random.PRNGKey(7),
+        sampling=kvjax.SamplingConfig(temperature=1.5),
+        n_parallel=4,
+        on_token=lambda s, t: streamed.append((s, t)),
+    )
     assert len(out.tokens) == 4 and all(len(t) == 12 for t in out.tokens)
     assert len({tuple(t) for t in out.tokens}) > 1  # continuations differ
     assert [t for s, t in streamed if s == 2] == out.tokens[2]
     assert out.prompt_tokens == len(PROMPTS[1])  # one prompt evaluation for all four
-    greedy = generate(make_engine(), [PROMPTS[1]], max_new_tokens=8, key=jax.random.PRNGKey(7),
-                      sampling=GREEDY, n_parallel=3)
+    greedy = generate(
+        make_engine(), [PROMPTS[1]], max_new_tokens=8, key=jax.random.PRNGKey(7), sampling=GREEDY, n_parallel=3
+    )
     assert greedy.tokens[0] == greedy.tokens[1] == greedy.tokens[2] == reference_greedy(PROMPTS[1], 8)
 
 
 def test_stop_tokens_end_a_sequence():
     ref = reference_greedy(PROMPTS[0], 10)
     stop = ref[3]
-    out = generate(make_engine(), [PROMPTS[0]], max_new_tokens=10, key=jax.random.PRNGKey(0), sampling=GREEDY,
-                   stop_tokens=[stop])
+    out = generate(
+        make_engine(), [PROMPTS[0]], max_new_tokens=10, key=jax.random.PRNGKey(0), sampling=GREEDY, stop_tokens=[stop]
+    )
     assert out.tokens[0] == ref[: ref.index(stop) + 1]
 
 
@@ -198,10 +205,13 @@ def test_generation_compiles_a_bounded_number_of_programs():
     assert again.compiles == 0
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(n_ubatch=0), r"n_ubatch=0 is out of range"),
-    (dict(defrag_thold=1.5), r"defrag_thold=1.5 is out of range"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_ubatch=0), r"n_ubatch=0 is out of range"),
+        (dict(defrag_thold=1.5), r"defrag_thold=1.5 is out of range"),
+    ],
+)
 def test_engine_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_engine(**kwargs)
@@ -220,8 +230,16 @@ def test_generate_bad_arguments():
 def test_parallel_context_shift_keeps_every_continuation_exact():
     """n_parallel sequences share the prompt; each shifts its own context without moving the others."""
     prompt = PROMPTS[0]
-    out = generate(make_engine(size=128, cfg=CFG_1), [prompt], max_new_tokens=30, key=jax.random.PRNGKey(0),
-                   sampling=GREEDY, n_parallel=3, n_ctx=24, n_keep=4)
+    out = generate(
+        make_engine(size=128, cfg=CFG_1),
+        [prompt],
+        max_new_tokens=30,
+        key=jax.random.PRNGKey(0),
+        sampling=GREEDY,
+        n_parallel=3,
+        n_ctx=24,
+        n_keep=4,
+    )
     expected = reference_greedy(prompt, 30, n_ctx=24, n_keep=4, cfg=CFG_1)
     assert out.context_shifts >= 3
     assert out.tokens == [expected] * 3
@@ -230,8 +248,9 @@ def test_parallel_context_shift_keeps_every_continuation_exact():
 def test_shift_of_shared_cells_is_refused():
     engine = make_engine(size=128, cfg=CFG_1)
     with pytest.raises(ValueError, match=r"the shared prompt \(20 tokens\) would be moved by a context shift"):
-        generate(engine, [list(range(1, 21))], max_new_tokens=30, key=jax.random.PRNGKey(0), n_parallel=2,
-                 n_ctx=24, n_keep=2)
+        generate(
+            engine, [list(range(1, 21))], max_new_tokens=30, key=jax.random.PRNGKey(0), n_parallel=2, n_ctx=24, n_keep=2
+        )
     engine = make_engine(size=128, cfg=CFG_1)
     engine.decode(list(range(1, 11)), list(range(10)), [[0]] * 10)
     engine.cache = kvjax.seq_cp(engine.cache, 0, 1)

@@ -23,8 +23,9 @@ CONFIGS = {
     "gqa": LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=8, n_kv_heads=2),
     "mha": LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=4, n_kv_heads=4),
     # Qwen2-style biases on q/k/v, Gemma 3-style per-head norms of q and k
-    "bias-qknorm": LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=4, n_kv_heads=2, attention_bias=True,
-                               qk_norm=True, head_dim=32),
+    "bias-qknorm": LlamaConfig(
+        vocab_size=64, d_model=64, n_layer=2, n_heads=4, n_kv_heads=2, attention_bias=True, qk_norm=True, head_dim=32
+    ),
 }
 
 
@@ -41,8 +42,9 @@ def test_fused_forward_equals_unfused(name):
     assert a.q_proj is None and a.k_proj is None and a.v_proj is None
     assert fused.layers[0].mlp.gate is None and fused.layers[0].mlp.up is None
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 7)), jnp.int32)
-    np.testing.assert_allclose(np.asarray(fused.forward(tokens)), np.asarray(plain.forward(tokens)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(fused.forward(tokens)), np.asarray(plain.forward(tokens)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_fused_layout_groups_heads_per_kv_head():
@@ -74,11 +76,13 @@ def test_fused_step_equals_unfused_through_the_cache(jit):
             step, state = make_step(model), nnx.state(model)
             run = lambda mem, ub, t: step(state, mem, ub, t, n_kv=8)[:2]  # noqa: E731
         else:
+
             def run(mem, ub, t):
                 mem, placement, ok = kvjax.find_slot(mem, ub)
                 assert bool(ok)
                 inputs = kvjax.nn.UbatchInputs(ubatch=ub, placement=placement, windows=(8,))
                 return model(jnp.asarray(t), mem, inputs)
+
         rows = []
         for ub, t in zip(ubs, toks):
             logits, memory = run(memory, ub, np.pad(t, (0, ub.length - len(t))))  # ubatches pad to a bucket
@@ -95,8 +99,9 @@ def test_fused_generate_gives_the_same_tokens():
     got = {}
     for name, model in (("plain", plain), ("fused", fused)):
         engine = kvjax.Engine(model, kvjax.init(cfg.cache_config(size=64, n_seq_max=2, padding=8)))
-        got[name] = kvjax.generate(engine, prompts, max_new_tokens=8, key=jax.random.PRNGKey(0),
-                                   sampling=kvjax.SamplingConfig(temperature=0)).tokens
+        got[name] = kvjax.generate(
+            engine, prompts, max_new_tokens=8, key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0)
+        ).tokens
     assert got["fused"] == got["plain"]
 
 
@@ -107,8 +112,9 @@ def test_fused_hybrid_model_equals_unfused():
     fused = fuse_projections(HybridLM(cfg, rngs=nnx.Rngs(0)))
     assert is_fused(fused)
     tokens = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
-    np.testing.assert_allclose(np.asarray(fused.forward(tokens)), np.asarray(plain.forward(tokens)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(fused.forward(tokens)), np.asarray(plain.forward(tokens)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_fusing_twice_changes_nothing_and_bad_input_is_refused():
@@ -144,8 +150,14 @@ def test_saving_a_fused_model_is_refused_with_what_to_do(tmp_path):
     """Checkpoints name q/k/v and gate/up apart: a fused model cannot be saved or loaded into."""
     from kvjax.nn._pretrained import save_llama
 
-    cfg = LlamaConfig(vocab_size=64, d_model=64, n_layer=1, n_heads=4, n_kv_heads=2,
-                      rope=kvjax.RopeConfig(n_rot=16, mode="neox", freq_base=10000.0))  # a savable config
+    cfg = LlamaConfig(
+        vocab_size=64,
+        d_model=64,
+        n_layer=1,
+        n_heads=4,
+        n_kv_heads=2,
+        rope=kvjax.RopeConfig(n_rot=16, mode="neox", freq_base=10000.0),
+    )  # a savable config
     save_llama(make_model(cfg), tmp_path / "plain")  # the same model unfused saves
     tmp_path = tmp_path / "fused"
     tmp_path.mkdir()

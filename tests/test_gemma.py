@@ -22,10 +22,20 @@ from flax import nnx
 
 import kvjax
 from kvjax import Engine
-from kvjax.nn import (CachedAttention, Llama, LlamaConfig, LlamaLinen, LinenOffsetRMSNorm, OffsetRMSNorm,
-                      llama_from_hf, make_step, params_from_nnx, window_for)
+from kvjax.nn import (
+    CachedAttention,
+    Llama,
+    LlamaConfig,
+    LlamaLinen,
+    LinenOffsetRMSNorm,
+    OffsetRMSNorm,
+    llama_from_hf,
+    make_step,
+    params_from_nnx,
+    window_for,
+)
 
-ATOL_HF = 1e-4    # against torch: other matmul orders
+ATOL_HF = 1e-4  # against torch: other matmul orders
 ATOL_CACHE = 5e-5  # cached against uncached, same weights
 
 
@@ -38,11 +48,11 @@ def _numpy_attention(q, k, v, visible, scale, softcap=None):
     h = k.shape[1]
     out = np.zeros((t, hq, v.shape[-1]))
     for j in range(hq):
-        s = q[:, j, :].astype(np.float64) @ k[:, j // (hq // h), :].T.astype(np.float64) * scale   # [T, N]
+        s = q[:, j, :].astype(np.float64) @ k[:, j // (hq // h), :].T.astype(np.float64) * scale  # [T, N]
         if softcap is not None:
             s = softcap * np.tanh(s / softcap)
         s = np.where(visible, s, -np.inf)
-        with np.errstate(invalid="ignore"):    # padding rows see nothing: NaN there, never compared
+        with np.errstate(invalid="ignore"):  # padding rows see nothing: NaN there, never compared
             p = np.exp(s - s.max(-1, keepdims=True))
             out[:, j] = (p / p.sum(-1, keepdims=True)) @ v[:, j // (hq // h), :]
     return out
@@ -61,7 +71,7 @@ def test_softcap_equals_numpy(softcap, scale):
     mask = kvjax.kq_mask_bool(cache, ub, 16)
     out = kvjax.attention(jnp.asarray(q), cache, 0, mask, scale=scale, softcap=softcap)
     # the cells: row i of the ubatch sits in cell slot[i]; read K/V back in cell order
-    kc, vc = (np.asarray(x).transpose(1, 0, 2) for x in kvjax.view(cache, 0, 16))           # [N, H, D]
+    kc, vc = (np.asarray(x).transpose(1, 0, 2) for x in kvjax.view(cache, 0, 16))  # [N, H, D]
     ref = _numpy_attention(q, kc, vc, np.asarray(mask), 0.5 if scale is None else scale, softcap)
     valid = np.asarray(ub.valid)
     np.testing.assert_allclose(np.asarray(out)[valid], ref[valid], atol=2e-6)
@@ -114,42 +124,48 @@ def test_offset_rms_norm_nnx_and_linen():
 # -- bad options, defaults ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(query_pre_attn_scalar=0), r"query_pre_attn_scalar=0 is out of range: allowed a finite number > 0"),
-    (dict(query_pre_attn_scalar=-4.0), r"query_pre_attn_scalar=-4.0 is out of range"),
-    (dict(attn_logit_softcap=0.0), r"attn_logit_softcap=0.0 is out of range: allowed a finite number > 0"),
-    (dict(attn_logit_softcap=float("inf")), r"attn_logit_softcap=inf is out of range"),
-    (dict(final_logit_softcap=-30), r"final_logit_softcap=-30 is out of range: allowed a finite number > 0"),
-    (dict(final_logit_softcap="30"), r"final_logit_softcap='30' is out of range"),
-    (dict(activation="relu"), r"activation='relu' is out of range: allowed one of \['gelu_tanh', 'silu'\]"),
-    (dict(norm_offset="yes"), r"norm_offset='yes' is out of range: allowed True or False"),
-    (dict(sandwich_norms=1), r"sandwich_norms=1 is out of range: allowed True or False"),
-    (dict(scale_embeddings=None), r"scale_embeddings=None is out of range: allowed True or False"),
-    (dict(qk_norm="no"), r"qk_norm='no' is out of range: allowed True or False"),
-    (dict(swa_rope=10000.0), r"swa_rope=10000.0 is out of range: allowed a kvjax.RopeConfig or None"),
-    (dict(swa_rope=kvjax.RopeConfig(n_rot=8), position="alibi"), r"swa_rope=.* allowed only with position='rope'"),
-    (dict(swa_rope=kvjax.RopeConfig(n_rot=16)), r"swa_rope.n_rot=16 is out of range: allowed <= head_dim=8"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(query_pre_attn_scalar=0), r"query_pre_attn_scalar=0 is out of range: allowed a finite number > 0"),
+        (dict(query_pre_attn_scalar=-4.0), r"query_pre_attn_scalar=-4.0 is out of range"),
+        (dict(attn_logit_softcap=0.0), r"attn_logit_softcap=0.0 is out of range: allowed a finite number > 0"),
+        (dict(attn_logit_softcap=float("inf")), r"attn_logit_softcap=inf is out of range"),
+        (dict(final_logit_softcap=-30), r"final_logit_softcap=-30 is out of range: allowed a finite number > 0"),
+        (dict(final_logit_softcap="30"), r"final_logit_softcap='30' is out of range"),
+        (dict(activation="relu"), r"activation='relu' is out of range: allowed one of \['gelu_tanh', 'silu'\]"),
+        (dict(norm_offset="yes"), r"norm_offset='yes' is out of range: allowed True or False"),
+        (dict(sandwich_norms=1), r"sandwich_norms=1 is out of range: allowed True or False"),
+        (dict(scale_embeddings=None), r"scale_embeddings=None is out of range: allowed True or False"),
+        (dict(qk_norm="no"), r"qk_norm='no' is out of range: allowed True or False"),
+        (dict(swa_rope=10000.0), r"swa_rope=10000.0 is out of range: allowed a kvjax.RopeConfig or None"),
+        (dict(swa_rope=kvjax.RopeConfig(n_rot=8), position="alibi"), r"swa_rope=.* allowed only with position='rope'"),
+        (dict(swa_rope=kvjax.RopeConfig(n_rot=16)), r"swa_rope.n_rot=16 is out of range: allowed <= head_dim=8"),
+    ],
+)
 def test_config_bad_options(changes, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig(**changes)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(scale=0.0), r"scale=0.0 is out of range: allowed a finite number > 0"),
-    (dict(softcap=-1), r"softcap=-1 is out of range: allowed a finite number > 0"),
-    (dict(qk_norm=1), r"qk_norm=1 is out of range: allowed True or False"),
-    (dict(norm_offset="x"), r"norm_offset='x' is out of range: allowed True or False"),
-    (dict(qk_norm=True, norm_eps=0.0), r"norm_eps=0.0 is out of range: allowed a finite number > 0"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(scale=0.0), r"scale=0.0 is out of range: allowed a finite number > 0"),
+        (dict(softcap=-1), r"softcap=-1 is out of range: allowed a finite number > 0"),
+        (dict(qk_norm=1), r"qk_norm=1 is out of range: allowed True or False"),
+        (dict(norm_offset="x"), r"norm_offset='x' is out of range: allowed True or False"),
+        (dict(qk_norm=True, norm_eps=0.0), r"norm_eps=0.0 is out of range: allowed a finite number > 0"),
+    ],
+)
 def test_attention_layer_bad_options(changes, match):
     with pytest.raises(ValueError, match=match):
         CachedAttention(32, 4, 2, 8, layer=0, rngs=nnx.Rngs(0), **changes)
 
 
 def test_window_pattern_and_from_hf_errors():
-    assert LlamaConfig.window_pattern(4, 2) == (0, 2)                      # Gemma 2: even layers slide
-    assert LlamaConfig.window_pattern(12, 6) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)   # Gemma 3: 5 local, 1 global
+    assert LlamaConfig.window_pattern(4, 2) == (0, 2)  # Gemma 2: even layers slide
+    assert LlamaConfig.window_pattern(12, 6) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)  # Gemma 3: 5 local, 1 global
     with pytest.raises(ValueError, match=r"every=0 is out of range: allowed an integer >= 1"):
         LlamaConfig.window_pattern(4, 0)
     transformers = pytest.importorskip("transformers")
@@ -158,8 +174,9 @@ def test_window_pattern_and_from_hf_errors():
     with pytest.raises(ValueError, match=r"hf_config.hidden_activation='silu' is out of range"):
         LlamaConfig.from_hf(transformers.Gemma2Config(hidden_activation="silu"))
     with pytest.raises(ValueError, match=r"rope_type='yarn' is out of range: allowed 'default' or 'linear'"):
-        LlamaConfig.from_hf(transformers.Gemma2Config(
-            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+        LlamaConfig.from_hf(
+            transformers.Gemma2Config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+        )
     with pytest.raises(ValueError, match=r"model is None with a state dict"):
         llama_from_hf({})
 
@@ -167,8 +184,13 @@ def test_window_pattern_and_from_hf_errors():
 def test_defaults_keep_llama():
     cfg = LlamaConfig()
     assert (cfg.norm_offset, cfg.sandwich_norms, cfg.scale_embeddings, cfg.qk_norm) == (False,) * 4
-    assert (cfg.activation, cfg.attn_scale, cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.swa_rope) == \
-        ("silu", None, None, None, None)
+    assert (cfg.activation, cfg.attn_scale, cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.swa_rope) == (
+        "silu",
+        None,
+        None,
+        None,
+        None,
+    )
     names = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(Llama(cfg, rngs=nnx.Rngs(0))))}
     assert not any(("post_" in n) or ("q_norm" in n) or ("k_norm" in n) for n in names)
     assert isinstance(Llama(cfg, rngs=nnx.Rngs(0)).norm, nnx.RMSNorm)
@@ -181,7 +203,7 @@ def test_defaults_keep_llama():
 def _perturb(torch, hf, seed):
     torch.manual_seed(seed)
     with torch.no_grad():
-        for p in hf.parameters():   # norms start at 0 and projections small: move every weight
+        for p in hf.parameters():  # norms start at 0 and projections small: move every weight
             p.add_(0.3 * torch.randn_like(p))
     return hf
 
@@ -191,10 +213,20 @@ def _hf_gemma2():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hc = transformers.Gemma2Config(
-        vocab_size=48, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
-        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 100.0}, attn_implementation="eager")
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return _perturb(torch, transformers.Gemma2ForCausalLM(hc).eval(), 1)
 
@@ -204,18 +236,30 @@ def _hf_gemma3():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hc = transformers.Gemma3TextConfig(
-        vocab_size=48, hidden_size=32, intermediate_size=40, num_hidden_layers=7, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12, sliding_window=5,
-        final_logit_softcapping=3.0, tie_word_embeddings=False,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}},
-        attn_implementation="eager")
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        final_logit_softcapping=3.0,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+        },
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     return _perturb(torch, transformers.Gemma3ForCausalLM(hc).eval(), 2)
 
 
 def _hf_logits(hf, ids):
     import torch
+
     with torch.no_grad():
         return hf(torch.as_tensor(ids)).logits.numpy()
 
@@ -223,7 +267,7 @@ def _hf_logits(hf, ids):
 @pytest.mark.parametrize("which", ["gemma2", "gemma3"])
 def test_logits_equal_transformers(which):
     hf = _hf_gemma2() if which == "gemma2" else _hf_gemma3()
-    ids = np.random.default_rng(3).integers(0, 48, (2, 17))   # 17 tokens, window 5
+    ids = np.random.default_rng(3).integers(0, 48, (2, 17))  # 17 tokens, window 5
     ref = _hf_logits(hf, ids)
     model = llama_from_hf(hf)
     cfg = model.config
@@ -243,8 +287,14 @@ def test_each_option_matters():
     hf = _hf_gemma3()
     ids = np.random.default_rng(4).integers(0, 48, (1, 12))
     ref = _hf_logits(hf, ids)
-    for change in (dict(scale_embeddings=False), dict(activation="silu"), dict(query_pre_attn_scalar=None),
-                   dict(final_logit_softcap=None), dict(swa_rope=None), dict(norm_offset=False)):
+    for change in (
+        dict(scale_embeddings=False),
+        dict(activation="silu"),
+        dict(query_pre_attn_scalar=None),
+        dict(final_logit_softcap=None),
+        dict(swa_rope=None),
+        dict(norm_offset=False),
+    ):
         model = llama_from_hf(hf, **change)
         assert np.abs(np.asarray(model.forward(jnp.asarray(ids))) - ref).max() > 1e-3, change
 
@@ -271,8 +321,10 @@ def test_iswa_decode_equals_uncached_and_unified():
     base = cfg.cache_config(size=64, n_seq_max=2, padding=16)
     iswa = kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, n_batch=16))
     assert iswa.swa.config.size < iswa.base.config.size
-    engines = {"iswa": Engine(_gemma_model(), iswa, n_ubatch=8),
-               "unified": Engine(_gemma_model(), kvjax.init(base), n_ubatch=8)}
+    engines = {
+        "iswa": Engine(_gemma_model(), iswa, n_ubatch=8),
+        "unified": Engine(_gemma_model(), kvjax.init(base), n_ubatch=8),
+    }
     prompts = [[1, 2, 3, 4, 5, 9, 11], [1, 2, 3, 4, 7]]
     seqs = {s: list(p) for s, p in enumerate(prompts)}
     toks = prompts[0] + prompts[1]
@@ -282,7 +334,7 @@ def test_iswa_decode_equals_uncached_and_unified():
     np.testing.assert_allclose(out["iswa"][:7], _uncached()(prompts[0]), atol=ATOL_CACHE)
     np.testing.assert_allclose(out["iswa"][7:], _uncached()(prompts[1]), atol=ATOL_CACHE)
     nxt = [int(np.argmax(out["iswa"][6])), int(np.argmax(out["iswa"][11]))]
-    for step in range(20):   # 4x the window
+    for step in range(20):  # 4x the window
         pos = [len(seqs[0]), len(seqs[1])]
         for s in range(2):
             seqs[s].append(nxt[s])
@@ -290,8 +342,9 @@ def test_iswa_decode_equals_uncached_and_unified():
         np.testing.assert_allclose(out["iswa"], out["unified"], atol=2e-5, err_msg=f"step {step}")
         if step % 5 == 4:
             for s in range(2):
-                np.testing.assert_allclose(out["iswa"][s], _uncached()(seqs[s])[-1], atol=ATOL_CACHE,
-                                           err_msg=f"step {step} seq {s}")
+                np.testing.assert_allclose(
+                    out["iswa"][s], _uncached()(seqs[s])[-1], atol=ATOL_CACHE, err_msg=f"step {step} seq {s}"
+                )
         nxt = [int(np.argmax(r)) for r in out["iswa"]]
     assert int(kvjax.used_cells(engines["iswa"].cache.swa)) <= 2 * cfg.n_swa
     assert kvjax.errors(engines["iswa"].cache) == []
@@ -328,8 +381,9 @@ def test_kshift_uses_each_layers_rope_base():
     got = {}
     for name, rope in (("per_layer", None), ("one_rope", cfg.rope_config)):
         over = {} if rope is None else {"rope": rope}
-        engine = Engine(_gemma_model(), kvjax.init(cfg.cache_config(size=64, n_seq_max=1, padding=16, **over)),
-                        n_ubatch=16)
+        engine = Engine(
+            _gemma_model(), kvjax.init(cfg.cache_config(size=64, n_seq_max=1, padding=16, **over)), n_ubatch=16
+        )
         engine.decode(tokens, list(range(len(tokens))), [[0]] * len(tokens))
         engine.cache = kvjax.seq_add(engine.cache, 0, 0, -1, 7)
         got[name] = np.asarray(engine.decode([11], [len(tokens) + 7], [[0]]))[0]

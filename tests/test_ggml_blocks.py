@@ -21,10 +21,26 @@ GQ = gguf.GGMLQuantizationType
 
 #: byte offsets of the float16 scales inside a block (the rest of a block is codes, valid as any bytes)
 F16_SCALES = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,),
-    "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ2_XXS": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ3_S": (0,),
+    "IQ1_S": (0,),
+    "IQ4_XS": (0,),
+    "TQ1_0": (52,),
+    "TQ2_0": (64,),
 }
 
 #: the types gguf's numpy code can write from floats
@@ -41,7 +57,7 @@ def random_blocks(name: str, n_rows: int, blocks_per_row: int, seed: int = 0) ->
     raw = rng.integers(0, 256, size=(n_rows, blocks_per_row, t.type_size), dtype=np.uint8)
     for at in F16_SCALES.get(name, ()):
         d = rng.uniform(-0.1, 0.1, size=(n_rows, blocks_per_row)).astype(np.float16)
-        raw[..., at:at + 2] = d.view(np.uint8).reshape(n_rows, blocks_per_row, 2)
+        raw[..., at : at + 2] = d.view(np.uint8).reshape(n_rows, blocks_per_row, 2)
     if name == "MXFP4":  # e8m0 exponent of 2^(e-127): 2^-20 .. 2^5, normal float32 results
         raw[..., 0] = rng.integers(107, 133, size=(n_rows, blocks_per_row))
     if name == "NVFP4":  # four unsigned e4m3 scales
@@ -72,8 +88,10 @@ def test_random_blocks_bit_exact(name):
     assert_bit_equal(dequantize(raw, name), want)
     assert_bit_equal(DEQ_JIT(raw, name), want)
     with CompileCounter() as again:  # new values of the same shape: no new program
-        assert_bit_equal(DEQ_JIT(random_blocks(name, 8, 3, seed=1), name),
-                         gguf.quants.dequantize(random_blocks(name, 8, 3, seed=1), GQ[name]))
+        assert_bit_equal(
+            DEQ_JIT(random_blocks(name, 8, 3, seed=1), name),
+            gguf.quants.dequantize(random_blocks(name, 8, 3, seed=1), GQ[name]),
+        )
     assert again.count == 0
 
 
@@ -137,7 +155,9 @@ def test_bad_input_names_the_argument():
         check_type("Q8_K")
     with pytest.raises(ValueError, match=r"last axis has 20 bytes: allowed a multiple of Q4_0's block of 18"):
         dequantize(np.zeros((2, 20), np.uint8), "Q4_0")
-    with pytest.raises(ValueError, match=r"row of 100 values cannot be stored as Q4_K: allowed a positive multiple of .*256"):
+    with pytest.raises(
+        ValueError, match=r"row of 100 values cannot be stored as Q4_K: allowed a positive multiple of .*256"
+    ):
         row_bytes("Q4_K", 100)
     with pytest.raises(ValueError, match="at least one axis"):
         dequantize(jnp.float16(1), "F16")

@@ -39,10 +39,19 @@ def hf_state_dict(model) -> dict:
         sd["lm_head.weight"] = model.lm_head.kernel[...].T
     for il, block in enumerate(model.layers):
         p, m = f"backbone.layers.{il}.", block.mixer
-        sd.update({p + "norm.weight": block.norm.scale[...], p + "mixer.in_proj.weight": m.in_proj.kernel[...].T,
-                   p + "mixer.conv1d.weight": m.conv_kernel[...].T[:, None, :], p + "mixer.x_proj.weight": m.x_proj.kernel[...].T,
-                   p + "mixer.dt_proj.weight": m.dt_proj.kernel[...].T, p + "mixer.dt_proj.bias": m.dt_proj.bias[...],
-                   p + "mixer.A_log": m.A_log[...], p + "mixer.D": m.D[...], p + "mixer.out_proj.weight": m.out_proj.kernel[...].T})
+        sd.update(
+            {
+                p + "norm.weight": block.norm.scale[...],
+                p + "mixer.in_proj.weight": m.in_proj.kernel[...].T,
+                p + "mixer.conv1d.weight": m.conv_kernel[...].T[:, None, :],
+                p + "mixer.x_proj.weight": m.x_proj.kernel[...].T,
+                p + "mixer.dt_proj.weight": m.dt_proj.kernel[...].T,
+                p + "mixer.dt_proj.bias": m.dt_proj.bias[...],
+                p + "mixer.A_log": m.A_log[...],
+                p + "mixer.D": m.D[...],
+                p + "mixer.out_proj.weight": m.out_proj.kernel[...].T,
+            }
+        )
         if m.conv_bias is not None:
             sd[p + "mixer.conv1d.bias"] = m.conv_bias[...]
     return {k: np.asarray(v, np.float32) for k, v in sd.items()}
@@ -52,7 +61,7 @@ def write_mamba_gguf(path, model, qtype=Q.F32, *, dt_b_c_rms=False, edit=None, v
     """A GGUF file of ``model`` as ``convert_hf_to_gguf.py`` (then ``llama-quantize`` to ``qtype``) writes it."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "mamba")
-    w.add_context_length(2 ** 20)
+    w.add_context_length(2**20)
     w.add_embedding_length(cfg.d_model)
     w.add_feed_forward_length(0)
     w.add_head_count(0)
@@ -63,7 +72,7 @@ def write_mamba_gguf(path, model, qtype=Q.F32, *, dt_b_c_rms=False, edit=None, v
     w.add_ssm_time_step_rank(cfg.dt_rank)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_ssm_dt_b_c_rms(dt_b_c_rms)
-    if vocab:   # the SentencePiece fixture vocabulary, so that llama.cpp loads the file
+    if vocab:  # the SentencePiece fixture vocabulary, so that llama.cpp loads the file
         from tests.vocab_fixtures import add_spm_vocab
 
         assert add_spm_vocab(w) == cfg.vocab_size
@@ -113,12 +122,19 @@ def test_float_load_equals_the_model(tmp_path, tie):
     model = make_model(dataclasses.replace(CFG, tie_embeddings=tie))
     path = write_mamba_gguf(tmp_path / "m.gguf", model)
     cfg = gguf_config(path)
-    assert (cfg.d_model, cfg.d_inner, cfg.d_state, cfg.d_conv, cfg.dt_rank, cfg.tie_embeddings) == \
-           (32, 64, 8, 4, model.config.dt_rank, tie)
+    assert (cfg.d_model, cfg.d_inner, cfg.d_state, cfg.d_conv, cfg.dt_rank, cfg.tie_embeddings) == (
+        32,
+        64,
+        8,
+        4,
+        model.config.dt_rank,
+        tie,
+    )
     loaded = from_gguf(path, dtype=jnp.float32)
     tokens = tokens_of((2, 9), vocab=CFG.vocab_size)
-    np.testing.assert_allclose(np.asarray(loaded.forward(tokens)), np.asarray(model.forward(tokens)),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(loaded.forward(tokens)), np.asarray(model.forward(tokens)), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
@@ -127,7 +143,7 @@ def test_compact_load_equals_the_float_load(tmp_path, qtype):
     compact, full = from_gguf(path), from_gguf(path, dtype=jnp.float32)
     mixer = compact.layers[0].mixer
     assert isinstance(mixer.in_proj, GGMLLinear) and mixer.in_proj.type_name == qtype.name
-    assert not isinstance(mixer.dt_proj, GGMLLinear)      # rows of dt_rank = 2 values stay F32 in the file
+    assert not isinstance(mixer.dt_proj, GGMLLinear)  # rows of dt_rank = 2 values stay F32 in the file
     tokens = tokens_of((2, 9), vocab=CFG.vocab_size)
     want = np.asarray(full.forward(tokens))
     # the same weights; only the order of float sums differs (the scan amplifies it a little)
@@ -141,8 +157,9 @@ def test_bad_mamba_files_are_refused(tmp_path):
     positive = write_mamba_gguf(tmp_path / "a.gguf", model, edit=lambda n, v: -v if n.endswith("ssm_a") else v)
     with pytest.raises(ValueError, match=r"tensor 'blk.0.ssm_a' has entries >= 0"):
         from_gguf(positive)
-    short = write_mamba_gguf(tmp_path / "s.gguf", model,
-                             edit=lambda n, v: v[:, :3] if n == "blk.1.ssm_conv1d.weight" else v)
+    short = write_mamba_gguf(
+        tmp_path / "s.gguf", model, edit=lambda n, v: v[:, :3] if n == "blk.1.ssm_conv1d.weight" else v
+    )
     with pytest.raises(ValueError, match=r"tensor 'blk.1.ssm_conv1d.weight' has shape \(64, 3\): allowed \(64, 4\)"):
         from_gguf(short)
 

@@ -54,8 +54,12 @@ def _mismatches(tok: Tokenizer, data: dict):
         text = case["text"]
         # what the files leave out: ids_special when it is ids, ids_add* when BOS + ids + EOS
         special_ids = case.get("ids_special", case["ids"])
-        case = {"ids_special": special_ids, "ids_add": bos + case["ids"] + eos,
-                "ids_add_special": bos + special_ids + eos, **case}
+        case = {
+            "ids_special": special_ids,
+            "ids_add": bos + case["ids"] + eos,
+            "ids_add_special": bos + special_ids + eos,
+            **case,
+        }
         for key, add, special in MODES:
             # add None: what llama.cpp's add_special adds (BOS / EOS as the vocabulary says)
             ids = tok.encode(text, add_bos=add, add_eos=add, special=special)
@@ -116,11 +120,15 @@ def test_round_trip(vocab_dir):
         tok = _tokenizer(name, vocab_dir)
         for text in TEXTS:
             if name.startswith("spm") and "\u2581" in text:
-                continue     # SentencePiece writes spaces as U+2581: a literal one comes back as a space
+                continue  # SentencePiece writes spaces as U+2581: a literal one comes back as a space
             ids = tok.encode(text)
             assert tok.decode(ids) == text, (name, text)
-            assert tok.decode(ids, skip_special=False).replace(tok.token_text(tok.bos_id), "", 1)\
-                .removesuffix(tok.token_text(tok.eos_ids[0]) if tok.add_eos else "") == text
+            assert (
+                tok.decode(ids, skip_special=False)
+                .replace(tok.token_text(tok.bos_id), "", 1)
+                .removesuffix(tok.token_text(tok.eos_ids[0]) if tok.add_eos else "")
+                == text
+            )
 
 
 def test_special_tokens_parsed_only_when_asked(vocab_dir):
@@ -161,8 +169,15 @@ def test_end_of_generation_ids(vocab_dir):
 
 
 def test_stream_decoding_with_byte_fallback(vocab_dir):
-    texts = ["emoji 🙂 here", "日本語のテキスト", "naïve café 👨‍👩‍👧", "hello\n\nworld", "Hello, world!",
-             "what ? yes . no , ok ! it 's", "<start_of_turn>user\nhi<end_of_turn>"]
+    texts = [
+        "emoji 🙂 here",
+        "日本語のテキスト",
+        "naïve café 👨‍👩‍👧",
+        "hello\n\nworld",
+        "Hello, world!",
+        "what ? yes . no , ok ! it 's",
+        "<start_of_turn>user\nhi<end_of_turn>",
+    ]
     for name in ("spm", "spm-noprefix", "bpe-llama-bpe", "bpe-default", "bpe-qwen2"):
         tok = _tokenizer(name, vocab_dir)
         for text in texts:
@@ -198,8 +213,17 @@ def test_chat_template(vocab_dir, tmp_path):
 # -- bad vocabularies ---------------------------------------------------------------------------
 
 
-def _write(path, *, model="llama", tokens=("<unk>", "<s>", "</s>", "a", "b", "ab"), scores=None, types=None,
-           merges=None, pre=None, extra=None):
+def _write(
+    path,
+    *,
+    model="llama",
+    tokens=("<unk>", "<s>", "</s>", "a", "b", "ab"),
+    scores=None,
+    types=None,
+    merges=None,
+    pre=None,
+    extra=None,
+):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model(model)
     if pre is not None:
@@ -228,23 +252,31 @@ def test_bad_vocabularies_are_refused(tmp_path):
     assert tok.encode("ab", add_bos=False) == [0, 5] and tok.decode([1, 0, 5]) == "ab"
     cases = [
         (dict(tokens=None), "lacks 'tokenizer.ggml.tokens'"),
-        (dict(scores=[0.0, 0.0, 0.0, math.nan, 0.0, 0.0]),
-         r"tokenizer.ggml.scores\[3\]=nan is out of range: allowed finite"),
+        (
+            dict(scores=[0.0, 0.0, 0.0, math.nan, 0.0, 0.0]),
+            r"tokenizer.ggml.scores\[3\]=nan is out of range: allowed finite",
+        ),
         (dict(scores=[0.0, 0.0, 0.0, 0.0, math.inf, 0.0]), r"tokenizer.ggml.scores\[4\]=inf is out of range"),
         (dict(scores=[0.0, 0.0, 0.0]), "tokenizer.ggml.scores has 3 entries: allowed at least one per token"),
         (dict(types=[2, 3, 3, 1, 7, 1]), r"tokenizer.ggml.token_type\[4\]=7 is out of range: allowed 0..6"),
         (dict(types=[2, 3, 3, 1, -1, 1]), r"tokenizer.ggml.token_type\[4\]=-1 is out of range"),
         (dict(tokens=["<unk>", "a", "a"]), r"has 'a' twice \(ids 1 and 2\)"),
         (dict(model="t5"), "tokenizer.ggml.model='t5' is out of range: allowed 'llama' .* or 'gpt2'"),
-        (dict(model="gpt2", tokens=["a", "b", "ab"], merges=["a b"], pre="no-such-pre"),
-         "tokenizer.ggml.pre='no-such-pre' is out of range: allowed .*'llama-bpe'"),
-        (dict(model="gpt2", tokens=["a", "b", "ab"], merges=["a c"]),
-         r"tokenizer.ggml.merges\[0\]='a c' is out of range"),
+        (
+            dict(model="gpt2", tokens=["a", "b", "ab"], merges=["a b"], pre="no-such-pre"),
+            "tokenizer.ggml.pre='no-such-pre' is out of range: allowed .*'llama-bpe'",
+        ),
+        (
+            dict(model="gpt2", tokens=["a", "b", "ab"], merges=["a c"]),
+            r"tokenizer.ggml.merges\[0\]='a c' is out of range",
+        ),
         (dict(model="gpt2", tokens=["a", "b"], merges=["a b"]), r"tokenizer.ggml.merges\[0\]='a b' is out of range"),
         (dict(model="gpt2", tokens=["a", "b", "ab"], merges=["ab"]), r"tokenizer.ggml.merges\[0\]='ab'"),
         (dict(model="gpt2", tokens=["a", "b", "ab"]), "lacks 'tokenizer.ggml.merges'"),
-        (dict(model="gpt2", tokens=["a", "b", "ab"], merges=["a b"], extra={"add_add_bos_token": True}),
-         "add_bos_token is true but the file has no BOS id"),
+        (
+            dict(model="gpt2", tokens=["a", "b", "ab"], merges=["a b"], extra={"add_add_bos_token": True}),
+            "add_bos_token is true but the file has no BOS id",
+        ),
     ]
     for i, (kwargs, match) in enumerate(cases):
         path = _write(tmp_path / f"bad{i}.gguf", **kwargs)

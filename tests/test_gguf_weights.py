@@ -48,34 +48,71 @@ def _quantizable(name: str) -> bool:
 #: the model below (F16 0.0008, BF16 0.006, Q8_0 0.018, Q5_1 0.136, Q5_0 0.165, Q4_1 0.266, Q4_0
 #: 0.300, MXFP4 0.402: a random model's logits are nearly flat, so weight noise is large against
 #: their spread), with a third of headroom. The ternary types cannot represent a random float model.
-REL_TOL = {"F16": 0.002, "BF16": 0.01, "Q8_0": 0.025, "Q5_1": 0.18, "Q5_0": 0.22, "Q4_1": 0.35, "Q4_0": 0.4,
-           "MXFP4": 0.53, "TQ2_0": None, "TQ1_0": None}
+REL_TOL = {
+    "F16": 0.002,
+    "BF16": 0.01,
+    "Q8_0": 0.025,
+    "Q5_1": 0.18,
+    "Q5_0": 0.22,
+    "Q4_1": 0.35,
+    "Q4_0": 0.4,
+    "MXFP4": 0.53,
+    "TQ2_0": None,
+    "TQ1_0": None,
+}
 
 
 #: the types only llama.cpp quantizes, fixture files by llama_model_quantize (type -> its LLAMA_FTYPE_MOSTLY_*)
-LLAMA_CPP_TYPES = {"Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K",
-                   "IQ3_S": "IQ3_S", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+LLAMA_CPP_TYPES = {
+    "Q2_K": "Q2_K",
+    "Q3_K": "Q3_K_S",
+    "Q4_K": "Q4_K_S",
+    "Q5_K": "Q5_K_S",
+    "Q6_K": "Q6_K",
+    "IQ3_S": "IQ3_S",
+    "IQ4_NL": "IQ4_NL",
+    "IQ4_XS": "IQ4_XS",
+}
 #: where scripts/make_quantized_fixtures.py keeps them
 QUANTIZED = pathlib.Path(__file__).parent / "data" / "quantized"
 
 
 def fixture_model() -> Llama:
     """The float model llama.cpp quantized (one layer of width 256: rows of whole 256-value super-blocks)."""
-    cfg = LlamaConfig(vocab_size=96, d_model=256, n_layer=1, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=256,
-                      norm_eps=1e-5, rope=kvjax.RopeConfig(n_rot=128, mode="neox", freq_base=10000.0))
+    cfg = LlamaConfig(
+        vocab_size=96,
+        d_model=256,
+        n_layer=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=128,
+        d_ff=256,
+        norm_eps=1e-5,
+        rope=kvjax.RopeConfig(n_rot=128, mode="neox", freq_base=10000.0),
+    )
     return Llama(cfg, rngs=nnx.Rngs(11))
 
 
 def write_fixture_f32(path, model: Llama):
     """``model`` as a float32 ``llama`` GGUF (the input of llama.cpp's quantizer)."""
-    return write_gguf(path, "llama", _kvjax_sd(model), n_layer=1, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0,
-                      head_dim=128)
+    return write_gguf(
+        path, "llama", _kvjax_sd(model), n_layer=1, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0, head_dim=128
+    )
 
 
 def _model(scale: float = 1.0, qk_norm: bool = False) -> Llama:
-    cfg = LlamaConfig(vocab_size=96, d_model=256, n_layer=2, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=512,
-                      norm_eps=1e-5, rope=kvjax.RopeConfig(n_rot=128, mode="neox", freq_base=10000.0),
-                      qk_norm=qk_norm)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        d_model=256,
+        n_layer=2,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=128,
+        d_ff=512,
+        norm_eps=1e-5,
+        rope=kvjax.RopeConfig(n_rot=128, mode="neox", freq_base=10000.0),
+        qk_norm=qk_norm,
+    )
     model = Llama(cfg, rngs=nnx.Rngs(3))
     if scale != 1.0:
         nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
@@ -106,16 +143,22 @@ def _write(path, model: Llama, name: str, arch: str = "llama"):
             gname = names.get(key) or _gguf_name(key)
             extra[gname] = _random_blocks(name, value.shape[0], value.shape[1], rng)
         return _write_raw(path, model, sd, extra, name, arch)
-    return write_gguf(path, arch, sd, n_layer=2, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0, qtype=Q[name],
-                      head_dim=128)
+    return write_gguf(
+        path, arch, sd, n_layer=2, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0, qtype=Q[name], head_dim=128
+    )
 
 
 def _gguf_name(key: str) -> str:
     _, _, il, rest = key.split(".", 3)
-    per_layer = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-                 "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-                 "mlp.down_proj.weight": "ffn_down.weight"}
+    per_layer = {
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     return f"blk.{il}.{per_layer[rest]}"
 
 
@@ -131,8 +174,7 @@ def _write_raw(path, model, sd, raw, name, arch):
 
     gguf.GGUFWriter.add_tensor = add_tensor
     try:
-        return write_gguf(path, arch, sd, n_layer=2, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0,
-                          head_dim=128)
+        return write_gguf(path, arch, sd, n_layer=2, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0, head_dim=128)
     finally:
         gguf.GGUFWriter.add_tensor = writer_add
 
@@ -157,7 +199,7 @@ def test_quantized_logits_stay_near_the_float_model(tmp_path, name):
     want = np.asarray(model.forward(jnp.asarray(TOKENS)))
     rel = float(np.sqrt(np.mean((got - want) ** 2)) / want.std())
     print(f"{name}: RMS logit difference {rel:.4f} of the logits' std")
-    if REL_TOL.get(name) is not None:      # ternary types cannot represent a random float model
+    if REL_TOL.get(name) is not None:  # ternary types cannot represent a random float model
         assert rel < REL_TOL[name], f"{name}: {rel:.4f} of the logits' std"
 
 
@@ -197,14 +239,18 @@ def test_fused_projections_of_a_compact_model(tmp_path):
 
 def test_a_qwen3_gguf_gives_its_models_logits(tmp_path):
     model = _model(scale=1.0, qk_norm=True)
-    for b in model.layers:   # norms that are not all ones, so that a missing q/k norm shows
+    for b in model.layers:  # norms that are not all ones, so that a missing q/k norm shows
         b.attn.q_norm.scale.set_value(b.attn.q_norm.scale[...] * 1.5)
         b.attn.k_norm.scale.set_value(b.attn.k_norm.scale[...] * 0.5)
     path = _write_qwen3(tmp_path / "q3.gguf", model)
     loaded = from_gguf(path)
     assert loaded.config.qk_norm and not loaded.config.attention_bias
-    np.testing.assert_allclose(np.asarray(loaded.forward(jnp.asarray(TOKENS))),
-                               np.asarray(model.forward(jnp.asarray(TOKENS))), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(loaded.forward(jnp.asarray(TOKENS))),
+        np.asarray(model.forward(jnp.asarray(TOKENS))),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def _write_qwen3(path, model):
@@ -213,8 +259,9 @@ def _write_qwen3(path, model):
     for il, b in enumerate(model.layers):
         extra[f"blk.{il}.attn_q_norm.weight"] = np.asarray(b.attn.q_norm.scale[...])
         extra[f"blk.{il}.attn_k_norm.weight"] = np.asarray(b.attn.k_norm.scale[...])
-    return write_gguf(path, "qwen3", sd, n_layer=2, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0,
-                      head_dim=128, extra=extra)
+    return write_gguf(
+        path, "qwen3", sd, n_layer=2, n_heads=2, n_kv_heads=1, eps=1e-5, theta=10000.0, head_dim=128, extra=extra
+    )
 
 
 def test_bad_rows_are_refused():
@@ -230,7 +277,9 @@ def test_the_linen_twin_refuses_a_compact_model(tmp_path):
     from kvjax.nn import params_from_nnx
 
     model = from_gguf(_write(tmp_path / "m.gguf", _model(), "Q8_0"))
-    with pytest.raises(ValueError, match=r"weights kept as ggml blocks \(embed, .*from_gguf\(path, dtype=jnp.float32\)"):
+    with pytest.raises(
+        ValueError, match=r"weights kept as ggml blocks \(embed, .*from_gguf\(path, dtype=jnp.float32\)"
+    ):
         params_from_nnx(model)
 
 
@@ -239,8 +288,11 @@ def test_a_compact_layer_eager_and_jitted(name):
     """GGMLLinear equals ``x @ W.T + b`` with gguf's dequantized W, eagerly and jitted; new inputs do not recompile."""
     rng = np.random.default_rng(0)
     t = WEIGHT_TYPES[name]
-    raw = (gguf.quants.quantize(rng.standard_normal((8, 256)).astype(np.float32), Q[name]) if _quantizable(name)
-           else _random_blocks(name, 8, 256, rng))
+    raw = (
+        gguf.quants.quantize(rng.standard_normal((8, 256)).astype(np.float32), Q[name])
+        if _quantizable(name)
+        else _random_blocks(name, 8, 256, rng)
+    )
     bias = rng.standard_normal(8).astype(np.float32)
     lin = GGMLLinear(raw, name, 256, bias=bias)
     assert lin.blocks[...].shape == (8, 256 // t.block * t.type_size)
@@ -257,17 +309,26 @@ def test_a_compact_layer_eager_and_jitted(name):
 #: RMS logit difference against the float model, as a fraction of its logits' std, for the files
 #: llama.cpp quantized: measured Q6_K 0.054, Q5_K 0.116, Q4_K 0.231, IQ4_NL 0.238, IQ4_XS 0.240,
 #: Q3_K 0.442, IQ3_S 0.494, Q2_K 0.795 (the order of their bits per weight), with a third of headroom
-LLAMA_CPP_TOL = {"Q6_K": 0.072, "Q5_K": 0.155, "Q4_K": 0.31, "IQ4_NL": 0.32, "IQ4_XS": 0.32, "Q3_K": 0.59,
-                 "IQ3_S": 0.66, "Q2_K": 1.06}
+LLAMA_CPP_TOL = {
+    "Q6_K": 0.072,
+    "Q5_K": 0.155,
+    "Q4_K": 0.31,
+    "IQ4_NL": 0.32,
+    "IQ4_XS": 0.32,
+    "Q3_K": 0.59,
+    "IQ3_S": 0.66,
+    "Q2_K": 1.06,
+}
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CPP_TYPES))
 def test_files_llama_cpp_quantized_stay_near_the_float_model(name):
     """Blocks with the scales llama.cpp's own quantizer chose (scripts/make_quantized_fixtures.py)."""
-    path = QUANTIZED / f"tiny-{name}.gguf"   # committed; scripts/make_quantized_fixtures.py writes them again
+    path = QUANTIZED / f"tiny-{name}.gguf"  # committed; scripts/make_quantized_fixtures.py writes them again
     compact, full = from_gguf(path), from_gguf(path, dtype=jnp.float32)
-    assert {compact.layers[0].attn.q_proj.type_name, compact.layers[0].mlp.down.type_name,
-            compact.embed.type_name} == {name}
+    assert {compact.layers[0].attn.q_proj.type_name, compact.layers[0].mlp.down.type_name, compact.embed.type_name} == {
+        name
+    }
     tokens = jnp.asarray(TOKENS)
     got, loaded = np.asarray(compact.forward(tokens)), np.asarray(full.forward(tokens))
     np.testing.assert_allclose(got, loaded, atol=1e-5 * max(1.0, np.abs(loaded).max()), rtol=1e-5)

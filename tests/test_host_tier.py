@@ -34,8 +34,10 @@ def make_engine(kind):
     return streams_engine() if kind == "streams" else engine(kind)
 
 
-@pytest.mark.parametrize("kind, sampling", [("unified", GREEDY), ("streams", GREEDY), ("iswa", SAMPLED),
-                                            ("recurrent", GREEDY), ("hybrid", SAMPLED)])
+@pytest.mark.parametrize(
+    "kind, sampling",
+    [("unified", GREEDY), ("streams", GREEDY), ("iswa", SAMPLED), ("recurrent", GREEDY), ("hybrid", SAMPLED)],
+)
 def test_host_parked_equals_device_parked_equals_fresh(kind, sampling):
     on_host, on_device = make_engine(kind), make_engine(kind)
     n_seq = on_host.cache.n_seq_max
@@ -45,10 +47,11 @@ def test_host_parked_equals_device_parked_equals_fresh(kind, sampling):
     for i, prompt in enumerate(CHAT[:4]):
         key = jax.random.PRNGKey(i)
         got = kvjax.generate(on_host, [prompt], max_new_tokens=3, key=key, sampling=sampling, prompt_cache=host_cache)
-        parked = kvjax.generate(on_device, [prompt], max_new_tokens=3, key=key, sampling=sampling,
-                                prompt_cache=device_cache)
+        parked = kvjax.generate(
+            on_device, [prompt], max_new_tokens=3, key=key, sampling=sampling, prompt_cache=device_cache
+        )
         assert got.tokens == parked.tokens, (i, prompt)
-        if kind == "streams":   # device-parked equals fresh for the other kinds in test_prompt_cache.py
+        if kind == "streams":  # device-parked equals fresh for the other kinds in test_prompt_cache.py
             fresh = kvjax.generate(make_engine(kind), [prompt], max_new_tokens=3, key=key, sampling=sampling)
             assert got.tokens == fresh.tokens, (i, prompt)
         # between requests nothing of a parked sequence is on the device
@@ -56,23 +59,31 @@ def test_host_parked_equals_device_parked_equals_fresh(kind, sampling):
         assert all(int(kvjax.seq_pos_max(on_host.cache, s)) == -1 for s in range(n_seq))
         assert host_cache.host.nbytes <= host_cache.host.budget_bytes
         reused += len(prompt) - got.prompt_tokens
-    assert host_cache.restores > 0 and host_cache.offloads == 4 + host_cache.restores   # back there after use
-    if kind not in ("recurrent", "hybrid"):   # a state read back holds the tail state only: no rollback
+    assert host_cache.restores > 0 and host_cache.offloads == 4 + host_cache.restores  # back there after use
+    if kind not in ("recurrent", "hybrid"):  # a state read back holds the tail state only: no rollback
         assert reused > 0
 
 
 def test_a_small_memory_moves_parked_sequences_to_the_host_and_back():
     """More conversations than the device holds: the evicted go to the host, the best match returns."""
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [1, 2, 3, 4, 15, 16], [17, 18, 19, 1, 2, 3],
-               [9, 10, 11, 12, 13, 14, 2], [1, 2, 3, 4, 5, 6, 7, 8, 3], [17, 18, 19, 1, 2, 3, 4, 4]]
+    prompts = [
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        [9, 10, 11, 12, 13, 14],
+        [1, 2, 3, 4, 15, 16],
+        [17, 18, 19, 1, 2, 3],
+        [9, 10, 11, 12, 13, 14, 2],
+        [1, 2, 3, 4, 5, 6, 7, 8, 3],
+        [17, 18, 19, 1, 2, 3, 4, 4],
+    ]
     results = {}
     for host_bytes in (0, 1 << 20):
         eng = engine("unified", size=48, n_seq=3)
         cache = kvjax.PromptCache(n_seq_max=3, max_tokens=48, host_bytes=host_bytes)
         out = []
         for i, prompt in enumerate(prompts):
-            got = kvjax.generate(eng, [prompt], max_new_tokens=4, key=jax.random.PRNGKey(i), sampling=GREEDY,
-                                 prompt_cache=cache)
+            got = kvjax.generate(
+                eng, [prompt], max_new_tokens=4, key=jax.random.PRNGKey(i), sampling=GREEDY, prompt_cache=cache
+            )
             out.append((got.tokens, got.prompt_tokens))
         results[host_bytes] = out, cache
     (without, _), (with_host, cache) = results[0], results[1 << 20]
@@ -84,16 +95,14 @@ def test_a_small_memory_moves_parked_sequences_to_the_host_and_back():
 
 def test_the_budget_drops_the_least_recently_used_and_is_never_exceeded():
     eng = engine("unified")
-    one = len(kvjax.state_write(kvjax.find_slot(memory("unified"), kvjax.make_ubatch(list(range(7)), [[0]] * 7))[0],
-                                0))
+    one = len(kvjax.state_write(kvjax.find_slot(memory("unified"), kvjax.make_ubatch(list(range(7)), [[0]] * 7))[0], 0))
     # room for two 7-token sequences (blob and tokens), not three
     cache = kvjax.PromptCache(n_seq_max=4, max_tokens=64, host_bytes=2 * (one + 7 * 4) + 8, idle_to_host=True)
     for i, prompt in enumerate([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]):
-        kvjax.generate(eng, [prompt], max_new_tokens=4, key=jax.random.PRNGKey(i), sampling=GREEDY,
-                       prompt_cache=cache)
+        kvjax.generate(eng, [prompt], max_new_tokens=4, key=jax.random.PRNGKey(i), sampling=GREEDY, prompt_cache=cache)
         assert cache.host.nbytes <= cache.host.budget_bytes
     assert len(cache.host) == 2 and cache.host.evictions == 1
-    assert [cache.host.entry(k).tokens[0] for k in cache.host.keys()] == [5, 9]    # the first one left
+    assert [cache.host.entry(k).tokens[0] for k in cache.host.keys()] == [5, 9]  # the first one left
     # a sequence larger than the whole budget is dropped, the others kept
     tiny = kvjax.PromptCache(n_seq_max=4, max_tokens=64, host_bytes=16, idle_to_host=True)
     kvjax.generate(eng, [[1, 2, 3, 4]], max_new_tokens=2, key=jax.random.PRNGKey(0), sampling=GREEDY, prompt_cache=tiny)
@@ -136,9 +145,15 @@ class TierModel:
 
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=6)
-OPS = st.lists(st.one_of(st.tuples(st.just("put"), TOKENS, st.integers(0, 40)),
-                         st.tuples(st.just("match"), TOKENS), st.tuples(st.just("take"), st.integers(0, 3)),
-                         st.tuples(st.just("touch"), st.integers(0, 3))), max_size=30)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), TOKENS, st.integers(0, 40)),
+        st.tuples(st.just("match"), TOKENS),
+        st.tuples(st.just("take"), st.integers(0, 3)),
+        st.tuples(st.just("touch"), st.integers(0, 3)),
+    ),
+    max_size=30,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -179,7 +194,9 @@ def test_bad_arguments_are_refused_by_name():
     before = jax.device_get(eng.cache)
     with pytest.raises(ValueError, match=r"seq_id=3 is out of range: allowed a parked sequence, one of \[0\]"):
         cache.to_host(eng, [3])
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(eng.cache))))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(eng.cache)))
+    )
     with pytest.raises(ValueError, match="needs a host tier"):
         kvjax.PromptCache(n_seq_max=4, max_tokens=8).to_host(eng)
     assert cache.to_host(eng) == [0] and int(kvjax.used_cells(eng.cache)) == 0 and len(cache.host) == 1

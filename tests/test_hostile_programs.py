@@ -46,7 +46,7 @@ def _recurrent_part(ref):
 def _refused_shift(ref, seq_id, p0, p1, delta) -> bool:
     """Whether kvjax refuses this ``seq_add``: a position pushed to ``2**31 - 1`` or past it (every
     memory), or a recurrent state moved below 0 (the recurrent and hybrid memories)."""
-    lo, hi = max(p0, 0), (2**31 if p1 < 0 else p1)   # the seed's range: p0 < 0 is 0, p1 < 0 infinity
+    lo, hi = max(p0, 0), (2**31 if p1 < 0 else p1)  # the seed's range: p0 < 0 is 0, p1 < 0 infinity
     moved = [c for c in _cells_of(ref) if c.seqs and (seq_id < 0 or seq_id in c.seqs) and lo <= c.pos < hi]
     if delta and lo < hi and any(c.pos + delta >= POS_END for c in moved):
         return True
@@ -87,10 +87,19 @@ def _programs(n_seq_max: int):
             else:  # an argument outside its range, refused whatever the memory holds
                 op = draw(st.sampled_from(["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "place"]))
                 b = draw(bad_seq)
-                ops.append(({"seq_rm": ("seq_rm", b, 0, -1), "seq_cp": ("seq_cp", s, b if b >= 0 else n_seq_max, -1, -1),
-                             "seq_keep": ("seq_keep", b), "seq_add": ("seq_add", b, 0, -1, 1),
-                             "seq_div": ("seq_div", s, 0, -1, draw(st.sampled_from([0, -1, -(2**31)]))),
-                             "place": ("place", [(next_pos[s], [s, n_seq_max])])}[op], "argument"))
+                ops.append(
+                    (
+                        {
+                            "seq_rm": ("seq_rm", b, 0, -1),
+                            "seq_cp": ("seq_cp", s, b if b >= 0 else n_seq_max, -1, -1),
+                            "seq_keep": ("seq_keep", b),
+                            "seq_add": ("seq_add", b, 0, -1, 1),
+                            "seq_div": ("seq_div", s, 0, -1, draw(st.sampled_from([0, -1, -(2**31)]))),
+                            "place": ("place", [(next_pos[s], [s, n_seq_max])]),
+                        }[op],
+                        "argument",
+                    )
+                )
         return ops
 
     return program()
@@ -104,7 +113,7 @@ def _run(row, ops):
     eager, jitted, ref = row.make(), row.make(), row.reference()
     for op, why in ops:
         if why != "argument":
-            op = row.adapt([op])[0]     # the streams memory's rules (tokens of one stream, whole copies across)
+            op = row.adapt([op])[0]  # the streams memory's rules (tokens of one stream, whole copies across)
         if why == "shift" and not _refused_shift(ref, *op[1:]):
             why = None
         if why is None:
@@ -119,7 +128,7 @@ def _run(row, ops):
         assert int(flagged.error_bits()) != 0, f"no error bit for {op} ({why})"
         assert _unchanged(jitted, flagged), f"a refused op changed the memory under jit: {op}"
         jitted = kvjax.clear_errors(flagged)
-        row.compare(jitted, ref)                          # every sequence still holds every cell it held
+        row.compare(jitted, ref)  # every sequence still holds every cell it held
     for s in range(-1, eager.n_seq_max):
         assert int(kvjax.seq_pos_min(eager, s)) == ref.seq_pos_min(s)
         assert int(kvjax.seq_pos_max(eager, s)) == ref.seq_pos_max(s)
@@ -147,8 +156,11 @@ def test_a_refused_placement_says_why_on_every_memory(row):
     so it said nothing (the hybrid's rule now keeps new bits the same way)."""
     memory = row.make()
     bad = [([0], [0, memory.n_seq_max])]
-    ub = (kvjax.make_equal_ubatch(bad, n_slots=1) if memory.ubatch_split == "equal" and not memory.streamed
-          else kvjax.make_ubatch([0], [[0, memory.n_seq_max]], length=8))
+    ub = (
+        kvjax.make_equal_ubatch(bad, n_slots=1)
+        if memory.ubatch_split == "equal" and not memory.streamed
+        else kvjax.make_ubatch([0], [[0, memory.n_seq_max]], length=8)
+    )
     out, _, ok = jax.jit(kvjax.find_slot)(memory, ub)
     assert not bool(ok)
     assert int(out.error_bits()) == kvjax.ErrorFlag.UBATCH

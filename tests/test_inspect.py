@@ -28,6 +28,7 @@ def test_cell_map_lines():
 
 def test_inspection_bad_input():
     import pytest
+
     with pytest.raises(ValueError, match="must be a kvjax.*KVCache"):
         kvjax.cell_table(None)
     with pytest.raises(ValueError, match=r"width=0 is out of range: allowed an integer >= 1"):

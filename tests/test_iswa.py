@@ -27,20 +27,23 @@ BASE = kvjax.CacheConfig(size=64, n_seq_max=3, n_layer=4, n_kv_heads=2, head_dim
 # -- config --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(swa_layers=(0, 7)), r"swa_layers=7 is out of range: allowed cached layer ids \[0, 1, 2, 3\]"),
-    (dict(swa_layers=()), r"at least one window layer"),
-    (dict(swa_layers=(0, 1, 2, 3)), r"at least one full layer"),
-    (dict(swa_layers="ab"), r"swa_layers='ab' is out of range"),
-    (dict(n_swa=0), r"n_swa=0 is out of range: allowed an integer >= 1"),
-    (dict(n_swa=2.5), r"n_swa=2.5 is out of range"),
-    (dict(swa_type="none"), r"swa_type='none' is out of range"),
-    (dict(swa_type="sliding"), r"swa_type='sliding' is out of range"),
-    (dict(n_batch=0), r"n_batch=0 is out of range"),
-    (dict(swa_full="yes"), r"swa_full='yes' is out of range: allowed True or False"),
-    (dict(base=BASE.replace(swa_type="standard", n_swa=4)), r"base.swa_type='standard' is out of range"),
-    (dict(base="not a config"), r"base must be a kvjax.CacheConfig"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(swa_layers=(0, 7)), r"swa_layers=7 is out of range: allowed cached layer ids \[0, 1, 2, 3\]"),
+        (dict(swa_layers=()), r"at least one window layer"),
+        (dict(swa_layers=(0, 1, 2, 3)), r"at least one full layer"),
+        (dict(swa_layers="ab"), r"swa_layers='ab' is out of range"),
+        (dict(n_swa=0), r"n_swa=0 is out of range: allowed an integer >= 1"),
+        (dict(n_swa=2.5), r"n_swa=2.5 is out of range"),
+        (dict(swa_type="none"), r"swa_type='none' is out of range"),
+        (dict(swa_type="sliding"), r"swa_type='sliding' is out of range"),
+        (dict(n_batch=0), r"n_batch=0 is out of range"),
+        (dict(swa_full="yes"), r"swa_full='yes' is out of range: allowed True or False"),
+        (dict(base=BASE.replace(swa_type="standard", n_swa=4)), r"base.swa_type='standard' is out of range"),
+        (dict(base="not a config"), r"base must be a kvjax.CacheConfig"),
+    ],
+)
 def test_bad_config_is_refused_naming_the_argument(changes, match):
     args = dict(base=BASE, swa_layers=(0, 2), n_swa=4)
     args.update(changes)
@@ -50,7 +53,7 @@ def test_bad_config_is_refused_naming_the_argument(changes, match):
 
 def test_sizes_follow_the_seed():
     cfg = kvjax.IswaConfig(BASE, swa_layers=(1, 3), n_swa=5, n_batch=10)
-    assert cfg.size_swa == 32                          # pad(5 * 3 + 10, 16)
+    assert cfg.size_swa == 32  # pad(5 * 3 + 10, 16)
     assert kvjax.IswaConfig(BASE, swa_layers=(1,), n_swa=50, n_batch=10).size_swa == 64  # capped by size
     memory = kvjax.init(cfg)
     assert (memory.base.config.size, memory.swa.config.size) == (64, 32)
@@ -76,8 +79,12 @@ def test_optional_capabilities_name_the_memory():
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), swa_type=st.sampled_from(["standard", "chunked", "symmetric"]),
-       n_swa=st.integers(1, 6), swa_full=st.booleans())
+@given(
+    data=st.data(),
+    swa_type=st.sampled_from(["standard", "chunked", "symmetric"]),
+    n_swa=st.integers(1, 6),
+    swa_full=st.booleans(),
+)
 def test_batches_match_the_reference(data, swa_type, n_swa, swa_full):
     """Random batches of 1-3 ubatches over 3 sequences, with seq ops between: every cell of both caches."""
     cfg = kvjax.IswaConfig(BASE, swa_layers=(1, 3), n_swa=n_swa, swa_type=swa_type, swa_full=swa_full, n_batch=8)
@@ -128,6 +135,7 @@ def test_commit_is_jittable_and_does_not_recompile():
     assert kvjax.cell_table(eager.swa).pos.tolist() == kvjax.cell_table(jitted.swa).pos.tolist()
     assert int(kvjax.used_cells(eager.swa)) == 3
     from tests.helpers import no_recompile
+
     ub2 = kvjax.make_ubatch(range(6, 10), [[1]] * 4, length=8)
     with no_recompile():
         commit(memory, [ub2])
@@ -199,15 +207,24 @@ def test_decode_equals_unified_and_uncached():
 def test_generate_parallel_and_shared_prefix_equal_unified():
     prompts = [[3, 1, 4, 1, 5], [3, 1, 4, 2]]
     out = {}
-    for name, memory in (("iswa", _iswa_memory()),
-                         ("unified", kvjax.init(MODEL.cache_config(size=128, n_seq_max=3, padding=16)))):
+    for name, memory in (
+        ("iswa", _iswa_memory()),
+        ("unified", kvjax.init(MODEL.cache_config(size=128, n_seq_max=3, padding=16))),
+    ):
         engine = Engine(_model(), memory, n_ubatch=8)
-        a = generate(engine, prompts, max_new_tokens=20, key=jax.random.PRNGKey(0),
-                     sampling=kvjax.SamplingConfig(temperature=0))
+        a = generate(
+            engine, prompts, max_new_tokens=20, key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0)
+        )
         for s in range(2):
             engine.cache, _ = kvjax.seq_rm(engine.cache, s)
-        b = generate(engine, [[7, 7, 2]], max_new_tokens=12, key=jax.random.PRNGKey(1), n_parallel=3,
-                     sampling=kvjax.SamplingConfig(temperature=0.8))
+        b = generate(
+            engine,
+            [[7, 7, 2]],
+            max_new_tokens=12,
+            key=jax.random.PRNGKey(1),
+            n_parallel=3,
+            sampling=kvjax.SamplingConfig(temperature=0.8),
+        )
         out[name] = (a.tokens, b.tokens)
     assert out["iswa"] == out["unified"]
 
@@ -226,9 +243,14 @@ def test_driver_full_and_context_shift_change_nothing():
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), after))
     fresh = Engine(_model(), _iswa_memory(size=64, n_seq_max=1))
     with pytest.raises(ValueError, match="max_new_tokens=80 is out of range for this IswaCache"):
-        generate(fresh, [[1, 2, 3]], max_new_tokens=80, key=jax.random.PRNGKey(0),
-                 sampling=kvjax.SamplingConfig(temperature=0))
-    assert int(kvjax.used_cells(fresh.cache)) == 0     # refused before anything was placed
+        generate(
+            fresh,
+            [[1, 2, 3]],
+            max_new_tokens=80,
+            key=jax.random.PRNGKey(0),
+            sampling=kvjax.SamplingConfig(temperature=0),
+        )
+    assert int(kvjax.used_cells(fresh.cache)) == 0  # refused before anything was placed
 
 
 def test_state_round_trip_with_pruned_window():
@@ -240,7 +262,7 @@ def test_state_round_trip_with_pruned_window():
     one = kvjax.state_read(_iswa_memory(), kvjax.state_write(engine.cache, 0), 2)
     assert int(kvjax.seq_pos_min(one, 2)) == int(kvjax.seq_pos_min(engine.cache, 0))
     bad = bytearray(blob)
-    bad[-8:] = b"\xff" * 8                                # corrupt the window part's tail
+    bad[-8:] = b"\xff" * 8  # corrupt the window part's tail
     target = _iswa_memory()
     before = kvjax.state_write(target)
     with pytest.raises(kvjax.StateError):

@@ -75,32 +75,32 @@ def test_standard_prunes_once_per_batch_from_pmax():
     # one batch of two ubatches: cells 0..2, then 3..5 (the search jumps over 0..2) in both caches
     assert ref.find_slot(toks([0, 1, 2])) == ([0, 1, 2], [0, 1, 2], True)
     assert ref.find_slot(toks([3, 4, 5])) == ([3, 4, 5], [3, 4, 5], True)
-    assert positions(ref.swa, 6) == [0, 1, 2, 3, 4, 5]        # nothing pruned before the commit
+    assert positions(ref.swa, 6) == [0, 1, 2, 3, 4, 5]  # nothing pruned before the commit
     ref.commit([toks([0, 1, 2]), toks([3, 4, 5])])
     # pmax 5: 5 - p0 >= 3 prunes 0, 1, 2. Position 3 stays although the next token (6) does
     # not see it (6 - 3 = 3): the seed measures from pmax, not pmax + 1
     assert positions(ref.swa, 7) == [-1, -1, -1, 3, 4, 5, -1]
     assert positions(ref.base, 7) == [0, 1, 2, 3, 4, 5, -1]
-    assert (ref.swa.used, ref.swa.head, ref.used_cells()) == (3, 3, 6)   # pruning keeps the head
+    assert (ref.swa.used, ref.swa.head, ref.used_cells()) == (3, 3, 6)  # pruning keeps the head
     assert (ref.seq_pos_min(0), ref.seq_pos_max(0), ref.pos_max(), ref.n_tokens()) == (3, 5, 5, 6)
     # next batch, one token: base cell 6; window: 3..5 are taken, so cell 6 too
     assert ref.decode([toks([6])])
-    assert positions(ref.swa, 8) == [-1, -1, -1, -1, 4, 5, 6, -1]    # pmax 6 prunes 3
+    assert positions(ref.swa, 8) == [-1, -1, -1, -1, 4, 5, 6, -1]  # pmax 6 prunes 3
     assert ref.partial == []
     ref.check_invariants()
 
 
 def test_partial_window_warning_counts_every_sequence():
     ref = make_standard()
-    assert ref.decode([toks([0, 1, 2]), toks([3, 4, 5])])             # window keeps 3, 4, 5
-    ref.seq_rm(0, 4, -1)                                               # both caches drop 4, 5
+    assert ref.decode([toks([0, 1, 2]), toks([3, 4, 5])])  # window keeps 3, 4, 5
+    ref.seq_rm(0, 4, -1)  # both caches drop 4, 5
     assert positions(ref.swa, 6) == [-1, -1, -1, 3, -1, -1]
     assert positions(ref.base, 6) == [0, 1, 2, 3, -1, -1]
     # redo 4, 5: window cells 4, 5 (head 3 -> blocked at 3 -> 4). Visible from pmin 4 with
     # n_swa 3 are positions 2..4: 2 was pruned, so 2 < min(3, 4) cells: the seed warns
     assert ref.decode([toks([4, 5])])
     assert ref.partial == [(0, 4, 2)]
-    assert positions(ref.swa, 6) == [-1, -1, -1, 3, 4, 5]             # pmax 5 prunes nothing
+    assert positions(ref.swa, 6) == [-1, -1, -1, 3, 4, 5]  # pmax 5 prunes nothing
     # the count is over every sequence: a cell of another sequence at position 2 silences it
     other = IswaRef(16, 2, 4, n_swa=3, swa_type="standard", n_batch=6)
     assert other.decode([toks([0, 1, 2]), toks([3, 4, 5])])
@@ -109,7 +109,7 @@ def test_partial_window_warning_counts_every_sequence():
     assert other.decode([toks([2], seqs=[1])])
     assert other.partial == [(1, 2, 1)]
     other.seq_rm(0, 4, -1)
-    assert other.decode([toks([4, 5])])                                # sees seq 1's 2, 3, 4
+    assert other.decode([toks([4, 5])])  # sees seq 1's 2, 3, 4
     assert other.partial == [(1, 2, 1)]
 
 
@@ -140,7 +140,7 @@ def test_chunked_keeps_the_chunk_of_pmax():
 def test_symmetric_prunes_only_the_past_side():
     # n_swa 4 (half 2), n_batch 8: 12 window cells
     ref = IswaRef(16, 1, 4, n_swa=4, swa_type="symmetric", n_batch=8)
-    assert ref.decode([toks([5, 6, 7])])          # pmax 7: 7 - p0 > 2 for none of 5, 6, 7
+    assert ref.decode([toks([5, 6, 7])])  # pmax 7: 7 - p0 > 2 for none of 5, 6, 7
     assert positions(ref.swa, 3) == [5, 6, 7]
     # earlier positions afterwards: cells 3..7; pmax 4 prunes 0, 1 (4 - p0 > 2). 7 is hidden
     # from 4 (|4 - 7| = 3 > 2) but is after pmax: a later token may still see it, so it stays
@@ -170,10 +170,10 @@ def test_pruning_is_per_sequence_and_shared_cells_stay():
 
 def test_unbatched_sequence_keeps_its_old_cells():
     ref = IswaRef(16, 2, 4, n_swa=2, swa_type="standard", n_batch=4)
-    assert ref.decode([toks([0, 1, 2], seqs=[1])])     # seq 1: pmax 2 prunes 0
+    assert ref.decode([toks([0, 1, 2], seqs=[1])])  # seq 1: pmax 2 prunes 0
     assert positions(ref.swa, 3) == [-1, 1, 2]
-    ref.seq_add(1, 0, -1, 10)                           # seq 1 now at 11, 12
-    assert ref.decode([toks([0, 1, 2, 3])])             # seq 0 only; cells 3..6
+    ref.seq_add(1, 0, -1, 10)  # seq 1 now at 11, 12
+    assert ref.decode([toks([0, 1, 2, 3])])  # seq 0 only; cells 3..6
     # seq 0: pmax 3 prunes its 0, 1; seq 1's 11, 12 are not looked at
     assert positions(ref.swa, 7) == [-1, 11, 12, -1, -1, 2, 3]
     assert ref.seq_pos_min(1) == 11
@@ -191,7 +191,7 @@ def test_ubatch_refused_by_the_window_cache_changes_neither():
     # the base has room, the window cache not: nothing changes, the base head included
     assert ref.find_slot(toks([4])) == ([], [], False)
     assert (ref.base.used, ref.base.head, positions(ref.base, 5)) == (4, 2, [0, 1, 2, 3, -1])
-    ref.commit([toks([0, 1]), toks([2, 3])])            # pmax 3 prunes 0, 1
+    ref.commit([toks([0, 1]), toks([2, 3])])  # pmax 3 prunes 0, 1
     # now both take it: base cell 4; window: head 2, 2..3 busy -> 4 runs off the end -> cell 0
     assert ref.find_slot(toks([4])) == ([4], [0], True)
     ref.check_invariants()
@@ -219,17 +219,17 @@ def test_swa_full_never_prunes():
 
 def test_sequence_ops_apply_to_both_caches():
     ref = make_standard()
-    assert ref.decode([toks(range(6))])                 # base 0..5, window 3..5
-    ref.seq_cp(0, 1 - 1, 0, -1)                          # onto itself: nothing
-    ref.seq_add(0, 0, -1, -2)                            # base: 0, 1 fall below 0 and are freed
+    assert ref.decode([toks(range(6))])  # base 0..5, window 3..5
+    ref.seq_cp(0, 1 - 1, 0, -1)  # onto itself: nothing
+    ref.seq_add(0, 0, -1, -2)  # base: 0, 1 fall below 0 and are freed
     assert positions(ref.base, 6) == [-1, -1, 0, 1, 2, 3]
     assert positions(ref.swa, 6) == [-1, -1, -1, 1, 2, 3]
     assert [c.delta for c in ref.swa.cells[:6]] == [0, 0, 0, -2, -2, -2]
     assert (ref.seq_pos_min(0), ref.base.seq_pos_min(0), ref.pos_max()) == (1, 0, 3)
-    ref.seq_div(0, 2, -1, 2)                             # 2 -> 1, 3 -> 1 in both
+    ref.seq_div(0, 2, -1, 2)  # 2 -> 1, 3 -> 1 in both
     assert positions(ref.base, 6) == [-1, -1, 0, 1, 1, 1]
     assert positions(ref.swa, 6) == [-1, -1, -1, 1, 1, 1]
-    assert ref.seq_rm(0, 1, 2)                           # the seed's iSWA always returns true
+    assert ref.seq_rm(0, 1, 2)  # the seed's iSWA always returns true
     assert ref.used_cells() == 1 and ref.swa.used == 0 and ref.seq_pos_min(0) == -1
     ref.seq_keep(0)
     ref.clear()
@@ -238,7 +238,7 @@ def test_sequence_ops_apply_to_both_caches():
 
 def test_seq_cp_and_keep_reach_the_window_cache():
     ref = IswaRef(16, 2, 4, n_swa=2, swa_type="standard", n_batch=4)
-    assert ref.decode([toks([0, 1, 2])])                # window keeps 1, 2
+    assert ref.decode([toks([0, 1, 2])])  # window keeps 1, 2
     ref.seq_cp(0, 1, -1, -1)
     assert seqs(ref.base, 3) == [[0, 1], [0, 1], [0, 1]] and seqs(ref.swa, 3) == [[], [0, 1], [0, 1]]
     assert ref.n_tokens() == 6 and ref.seq_pos_min(1) == 1

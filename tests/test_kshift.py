@@ -20,21 +20,33 @@ TOL = {"float32": 5e-5, "float16": 4e-3}
 
 # one RoPE for all layers; per-layer frequencies (one table per layer); different modes / n_rot
 ROPES = {
-    "shared": kvjax.RopeConfig(n_rot=8, mode="neox"),   # partial on the 16-dim layers
-    "per_layer_freqs": (kvjax.RopeConfig(n_rot=16, freq_base=10000.0),
-                        kvjax.RopeConfig(n_rot=16, freq_base=1e6, freq_scale=0.5),
-                        kvjax.RopeConfig(n_rot=8, mode="neox")),
-    "per_layer_modes": (kvjax.RopeConfig(n_rot=16),
-                        kvjax.RopeConfig(n_rot=10, mode="neox", ext_factor=1.0, freq_scale=0.25,
-                                         n_ctx_orig=128),
-                        kvjax.RopeConfig(n_rot=6)),
+    "shared": kvjax.RopeConfig(n_rot=8, mode="neox"),  # partial on the 16-dim layers
+    "per_layer_freqs": (
+        kvjax.RopeConfig(n_rot=16, freq_base=10000.0),
+        kvjax.RopeConfig(n_rot=16, freq_base=1e6, freq_scale=0.5),
+        kvjax.RopeConfig(n_rot=8, mode="neox"),
+    ),
+    "per_layer_modes": (
+        kvjax.RopeConfig(n_rot=16),
+        kvjax.RopeConfig(n_rot=10, mode="neox", ext_factor=1.0, freq_scale=0.25, n_ctx_orig=128),
+        kvjax.RopeConfig(n_rot=6),
+    ),
 }
 
 
 def _config(rope, dtype="float32"):
     # layers 0, 1: one group of 2 kv heads, head size 16; layer 2: its own group (1 head, size 8)
-    return kvjax.CacheConfig(size=64, n_seq_max=4, n_layer=3, n_kv_heads=(2, 2, 1), head_dim=(16, 16, 8),
-                             padding=16, k_dtype=dtype, v_dtype=dtype, rope=rope)
+    return kvjax.CacheConfig(
+        size=64,
+        n_seq_max=4,
+        n_layer=3,
+        n_kv_heads=(2, 2, 1),
+        head_dim=(16, 16, 8),
+        padding=16,
+        k_dtype=dtype,
+        v_dtype=dtype,
+        rope=rope,
+    )
 
 
 def _scene(rope, dtype="float32", seed=0):
@@ -46,8 +58,10 @@ def _scene(rope, dtype="float32", seed=0):
     cache = fill(cache, list(range(6, 16)), [[1]] * 10)
     cache, _ = kvjax.seq_rm(cache, 0, 18, 21)  # a hole
     rng = np.random.default_rng(seed)
-    raw = {il: rng.standard_normal((cfg.size, cfg.n_kv_heads[il], cfg.head_dim[il])).astype(np.float32)
-           for il in range(cfg.n_layer)}
+    raw = {
+        il: rng.standard_normal((cfg.size, cfg.n_kv_heads[il], cfg.head_dim[il])).astype(np.float32)
+        for il in range(cfg.n_layer)
+    }
     slot = jnp.arange(cfg.size, dtype=jnp.int32)
     pos = jnp.maximum(cache.cells.pos, 0)
     for il in range(cfg.n_layer):
@@ -57,9 +71,9 @@ def _scene(rope, dtype="float32", seed=0):
 
 
 def _moved(cache):
-    cache = kvjax.seq_add(cache, 0, 4, 12, 7)     # shared cells move for both sequences
-    cache = kvjax.seq_add(cache, 1, 0, -1, -3)    # some cells of sequence 1 fall below 0: freed
-    return kvjax.seq_div(cache, 0, 12, -1, 2)    # self-extend on the tail of sequence 0
+    cache = kvjax.seq_add(cache, 0, 4, 12, 7)  # shared cells move for both sequences
+    cache = kvjax.seq_add(cache, 1, 0, -1, -3)  # some cells of sequence 1 fall below 0: freed
+    return kvjax.seq_div(cache, 0, 12, -1, 2)  # self-extend on the tail of sequence 0
 
 
 def _assert_k_at_positions(before, after, raw, dtype):
@@ -78,8 +92,16 @@ def _assert_k_at_positions(before, after, raw, dtype):
         np.testing.assert_array_equal(np.asarray(v_after), np.asarray(v_before))
 
 
-@pytest.mark.parametrize("which,dtype", [("shared", "float32"), ("shared", "float16"), ("per_layer_freqs", "float32"),
-                                         ("per_layer_modes", "float32"), ("per_layer_modes", "float16")])
+@pytest.mark.parametrize(
+    "which,dtype",
+    [
+        ("shared", "float32"),
+        ("shared", "float16"),
+        ("per_layer_freqs", "float32"),
+        ("per_layer_modes", "float32"),
+        ("per_layer_modes", "float16"),
+    ],
+)
 def test_update_equals_k_at_new_positions(which, dtype):
     cache, raw = _scene(ROPES[which], dtype)
     moved = _moved(cache)
@@ -113,8 +135,9 @@ def test_far_positions_float32():
     raw = {il: rng.standard_normal((64, cfg.n_kv_heads[il], cfg.head_dim[il])).astype(np.float32) for il in range(3)}
     pos = jnp.maximum(cache.cells.pos, 0)
     for il in range(3):
-        cache = kvjax.write(cache, il, jnp.arange(64), kvjax.rope(jnp.asarray(raw[il]), pos, cfg.rope[il]),
-                            jnp.asarray(raw[il]))
+        cache = kvjax.write(
+            cache, il, jnp.arange(64), kvjax.rope(jnp.asarray(raw[il]), pos, cfg.rope[il]), jnp.asarray(raw[il])
+        )
     after = kvjax.update(kvjax.seq_add(cache, 0, 0, -1, -3990))
     new_pos = np.asarray(after.cells.pos)
     used = new_pos >= 0

@@ -21,29 +21,91 @@ ROOT = pathlib.Path(kvjax.__file__).parent
 
 #: (floor, name, module patterns): a pattern ending in "." matches a package's modules
 FLOORS: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = (
-    (0, "base: errors, typing, validation, jit twins, compile counts, axis and mesh names, ggml block codecs",
-     ("kvjax._errors", "kvjax._typing", "kvjax._validate", "kvjax._jit", "kvjax._compiles", "kvjax._axes",
-      "kvjax._mesh", "kvjax._ggml_blocks")),
-    (1, "maths over plain arrays: K/V storage codecs, RoPE, attention kernels, window buckets, sequence "
+    (
+        0,
+        "base: errors, typing, validation, jit twins, compile counts, axis and mesh names, ggml block codecs",
+        (
+            "kvjax._errors",
+            "kvjax._typing",
+            "kvjax._validate",
+            "kvjax._jit",
+            "kvjax._compiles",
+            "kvjax._axes",
+            "kvjax._mesh",
+            "kvjax._ggml_blocks",
+        ),
+    ),
+    (
+        1,
+        "maths over plain arrays: K/V storage codecs, RoPE, attention kernels, window buckets, sequence "
         "bit sets, configs, ubatches, sampling",
-     ("kvjax.storage", "kvjax.storage.", "kvjax.attn", "kvjax.attn._rope", "kvjax.attn._attention", "kvjax.attn._pallas", "kvjax.attn._windows",
-      "kvjax.memory._seqbits", "kvjax.memory._config", "kvjax.memory._ubatch", "kvjax.engine._sampling")),
-    (2, "cells: cell metadata, slot search, masks over cells, defrag moves, pending work, recurrent cells",
-     ("kvjax.memory._cells", "kvjax.memory._slots", "kvjax.attn._mask", "kvjax.memory._defrag_moves",
-      "kvjax.memory._update", "kvjax.memory._recurrent_config", "kvjax.memory._recurrent_cells",
-      "kvjax.memory._recurrent_slots", "kvjax.memory._recurrent_rows")),
-    (3, "memories: the protocol and every memory kind",
-     ("kvjax.memory._protocol", "kvjax.memory._unified", "kvjax.memory._composite", "kvjax.memory._iswa",
-      "kvjax.memory._recurrent", "kvjax.memory._hybrid", "kvjax.memory._streams")),
-    (4, "the memories' public functions: init and layout on a mesh, free functions, defrag, a part's "
+        (
+            "kvjax.storage",
+            "kvjax.storage.",
+            "kvjax.attn",
+            "kvjax.attn._rope",
+            "kvjax.attn._attention",
+            "kvjax.attn._pallas",
+            "kvjax.attn._windows",
+            "kvjax.memory._seqbits",
+            "kvjax.memory._config",
+            "kvjax.memory._ubatch",
+            "kvjax.engine._sampling",
+        ),
+    ),
+    (
+        2,
+        "cells: cell metadata, slot search, masks over cells, defrag moves, pending work, recurrent cells",
+        (
+            "kvjax.memory._cells",
+            "kvjax.memory._slots",
+            "kvjax.attn._mask",
+            "kvjax.memory._defrag_moves",
+            "kvjax.memory._update",
+            "kvjax.memory._recurrent_config",
+            "kvjax.memory._recurrent_cells",
+            "kvjax.memory._recurrent_slots",
+            "kvjax.memory._recurrent_rows",
+        ),
+    ),
+    (
+        3,
+        "memories: the protocol and every memory kind",
+        (
+            "kvjax.memory._protocol",
+            "kvjax.memory._unified",
+            "kvjax.memory._composite",
+            "kvjax.memory._iswa",
+            "kvjax.memory._recurrent",
+            "kvjax.memory._hybrid",
+            "kvjax.memory._streams",
+        ),
+    ),
+    (
+        4,
+        "the memories' public functions: init and layout on a mesh, free functions, defrag, a part's "
         "masks and K-shift, stream attention, the streaming window",
-     ("kvjax.memory._init", "kvjax.memory._api", "kvjax.memory._defrag", "kvjax.memory._part_ops",
-      "kvjax.memory._stream_attention", "kvjax.memory._sink_window", "kvjax.memory")),
-    (5, "services over the protocol: state formats, sessions, checkpoints, sharding, inspection, pictures",
-     ("kvjax.io", "kvjax.io.", "kvjax.shard", "kvjax.shard.", "kvjax._inspect", "kvjax.plot")),
+        (
+            "kvjax.memory._init",
+            "kvjax.memory._api",
+            "kvjax.memory._defrag",
+            "kvjax.memory._part_ops",
+            "kvjax.memory._stream_attention",
+            "kvjax.memory._sink_window",
+            "kvjax.memory",
+        ),
+    ),
+    (
+        5,
+        "services over the protocol: state formats, sessions, checkpoints, sharding, inspection, pictures",
+        ("kvjax.io", "kvjax.io.", "kvjax.shard", "kvjax.shard.", "kvjax._inspect", "kvjax.plot"),
+    ),
     (6, "the public face: import kvjax", ("kvjax",)),
-    (7, "models and the decode driver (and the reference models of the tests)",
-     ("kvjax.nn", "kvjax.nn.", "kvjax.engine", "kvjax.engine.", "kvjax.testing", "kvjax.testing.")),
+    (
+        7,
+        "models and the decode driver (and the reference models of the tests)",
+        ("kvjax.nn", "kvjax.nn.", "kvjax.engine", "kvjax.engine.", "kvjax.testing", "kvjax.testing."),
+    ),
     (8, "programs: python -m kvjax", ("kvjax.app", "kvjax.app.", "kvjax.__main__")),
 )
 
@@ -65,8 +127,10 @@ def floor_of(module: str) -> int:
             if hit and (best is None or len(pattern) > best[1]):
                 best = (floor, len(pattern))
     if best is None:
-        raise KeyError(f"{module} stands on no floor: add it to FLOORS in tests/test_layering.py and to the "
-                       f"table in docs/architecture.md")
+        raise KeyError(
+            f"{module} stands on no floor: add it to FLOORS in tests/test_layering.py and to the "
+            f"table in docs/architecture.md"
+        )
     return best[0]
 
 
@@ -107,8 +171,12 @@ def import_graph(modules: Dict[str, pathlib.Path]) -> Dict[str, Set[str]]:
 
 def back_arrows(graph: Dict[str, Set[str]], floor=floor_of) -> List[str]:
     """Every import of a module on a higher floor than the importer's."""
-    return sorted(f"{a} (floor {floor(a)}) imports {b} (floor {floor(b)})"
-                  for a, targets in graph.items() for b in targets if floor(b) > floor(a))
+    return sorted(
+        f"{a} (floor {floor(a)}) imports {b} (floor {floor(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if floor(b) > floor(a)
+    )
 
 
 def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
@@ -204,9 +272,18 @@ def test_function_local_imports_are_only_for_optional_dependencies():
 # -- above the protocol --------------------------------------------------------------------------
 
 ABOVE_THE_PROTOCOL = sorted(p for d in ("engine", "nn") for p in (ROOT / d).glob("*.py"))
-BELOW_THE_PROTOCOL = ("kvjax.memory._cells", "kvjax.memory._slots", "kvjax.memory._unified",
-                      "kvjax.memory._defrag", "kvjax.memory._update", "kvjax.memory._api", "kvjax.memory._part_ops",
-                      "kvjax.storage", "kvjax.io", "kvjax.attn._")
+BELOW_THE_PROTOCOL = (
+    "kvjax.memory._cells",
+    "kvjax.memory._slots",
+    "kvjax.memory._unified",
+    "kvjax.memory._defrag",
+    "kvjax.memory._update",
+    "kvjax.memory._api",
+    "kvjax.memory._part_ops",
+    "kvjax.storage",
+    "kvjax.io",
+    "kvjax.attn._",
+)
 
 
 @pytest.mark.parametrize("path", ABOVE_THE_PROTOCOL, ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -15,13 +15,24 @@ import pytest
 
 import kvjax
 from kvjax._errors import StateError
-from kvjax.io._llama_state import (SEQ_MAGIC, SESSION_MAGIC, seq_file_read, seq_file_write, session_read,
-                                   session_write, stream_state_read, stream_state_write)
+from kvjax.io._llama_state import (
+    SEQ_MAGIC,
+    SESSION_MAGIC,
+    seq_file_read,
+    seq_file_write,
+    session_read,
+    session_write,
+    stream_state_read,
+    stream_state_write,
+)
 
 PLAIN = dict(size=64, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=4, padding=16)
-CONFIGS = {"plain": kvjax.CacheConfig(**PLAIN), "v_trans": kvjax.CacheConfig(**PLAIN, v_trans=True),
-           # llama.cpp's default storage without flash attention: F16 K/V, V transposed
-           "llama.cpp default": kvjax.CacheConfig(**PLAIN, k_dtype=jnp.float16, v_dtype=jnp.float16, v_trans=True)}
+CONFIGS = {
+    "plain": kvjax.CacheConfig(**PLAIN),
+    "v_trans": kvjax.CacheConfig(**PLAIN, v_trans=True),
+    # llama.cpp's default storage without flash attention: F16 K/V, V transposed
+    "llama.cpp default": kvjax.CacheConfig(**PLAIN, k_dtype=jnp.float16, v_dtype=jnp.float16, v_trans=True),
+}
 
 
 def with_random_kv(cache, seed):
@@ -51,7 +62,7 @@ def test_whole_and_sequence_round_trips(name):
     cache = _filled(cfg)
     blob = stream_state_write(cache)
     assert struct.unpack_from("<II", blob) == (1, int(kvjax.used_cells(cache)))
-    if cfg.k_dtype == jnp.float16:   # ggml type id 1 (F16) in the first layer's K header
+    if cfg.k_dtype == jnp.float16:  # ggml type id 1 (F16) in the first layer's K header
         n = int(kvjax.used_cells(cache))
         _, _, _, meta, _ = _split(blob, n)
         assert struct.unpack_from("<IIi", blob, 8 + meta)[2] == 1
@@ -59,8 +70,8 @@ def test_whole_and_sequence_round_trips(name):
     for s in range(3):
         seq = stream_state_write(cache, s)
         n = struct.unpack_from("<I", seq, 4)[0]
-        rec = np.frombuffer(seq[8:8 + 12 * n], "<i4").reshape(n, 3)
-        assert (rec[:, 1] == 1).all() and (rec[:, 2] == s).all()    # each cell names its sequence
+        rec = np.frombuffer(seq[8 : 8 + 12 * n], "<i4").reshape(n, 3)
+        assert (rec[:, 1] == 1).all() and (rec[:, 2] == s).all()  # each cell names its sequence
         restored = stream_state_read(kvjax.init(cfg), seq, seq_id=3)
         assert kvjax.state_write(restored, 3) == kvjax.state_write(cache, s)
 
@@ -88,9 +99,9 @@ def _stream_of(cache, seq_id):
     """Hand-built: one stream of llama.cpp's layout holding the cells of one sequence (whole-blob meta)."""
     seed = kvjax.state_write(cache, seq_id)
     n = struct.unpack_from("<I", seed)[0]
-    pos = np.frombuffer(seed[4:4 + 8 * n], "<i4")[0::2]
+    pos = np.frombuffer(seed[4 : 4 + 8 * n], "<i4")[0::2]
     meta = b"".join(struct.pack("<iIi", int(p), 1, seq_id) for p in pos)
-    return struct.pack("<I", n) + meta + seed[4 + 8 * n:]
+    return struct.pack("<I", n) + meta + seed[4 + 8 * n :]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -98,9 +109,8 @@ def test_a_hand_built_blob_of_several_streams_is_merged(name):
     """llama.cpp without kv_unified: one stream per sequence, each with its own cells and data."""
     cfg = CONFIGS[name]
     one = _filled(cfg)
-    one, _ = kvjax.seq_rm(one, 1, -1, -1)          # streams hold disjoint sequences: 0 and 2 only
-    blob = struct.pack("<I", 4) + _stream_of(one, 0) + struct.pack("<I", 0) + _stream_of(one, 2) \
-        + struct.pack("<I", 0)
+    one, _ = kvjax.seq_rm(one, 1, -1, -1)  # streams hold disjoint sequences: 0 and 2 only
+    blob = struct.pack("<I", 4) + _stream_of(one, 0) + struct.pack("<I", 0) + _stream_of(one, 2) + struct.pack("<I", 0)
     merged = stream_state_read(kvjax.init(cfg), blob)
     for s in (0, 2):
         _seed_equal(merged, one, s)
@@ -158,7 +168,7 @@ def test_either_v_layout_is_read_and_written(written):
     assert struct.unpack_from("<I", data, head + 8 + meta)[0] == int(written)
     for reader in ("plain", "v_trans"):
         got = session_read(kvjax.init(CONFIGS[reader]), data)
-        assert got.cache.config == CONFIGS[reader]          # the memory keeps its own config
+        assert got.cache.config == CONFIGS[reader]  # the memory keeps its own config
         _seed_equal(got.cache.replace(config=CONFIGS["plain"]), cache)
     with pytest.raises(ValueError, match="v_trans=1 is out of range"):
         session_write(cache, [1], arch="llama", v_trans=1)
@@ -187,16 +197,24 @@ def _corrupt_cases():
     two = stream_state_write(cache, 1)
     return cfg, {
         "magic": (lambda c: seq_file_read(c, b"abcd" + seq[4:], 0), "sequence file magic: expected 0x67677371"),
-        "version": (lambda c: seq_file_read(c, seq[:4] + struct.pack("<I", 4) + seq[8:], 0),
-                    r"sequence file version: expected one of \[2, 3\].*found 4"),
-        "session version": (lambda c: session_read(c, sess[:4] + struct.pack("<I", 8) + sess[8:]),
-                            r"session file version: expected one of \[9, 10\]"),
+        "version": (
+            lambda c: seq_file_read(c, seq[:4] + struct.pack("<I", 4) + seq[8:], 0),
+            r"sequence file version: expected one of \[2, 3\].*found 4",
+        ),
+        "session version": (
+            lambda c: session_read(c, sess[:4] + struct.pack("<I", 8) + sess[8:]),
+            r"session file version: expected one of \[9, 10\]",
+        ),
         "truncated": (lambda c: stream_state_read(c, blob[:-3], 0), "truncated blob"),
         "trailing": (lambda c: stream_state_read(c, blob + b"\0", 0), "1 trailing bytes"),
-        "seed-style cell": (lambda c: stream_state_read(c, blob[:12] + struct.pack("<I", 0) + blob[16:], 0),
-                            "n_seq_id: expected 1 in a single-sequence blob"),
-        "two streams": (lambda c: stream_state_read(c, struct.pack("<I", 2) + blob[4:] + two[4:], 0),
-                        "expected cells in one stream, found 2"),
+        "seed-style cell": (
+            lambda c: stream_state_read(c, blob[:12] + struct.pack("<I", 0) + blob[16:], 0),
+            "n_seq_id: expected 1 in a single-sequence blob",
+        ),
+        "two streams": (
+            lambda c: stream_state_read(c, struct.pack("<I", 2) + blob[4:] + two[4:], 0),
+            "expected cells in one stream, found 2",
+        ),
         "no streams": (lambda c: stream_state_read(c, struct.pack("<I", 0)), "n_stream: expected"),
         "session truncated": (lambda c: session_read(c, sess[:30]), "truncated"),
     }
@@ -234,5 +252,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"version=1 is out of range for a sequence file: allowed one of \[2, 3\]"):
         seq_file_write(cache, 0, [1], version=1)
     with pytest.raises(ValueError, match="memory must be a kvjax.KVCache, IswaCache or StreamCache"):
-        session_write(kvjax.init(kvjax.RecurrentConfig(size=1, n_seq_max=1, n_layer=1, k_shape=(2,), v_shape=(2,))),
-                      [1], arch="mamba")
+        session_write(
+            kvjax.init(kvjax.RecurrentConfig(size=1, n_seq_max=1, n_layer=1, k_shape=(2,), v_shape=(2,))),
+            [1],
+            arch="mamba",
+        )

@@ -19,9 +19,9 @@ from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step
 from kvjax.nn._mamba_hf import params_from_hf
 from kvjax.nn._selective_scan import pick_scan, select_states, selective_scan, selective_scan_keep
 
-ATOL = 1e-5      # one float32 model against itself: only the order of the scan's sums differs
-ATOL_HF = 1e-4   # against torch: different matmul and scan orders
-RTOL = 1e-5     # SSM states reach ~10: compare them relatively too
+ATOL = 1e-5  # one float32 model against itself: only the order of the scan's sums differs
+ATOL_HF = 1e-4  # against torch: different matmul and scan orders
+RTOL = 1e-5  # SSM states reach ~10: compare them relatively too
 
 CFG = MambaConfig(vocab_size=40, d_model=16, n_layer=2, d_state=4, d_conv=4, scan_chunk=4)
 
@@ -36,8 +36,7 @@ def make_model(cfg: MambaConfig = CFG, seed: int = 0) -> Mamba:
     model = Mamba(cfg, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     params = nnx.state(model, nnx.Param)
-    noisy = jax.tree_util.tree_map(
-        lambda p: p + jnp.asarray(0.3 * rng.standard_normal(p.shape), p.dtype), params)
+    noisy = jax.tree_util.tree_map(lambda p: p + jnp.asarray(0.3 * rng.standard_normal(p.shape), p.dtype), params)
     nnx.update(model, noisy)
     for block in model.layers:
         block.mixer.dt_proj.bias[...] = jnp.asarray(0.5 * rng.standard_normal(cfg.d_inner), jnp.float32)
@@ -76,15 +75,27 @@ def model(eager_model):
 
 # -- against Hugging Face --------------------------------------------------------------------
 
-@pytest.mark.parametrize("tie, bias, chunk, scan", [(True, False, 256, "sequential"), (False, True, 4, "chunked")],
-                         ids=["tied-convbias-sequential", "untied-bias-chunked"])
+
+@pytest.mark.parametrize(
+    "tie, bias, chunk, scan",
+    [(True, False, 256, "sequential"), (False, True, 4, "chunked")],
+    ids=["tied-convbias-sequential", "untied-bias-chunked"],
+)
 def test_logits_and_states_equal_hf(tie, bias, chunk, scan):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hc = transformers.MambaConfig(vocab_size=48, hidden_size=16, state_size=4, num_hidden_layers=2,
-                                  conv_kernel=4, expand=2, use_bias=bias, use_conv_bias=not bias,
-                                  tie_word_embeddings=tie)
+    hc = transformers.MambaConfig(
+        vocab_size=48,
+        hidden_size=16,
+        state_size=4,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        expand=2,
+        use_bias=bias,
+        use_conv_bias=not bias,
+        tie_word_embeddings=tie,
+    )
     hf = transformers.MambaForCausalLM(hc).eval()
     with torch.no_grad():
         for _, p in hf.named_parameters():
@@ -106,8 +117,7 @@ def test_logits_and_states_equal_hf(tie, bias, chunk, scan):
     for il in range(2):
         hf_conv = out.cache.get_conv_state(il, state_idx=0).numpy()
         np.testing.assert_allclose(conv[il], np.swapaxes(hf_conv, 1, 2)[:, 1:], atol=ATOL_HF)
-        np.testing.assert_allclose(ssm[il], out.cache.get_recurrent_state(il, state_idx=0).numpy(),
-                                   atol=ATOL_HF)
+        np.testing.assert_allclose(ssm[il], out.cache.get_recurrent_state(il, state_idx=0).numpy(), atol=ATOL_HF)
 
     # and one HF decode step from its cache equals ours from our states
     nxt = torch.randint(0, 48, (2, 1))
@@ -122,9 +132,19 @@ def test_logits_and_states_equal_hf(tie, bias, chunk, scan):
 
 def test_from_hf_config():
     transformers = pytest.importorskip("transformers")
-    hc = transformers.MambaConfig(vocab_size=50, hidden_size=40, num_hidden_layers=3, state_size=8,
-                                  conv_kernel=3, expand=3, layer_norm_epsilon=1e-6, use_bias=True,
-                                  use_conv_bias=False, tie_word_embeddings=False, residual_in_fp32=False)
+    hc = transformers.MambaConfig(
+        vocab_size=50,
+        hidden_size=40,
+        num_hidden_layers=3,
+        state_size=8,
+        conv_kernel=3,
+        expand=3,
+        layer_norm_epsilon=1e-6,
+        use_bias=True,
+        use_conv_bias=False,
+        tie_word_embeddings=False,
+        residual_in_fp32=False,
+    )
     cfg = MambaConfig.from_hf(hc)
     assert (cfg.vocab_size, cfg.d_model, cfg.n_layer, cfg.d_state, cfg.d_conv, cfg.expand) == (50, 40, 3, 8, 3, 3)
     assert (cfg.dt_rank, cfg.norm_eps, cfg.use_bias, cfg.use_conv_bias) == (3, 1e-6, True, False)
@@ -135,6 +155,7 @@ def test_from_hf_config():
 
 
 # -- the two scans ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("T", [2, 4, 9, 17])
 @pytest.mark.parametrize("keep", [None, 1, 3])
@@ -149,7 +170,7 @@ def test_sequential_and_chunked_scans_agree(T, keep):
     Bm, Cm = jax.random.normal(k[3], (S, T, N)), jax.random.normal(k[4], (S, T, N))
     A = -jnp.exp(jax.random.normal(k[5], (Di, N)))
     if keep is None:
-        run = lambda scan: selective_scan(h0, u, dt, Bm, Cm, A, chunk=4, scan=scan)          # noqa: E731
+        run = lambda scan: selective_scan(h0, u, dt, Bm, Cm, A, chunk=4, scan=scan)  # noqa: E731
     else:
         run = lambda scan: selective_scan_keep(h0, u, dt, Bm, Cm, A, chunk=4, keep=min(keep, T), scan=scan)  # noqa: E731
     (y1, h1), (y2, h2) = run("sequential"), run("chunked")
@@ -170,6 +191,7 @@ def test_auto_scan_is_sequential_on_cpu():
 
 # -- the stateful step against the uncached pass ---------------------------------------------
 
+
 def run_pieces(model, tokens, cuts):
     """Step ``tokens [S, T]`` ubatch by ubatch, cut before each index of ``cuts``."""
     conv, ssm = model.config.zero_states(tokens.shape[0])
@@ -181,8 +203,11 @@ def run_pieces(model, tokens, cuts):
 
 
 # ubatch lengths 1..5 and 9 only, to keep the compilations few
-@pytest.mark.parametrize("cuts", [tuple(range(1, 9)), (5, 6, 7, 8), (4,), (2, 6)],
-                         ids=["token-by-token", "prefill-then-decode", "two-ubatches", "short-first-ubatch"])
+@pytest.mark.parametrize(
+    "cuts",
+    [tuple(range(1, 9)), (5, 6, 7, 8), (4,), (2, 6)],
+    ids=["token-by-token", "prefill-then-decode", "two-ubatches", "short-first-ubatch"],
+)
 def test_pieces_equal_forward(model, cuts):
     tokens = tokens_of((2, 9))
     full = model.forward(tokens)
@@ -213,10 +238,10 @@ def test_sequences_together_equal_alone(model):
     tokens = tokens_of((2, 5), seed=2)
     logits, conv2, ssm2 = model.step(tokens, conv, ssm)
     for s in range(2):
-        alone = model.step(tokens[s:s + 1], conv[:, s:s + 1], ssm[:, s:s + 1])
-        np.testing.assert_allclose(alone[0], logits[s:s + 1], atol=ATOL)
-        np.testing.assert_allclose(alone[1], conv2[:, s:s + 1], atol=ATOL, rtol=RTOL)
-        np.testing.assert_allclose(alone[2], ssm2[:, s:s + 1], atol=ATOL, rtol=RTOL)
+        alone = model.step(tokens[s : s + 1], conv[:, s : s + 1], ssm[:, s : s + 1])
+        np.testing.assert_allclose(alone[0], logits[s : s + 1], atol=ATOL)
+        np.testing.assert_allclose(alone[1], conv2[:, s : s + 1], atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(alone[2], ssm2[:, s : s + 1], atol=ATOL, rtol=RTOL)
 
 
 def test_fork_equals_full_sequences(model):
@@ -240,7 +265,7 @@ def test_select_states_gathers_and_zeroes():
     states = jnp.arange(2 * 3 * 2, dtype=jnp.float32).reshape(2, 3, 2).at[1, 1, 0].set(jnp.nan)
     got = select_states({"a": states}, jnp.array([1, 0, 1]), jnp.array([1.0, 1.0, 0.0]))["a"]
     want = np.stack([states[:, 1], states[:, 0], np.zeros((2, 2))], axis=1)
-    np.testing.assert_array_equal(got, want)      # the NaN of a cleared row is gone, the kept one stays
+    np.testing.assert_array_equal(got, want)  # the NaN of a cleared row is gone, the kept one stays
     jitted = jax.jit(select_states)(states, jnp.array([1, 0, 1]), jnp.array([1.0, 1.0, 0.0]))
     np.testing.assert_array_equal(jitted, want)
 
@@ -277,6 +302,7 @@ def test_state_rows_follow_the_seed_layout():
 
 # -- jit ---------------------------------------------------------------------------------------
 
+
 def test_jit_equals_eager_and_compiles_once_per_shape(eager_model, monkeypatch):
     traces = []
     original = Mamba.step
@@ -298,10 +324,10 @@ def test_jit_equals_eager_and_compiles_once_per_shape(eager_model, monkeypatch):
     decoded = step(state, nxt, conv, ssm)
     for a, b in zip(decoded, original(model, nxt, conv, ssm)):
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=RTOL)
-    for seed in range(3):                           # new token values and states, same shapes
+    for seed in range(3):  # new token values and states, same shapes
         _, conv, ssm = step(state, tokens_of((2, 1), seed=11 + seed), conv, ssm)
     step(state, tokens_of((2, 5), seed=20), conv, ssm)
-    assert traces == [(2, 5), (2, 1)]               # one trace per shape, none for new values
+    assert traces == [(2, 5), (2, 1)]  # one trace per shape, none for new values
 
     # donation: the states passed in are consumed, the results are the same
     donating = make_mamba_step(model)
@@ -314,17 +340,35 @@ def test_jit_equals_eager_and_compiles_once_per_shape(eager_model, monkeypatch):
 
 # -- errors ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("vocab_size", 0), ("d_model", -1), ("n_layer", 1.5), ("d_state", 0), ("d_conv", 1), ("expand", 0),
-    ("dt_rank", 0), ("dt_rank", "big"), ("norm_eps", 0.0), ("use_bias", 1), ("tie_embeddings", "yes"),
-    ("dtype", jnp.int32), ("param_dtype", "nope"), ("scan_chunk", 0), ("scan", "fast"), ("scan", 1)])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("vocab_size", 0),
+        ("d_model", -1),
+        ("n_layer", 1.5),
+        ("d_state", 0),
+        ("d_conv", 1),
+        ("expand", 0),
+        ("dt_rank", 0),
+        ("dt_rank", "big"),
+        ("norm_eps", 0.0),
+        ("use_bias", 1),
+        ("tie_embeddings", "yes"),
+        ("dtype", jnp.int32),
+        ("param_dtype", "nope"),
+        ("scan_chunk", 0),
+        ("scan", "fast"),
+        ("scan", 1),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field}="):
         MambaConfig(**{field: value})
 
 
 def test_bad_shapes_name_the_argument(eager_model):
-    model = eager_model                             # host checks: the token ids are concrete
+    model = eager_model  # host checks: the token ids are concrete
     conv, ssm = CFG.zero_states(2)
     tok = tokens_of((2, 3))
     cases = [
@@ -351,8 +395,10 @@ def test_bad_shapes_name_the_argument(eager_model):
 
 def test_params_from_hf_errors(eager_model, model):
     rng = np.random.default_rng(0)
-    sd = {"backbone.embeddings.weight": rng.standard_normal((CFG.vocab_size, CFG.d_model)),
-          "backbone.norm_f.weight": np.ones(CFG.d_model)}
+    sd = {
+        "backbone.embeddings.weight": rng.standard_normal((CFG.vocab_size, CFG.d_model)),
+        "backbone.norm_f.weight": np.ones(CFG.d_model),
+    }
     with pytest.raises(ValueError, match="model is None"):
         params_from_hf(sd)
     with pytest.raises(ValueError, match=r"lacks \['layers.0.norm.weight'"):
@@ -363,15 +409,20 @@ def test_params_from_hf_errors(eager_model, model):
     full = dict(sd)
     for il, block in enumerate(eager_model.layers):
         m, p = block.mixer, f"backbone.layers.{il}."
-        full.update({p + "norm.weight": block.norm.scale[...],
-                     p + "mixer.in_proj.weight": m.in_proj.kernel[...].T,
-                     p + "mixer.conv1d.weight": m.conv_kernel[...].T[:, None, :],
-                     p + "mixer.conv1d.bias": m.conv_bias[...],
-                     p + "mixer.x_proj.weight": m.x_proj.kernel[...].T,
-                     p + "mixer.dt_proj.weight": m.dt_proj.kernel[...].T,
-                     p + "mixer.dt_proj.bias": m.dt_proj.bias[...],
-                     p + "mixer.A_log": m.A_log[...], p + "mixer.D": m.D[...],
-                     p + "mixer.out_proj.weight": m.out_proj.kernel[...].T})
+        full.update(
+            {
+                p + "norm.weight": block.norm.scale[...],
+                p + "mixer.in_proj.weight": m.in_proj.kernel[...].T,
+                p + "mixer.conv1d.weight": m.conv_kernel[...].T[:, None, :],
+                p + "mixer.conv1d.bias": m.conv_bias[...],
+                p + "mixer.x_proj.weight": m.x_proj.kernel[...].T,
+                p + "mixer.dt_proj.weight": m.dt_proj.kernel[...].T,
+                p + "mixer.dt_proj.bias": m.dt_proj.bias[...],
+                p + "mixer.A_log": m.A_log[...],
+                p + "mixer.D": m.D[...],
+                p + "mixer.out_proj.weight": m.out_proj.kernel[...].T,
+            }
+        )
     full["backbone.embeddings.weight"] = eager_model.embed.embedding[...]
     full["backbone.norm_f.weight"] = eager_model.norm.scale[...]
     copy = Jitted(params_from_hf(full, make_model(seed=9)))

@@ -76,24 +76,35 @@ def cells_from(cell_pos, cell_seqs, n_seq_max):
         for s in seqs:
             words[i, s // 32] |= np.uint32(1 << (s % 32))
     pos = np.where([bool(s) for s in cell_seqs], cell_pos, -1).astype(np.int32)
-    return Cells(pos=jnp.asarray(pos), seq=jnp.asarray(words), delta=jnp.zeros(size, jnp.int32),
-                 head=jnp.int32(0), error=jnp.uint32(0), defrag=jnp.bool_(False), n_seq_max=n_seq_max)
+    return Cells(
+        pos=jnp.asarray(pos),
+        seq=jnp.asarray(words),
+        delta=jnp.zeros(size, jnp.int32),
+        head=jnp.int32(0),
+        error=jnp.uint32(0),
+        defrag=jnp.bool_(False),
+        n_seq_max=n_seq_max,
+    )
 
 
 @st.composite
 def scenes(draw):
     """A cache with shared cells, holes and several sequences, plus a ubatch with padding rows."""
-    n_seq_max = draw(st.sampled_from([3, 40]))         # 40: two bitmask words
+    n_seq_max = draw(st.sampled_from([3, 40]))  # 40: two bitmask words
     cfg = small_config(n_seq_max=n_seq_max, n_layer=1)
     seq_ids = st.integers(0, n_seq_max - 1)
     size = cfg.size
-    cell_seqs = draw(st.lists(st.one_of(st.just(frozenset()), st.frozensets(seq_ids, min_size=1, max_size=3)),
-                              min_size=size, max_size=size))
+    cell_seqs = draw(
+        st.lists(
+            st.one_of(st.just(frozenset()), st.frozensets(seq_ids, min_size=1, max_size=3)),
+            min_size=size,
+            max_size=size,
+        )
+    )
     cell_pos = draw(st.lists(st.integers(0, 40), min_size=size, max_size=size))
     n_tok = draw(st.integers(1, 8))
     tok_pos = draw(st.lists(st.integers(0, 45), min_size=n_tok, max_size=n_tok))
-    tok_seq = draw(st.lists(st.lists(seq_ids, min_size=1, max_size=3, unique=True), min_size=n_tok,
-                            max_size=n_tok))
+    tok_seq = draw(st.lists(st.lists(seq_ids, min_size=1, max_size=3, unique=True), min_size=n_tok, max_size=n_tok))
     ub = kvjax.make_ubatch(tok_pos, tok_seq, length=8)
     cache = kvjax.init(cfg).replace(cells=cells_from(cell_pos, cell_seqs, n_seq_max))
     pos = [p if s else -1 for p, s in zip(cell_pos, cell_seqs)]
@@ -102,8 +113,14 @@ def scenes(draw):
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scene=scenes(), causal=st.booleans(), alibi=st.booleans(), kind=st.sampled_from(SWA_KINDS),
-       n_swa=st.sampled_from([2, 5]), n_kv=st.sampled_from([32, 64]))
+@given(
+    scene=scenes(),
+    causal=st.booleans(),
+    alibi=st.booleans(),
+    kind=st.sampled_from(SWA_KINDS),
+    n_swa=st.sampled_from([2, 5]),
+    n_kv=st.sampled_from([32, 64]),
+)
 def test_mask_matches_seed_loops(scene, causal, alibi, kind, n_swa, n_kv):
     cache, ub, pos, cell_seqs, tokens = scene
     expected = ref_mask(pos, cell_seqs, tokens, 8, n_kv, causal, alibi, kind, n_swa)
@@ -121,16 +138,20 @@ def test_mask_picture_and_config_window():
     ub = kvjax.make_ubatch([2, 3, 4], [[0]] * 3, length=4)
     cache = fill(cache, [2, 3, 4], [[0]] * 3)
     none = kvjax.kq_mask_bool(cache, ub, 16, swa_type="none")
-    assert np.asarray(none)[:3, :8].astype(int).tolist() == [[1, 1, 1, 0, 0, 0, 0, 0],
-                                                              [1, 1, 1, 1, 0, 0, 0, 0],
-                                                              [1, 1, 1, 1, 1, 0, 0, 0]]
+    assert np.asarray(none)[:3, :8].astype(int).tolist() == [
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0],
+    ]
     assert not np.asarray(none)[3].any()  # the padded row
     bidir = kvjax.kq_mask_bool(cache, ub, 16, causal=False, swa_type="none")
     assert np.asarray(bidir)[:3, :6].astype(int).tolist() == [[1, 1, 1, 1, 1, 0]] * 3
     windowed = kvjax.kq_mask_bool(cache, ub, 16)  # the config's standard window of 2
-    assert np.asarray(windowed)[:3, :6].astype(int).tolist() == [[0, 1, 1, 0, 0, 0],
-                                                                  [0, 0, 1, 1, 0, 0],
-                                                                  [0, 0, 0, 1, 1, 0]]
+    assert np.asarray(windowed)[:3, :6].astype(int).tolist() == [
+        [0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+    ]
 
 
 def test_shared_cells_follow_the_first_sequence():
@@ -154,11 +175,15 @@ def test_masks_jitted_and_no_recompile():
         ub = kvjax.make_ubatch(rng.integers(0, 50, 5).tolist(), [[int(s)] for s in rng.integers(0, 40, 5)], length=8)
         return kvjax.init(cfg).replace(cells=cells), ub
 
-    jitted = jax.jit(lambda c, u: (kvjax.kq_mask(c, u, 32, alibi=True), kvjax.kq_mask_bool(c, u, 32),
-                                   kvjax.pos_bucket(c, u, 32, 16)))
+    jitted = jax.jit(
+        lambda c, u: (kvjax.kq_mask(c, u, 32, alibi=True), kvjax.kq_mask_bool(c, u, 32), kvjax.pos_bucket(c, u, 32, 16))
+    )
     cache, ub = scene()
-    eager = (kvjax.kq_mask(cache, ub, 32, alibi=True), kvjax.kq_mask_bool(cache, ub, 32),
-             kvjax.pos_bucket(cache, ub, 32, 16))
+    eager = (
+        kvjax.kq_mask(cache, ub, 32, alibi=True),
+        kvjax.kq_mask_bool(cache, ub, 32),
+        kvjax.pos_bucket(cache, ub, 32, 16),
+    )
     for a, b in zip(eager, jitted(cache, ub)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for _ in range(3):
@@ -176,7 +201,7 @@ def test_new_window_compiles_once():
     with CompileCounter() as first:
         kvjax.kq_mask(cache, ub, 48).block_until_ready()
     assert first.count >= 1  # a new static window is a new program ...
-    with no_recompile():     # ... compiled once
+    with no_recompile():  # ... compiled once
         kvjax.kq_mask(fill(cache, [1], [[0]]), ub, 48).block_until_ready()
 
 

@@ -22,8 +22,10 @@ CFG = kvjax.CacheConfig(size=64, n_seq_max=3, n_layer=1, n_kv_heads=2, head_dim=
 
 def _random_kv(cache, seed):
     rng = np.random.default_rng(seed)
-    return cache.replace(k=(jnp.asarray(rng.normal(size=cache.k[0].shape), jnp.float32),),
-                         v=(jnp.asarray(rng.normal(size=cache.v[0].shape), jnp.float32),))
+    return cache.replace(
+        k=(jnp.asarray(rng.normal(size=cache.k[0].shape), jnp.float32),),
+        v=(jnp.asarray(rng.normal(size=cache.v[0].shape), jnp.float32),),
+    )
 
 
 def _plant(cache, cells, value_k, value_v):
@@ -36,7 +38,7 @@ def _scenario():
     """Sequences 0, 1, 2 interleaved; sequence 1 partly removed (freed cells); a ubatch of sequence 0."""
     cache = fill(kvjax.init(CFG), list(range(12)), [[s % 3] for s in range(12)])
     cache = fill(cache, list(range(12, 30)), [[0]] * 18)
-    cache, _ = kvjax.seq_rm(cache, 1, 0, 2)                      # frees some cells of sequence 1
+    cache, _ = kvjax.seq_rm(cache, 1, 0, 2)  # frees some cells of sequence 1
     ub = kvjax.make_ubatch([30, 31, 32], [[0], [0], [2]], length=4)
     cache, slot, ok = kvjax.find_slot(cache, ub)
     assert bool(ok)
@@ -67,13 +69,13 @@ def test_cells_hidden_from_one_sequence_only():
     cache, ub = _scenario()
     mask = kvjax.kq_mask(cache, ub, 64)
     seen = np.isfinite(np.asarray(mask))
-    only_seq2 = np.nonzero(seen[2] & ~seen[0])[0]           # sequence 2's own cells
+    only_seq2 = np.nonzero(seen[2] & ~seen[0])[0]  # sequence 2's own cells
     assert only_seq2.size
     q = jnp.asarray(np.random.default_rng(2).normal(size=(4, 4, 8)), jnp.float32)
     clean = np.asarray(kvjax.attention(q, cache, 0, mask))
     out = np.asarray(kvjax.attention(q, _plant(cache, only_seq2, np.nan, np.nan), 0, mask))
-    np.testing.assert_array_equal(out[:2], clean[:2])       # sequence 0's rows: untouched
-    assert np.isnan(out[2]).all()                            # sequence 2 sees the NaN: not hidden
+    np.testing.assert_array_equal(out[:2], clean[:2])  # sequence 0's rows: untouched
+    assert np.isnan(out[2]).all()  # sequence 2 sees the NaN: not hidden
     out_v = np.asarray(kvjax.attention(q, _plant(cache, only_seq2[:1], 0.0, np.inf), 0, mask))
     np.testing.assert_array_equal(out_v[:2], clean[:2])
     assert np.isnan(out_v[2]).all()
@@ -91,8 +93,10 @@ def test_model_logits_ignore_other_sequences_garbage():
     ub = kvjax.make_ubatch(list(range(6)) * 2, [[0]] * 6 + [[1]] * 6, length=12)
     _, cache, _ = step(state, cache, ub, jnp.arange(12) % 32, n_kv=window_for(cache, 12))
     cells1 = np.nonzero(kvjax.cell_table(cache).seqs[:, 1])[0]
-    poisoned = cache.replace(k=tuple(x.at[:, :, cells1].set(jnp.nan) for x in cache.k),
-                             v=tuple(x.at[:, :, cells1].set(jnp.inf) for x in cache.v))
+    poisoned = cache.replace(
+        k=tuple(x.at[:, :, cells1].set(jnp.nan) for x in cache.k),
+        v=tuple(x.at[:, :, cells1].set(jnp.inf) for x in cache.v),
+    )
     dec = kvjax.make_ubatch([6], [[0]])
     a, _, _ = step(state, jax.tree.map(jnp.copy, cache), dec, jnp.array([3]), n_kv=16)
     b, _, _ = step(state, poisoned, dec, jnp.array([3]), n_kv=16)

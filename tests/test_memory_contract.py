@@ -54,8 +54,9 @@ class MemoryUnderTest:
 
 # -- the unified cache ---------------------------------------------------------------------------
 
-UNIFIED = kvjax.CacheConfig(size=48, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=8, padding=16,
-                            rope=kvjax.RopeConfig(n_rot=8))
+UNIFIED = kvjax.CacheConfig(
+    size=48, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=8, padding=16, rope=kvjax.RopeConfig(n_rot=8)
+)
 
 
 def _compare_unified(cache, ref):
@@ -72,15 +73,22 @@ def _random_unified(cache, seed):
 
 # -- the iSWA pair: a 4-layer model, layers 0 and 2 with a window ------------------------------------
 
-ISWA_BASE = kvjax.CacheConfig(size=64, n_seq_max=4, n_layer=4, n_kv_heads=2, head_dim=8, padding=16,
-                              rope=kvjax.RopeConfig(n_rot=8))
+ISWA_BASE = kvjax.CacheConfig(
+    size=64, n_seq_max=4, n_layer=4, n_kv_heads=2, head_dim=8, padding=16, rope=kvjax.RopeConfig(n_rot=8)
+)
 
 
 def _iswa(swa_type="standard", swa_full=False, n_swa=3):
-    cfg = kvjax.IswaConfig(ISWA_BASE, swa_layers=(0, 2), n_swa=n_swa, swa_type=swa_type, swa_full=swa_full,
-                           n_batch=8)
-    ref = lambda: IswaRef(size=ISWA_BASE.size, n_seq_max=ISWA_BASE.n_seq_max, padding=ISWA_BASE.padding,
-                          n_swa=n_swa, swa_type=swa_type, n_batch=8, swa_full=swa_full)
+    cfg = kvjax.IswaConfig(ISWA_BASE, swa_layers=(0, 2), n_swa=n_swa, swa_type=swa_type, swa_full=swa_full, n_batch=8)
+    ref = lambda: IswaRef(
+        size=ISWA_BASE.size,
+        n_seq_max=ISWA_BASE.n_seq_max,
+        padding=ISWA_BASE.padding,
+        n_swa=n_swa,
+        swa_type=swa_type,
+        n_batch=8,
+        swa_full=swa_full,
+    )
     return lambda: kvjax.init(cfg), ref
 
 
@@ -112,7 +120,8 @@ def _compare_recurrent(memory, ref):
 HYBRID = kvjax.HybridConfig(
     kvjax.CacheConfig(size=48, n_seq_max=4, n_layer=3, n_kv_heads=2, head_dim=8, padding=16, layer_filter=(0, 2)),
     kvjax.RecurrentConfig(size=4, n_seq_max=4, n_layer=1, k_shape=(3, 2), v_shape=(2, 4), n_states=2),
-    recurrent_layers=(1,))
+    recurrent_layers=(1,),
+)
 
 
 def _compare_hybrid(memory, ref):
@@ -121,8 +130,9 @@ def _compare_hybrid(memory, ref):
 
 
 def _random_hybrid(memory, seed):
-    return memory.replace(attention=_random_unified(memory.attention, seed),
-                          recurrent=_random_unified(memory.recurrent, seed + 1))
+    return memory.replace(
+        attention=_random_unified(memory.attention, seed), recurrent=_random_unified(memory.recurrent, seed + 1)
+    )
 
 
 # -- per-sequence streams: one stream per sequence -------------------------------------------------
@@ -150,23 +160,42 @@ def _streams_program(ops, config: kvjax.StreamsConfig = STREAMS):
 
 
 MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
-    MemoryUnderTest("unified", lambda: kvjax.init(UNIFIED),
-                    lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
-                    _compare_unified, _random_unified),
+    MemoryUnderTest(
+        "unified",
+        lambda: kvjax.init(UNIFIED),
+        lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
+        _compare_unified,
+        _random_unified,
+    ),
     MemoryUnderTest("iswa-standard", *_iswa("standard"), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-chunked", *_iswa("chunked", n_swa=4), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-symmetric", *_iswa("symmetric", n_swa=4), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-full", *_iswa("standard", swa_full=True), _compare_iswa, _random_iswa),
-    MemoryUnderTest("recurrent", lambda: kvjax.init(RECURRENT),
-                    lambda: RecurrentRef(RECURRENT.size, RECURRENT.n_seq_max, RECURRENT.n_states),
-                    _compare_recurrent, _random_unified, equal_split=True),
-    MemoryUnderTest("hybrid", lambda: kvjax.init(HYBRID),
-                    lambda: HybridRef(48, 4, 16, state_cells=4, n_states=2),
-                    _compare_hybrid, _random_hybrid, equal_split=True),
-    MemoryUnderTest("streams", lambda: kvjax.init(STREAMS),
-                    lambda: StreamsRef(STREAMS.size, STREAMS.n_seq_max, STREAMS.base.padding),
-                    _compare_streams, lambda m, seed: m.replace(cache=_random_unified(m.cache, seed)),
-                    equal_split=True, adapt=_streams_program),
+    MemoryUnderTest(
+        "recurrent",
+        lambda: kvjax.init(RECURRENT),
+        lambda: RecurrentRef(RECURRENT.size, RECURRENT.n_seq_max, RECURRENT.n_states),
+        _compare_recurrent,
+        _random_unified,
+        equal_split=True,
+    ),
+    MemoryUnderTest(
+        "hybrid",
+        lambda: kvjax.init(HYBRID),
+        lambda: HybridRef(48, 4, 16, state_cells=4, n_states=2),
+        _compare_hybrid,
+        _random_hybrid,
+        equal_split=True,
+    ),
+    MemoryUnderTest(
+        "streams",
+        lambda: kvjax.init(STREAMS),
+        lambda: StreamsRef(STREAMS.size, STREAMS.n_seq_max, STREAMS.base.padding),
+        _compare_streams,
+        lambda m, seed: m.replace(cache=_random_unified(m.cache, seed)),
+        equal_split=True,
+        adapt=_streams_program,
+    ),
 ]
 ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 
@@ -199,7 +228,7 @@ def random_program(seed: int, n_seq_max: int, n_ops: int = 24):
         else:
             ops.append(("seq_div", s, int(rng.integers(0, 6)), -1, int(rng.integers(1, 3))))
     # one clear two thirds of the way in, so that the memory is emptied and filled again
-    return ops[:2 * n_ops // 3] + [("clear",)] + ops[2 * n_ops // 3:]
+    return ops[: 2 * n_ops // 3] + [("clear",)] + ops[2 * n_ops // 3 :]
 
 
 def _recurrent_slots(tokens):
@@ -257,8 +286,10 @@ def apply_in_lock_step(row, ref, eager, jitted, op):
     return eager, jitted
 
 
-_JIT = {name: jax.jit(getattr(kvjax, name)) for name in
-        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "find_slot", "commit")}
+_JIT = {
+    name: jax.jit(getattr(kvjax, name))
+    for name in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "find_slot", "commit")
+}
 
 
 def leaves_equal(a, b):
@@ -334,17 +365,23 @@ def test_state_round_trip(row):
 
 
 @pytest.mark.parametrize("row", ROWS)
-@pytest.mark.parametrize("call, match", [
-    (lambda m: kvjax.seq_rm(m, 99), r"seq_id=99 is out of range"),
-    (lambda m: kvjax.seq_cp(m, 0, -1), r"seq_id_dst=-1 is out of range"),
-    (lambda m: kvjax.seq_keep(m, 1.5), r"seq_id=1.5 is out of range: allowed an integer scalar"),
-    (lambda m: kvjax.seq_add(m, 0, 0, -1, 2**40), r"delta=1099511627776 is out of range"),
-    (lambda m: kvjax.seq_div(m, 0, 0, -1, 0), r"d=0 is out of range"),
-    (lambda m: kvjax.seq_pos_max(m, "0"), r"seq_id='0' is out of range: allowed an integer scalar"),
-    (lambda m: kvjax.find_slot(m, kvjax.make_ubatch([0], [[0]]), contiguous="yes"), r"contiguous='yes' is out of range: allowed True or False"),
-    (lambda m: kvjax.update(m, donate="False"), r"donate='False' is out of range: allowed True or False"),
-    (lambda m: kvjax.state_read(m, b"\x00"), r"cell_count|stream|expected"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: kvjax.seq_rm(m, 99), r"seq_id=99 is out of range"),
+        (lambda m: kvjax.seq_cp(m, 0, -1), r"seq_id_dst=-1 is out of range"),
+        (lambda m: kvjax.seq_keep(m, 1.5), r"seq_id=1.5 is out of range: allowed an integer scalar"),
+        (lambda m: kvjax.seq_add(m, 0, 0, -1, 2**40), r"delta=1099511627776 is out of range"),
+        (lambda m: kvjax.seq_div(m, 0, 0, -1, 0), r"d=0 is out of range"),
+        (lambda m: kvjax.seq_pos_max(m, "0"), r"seq_id='0' is out of range: allowed an integer scalar"),
+        (
+            lambda m: kvjax.find_slot(m, kvjax.make_ubatch([0], [[0]]), contiguous="yes"),
+            r"contiguous='yes' is out of range: allowed True or False",
+        ),
+        (lambda m: kvjax.update(m, donate="False"), r"donate='False' is out of range: allowed True or False"),
+        (lambda m: kvjax.state_read(m, b"\x00"), r"cell_count|stream|expected"),
+    ],
+)
 def test_bad_input_raises_and_changes_nothing(row, call, match):
     memory = row.make()
     for op in row.adapt(random_program(3, memory.n_seq_max, 8)):

@@ -32,8 +32,16 @@ def test_two_processes_hold_their_shards_and_agree_with_one_device(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
     outs = [tmp_path / f"process{i}.json" for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(n), str(port), str(outs[i])], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(n), str(port), str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(n)
+    ]
     logs = []
     for p in procs:
         try:

@@ -11,8 +11,19 @@ import pytest
 
 import kvjax
 from kvjax.nn import UbatchInputs, LinenCachedAttention, LlamaConfig, LlamaLinen, make_step, params_from_nnx
-from tests.test_nn_nnx import (ATOL, BASE, check_against_uncached, eager_runner, make_model, model_config,
-                               new_cache, nnx_forward, run_scenario, shift_case, step_runner)
+from tests.test_nn_nnx import (
+    ATOL,
+    BASE,
+    check_against_uncached,
+    eager_runner,
+    make_model,
+    model_config,
+    new_cache,
+    nnx_forward,
+    run_scenario,
+    shift_case,
+    step_runner,
+)
 
 
 def linen_params(cfg: LlamaConfig, seed: int):
@@ -76,7 +87,8 @@ def test_shifted_equals_recomputed_rope():
 def test_bad_input():
     with pytest.raises(ValueError, match="n_heads"):
         LinenCachedAttention(d_model=32, n_heads=3, n_kv_heads=2, head_dim=8, layer=0).init(
-            jax.random.PRNGKey(0), jnp.ones((1, 2, 32)), jnp.zeros((1, 2), jnp.int32), method="uncached")
+            jax.random.PRNGKey(0), jnp.ones((1, 2, 32)), jnp.zeros((1, 2), jnp.int32), method="uncached"
+        )
     with pytest.raises(ValueError, match="config"):
         LlamaLinen("not a config").init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32), method="forward")
     with pytest.raises(ValueError, match="kvjax.nn.Llama"):
@@ -86,4 +98,6 @@ def test_bad_input():
     ub = kvjax.make_ubatch([0], [[0]])
     wrong = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=2, n_kv_heads=4, head_dim=8))
     with pytest.raises(ValueError, match="n_kv_heads"):
-        LlamaLinen(cfg).apply(params, jnp.array([1]), wrong, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
+        LlamaLinen(cfg).apply(
+            params, jnp.array([1]), wrong, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,))
+        )

@@ -17,8 +17,18 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.nn import (UbatchInputs, CachedAttention, KVCacheVar, Llama, LlamaConfig, attend_uncached, alibi_slopes,
-                      make_step, swa_visible, window_for)
+from kvjax.nn import (
+    UbatchInputs,
+    CachedAttention,
+    KVCacheVar,
+    Llama,
+    LlamaConfig,
+    attend_uncached,
+    alibi_slopes,
+    make_step,
+    swa_visible,
+    window_for,
+)
 
 ATOL = 3e-5  # float32 logits of a 2-layer width-32 model: kvjax's and the reference's sums differ in order
 
@@ -41,8 +51,10 @@ def make_model(cfg: LlamaConfig, seed: int = 0) -> Llama:
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)
     leaves, tree = jax.tree.flatten(abstract)
-    leaves = [jnp.asarray(np.asarray(rng.normal(size=a.shape) * 0.3 + (1.0 if len(a.shape) == 1 else 0.0),
-                                     a.dtype)) for a in leaves]  # 1-d leaves are RMSNorm scales: around 1
+    leaves = [
+        jnp.asarray(np.asarray(rng.normal(size=a.shape) * 0.3 + (1.0 if len(a.shape) == 1 else 0.0), a.dtype))
+        for a in leaves
+    ]  # 1-d leaves are RMSNorm scales: around 1
     return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
@@ -91,11 +103,18 @@ def scenario_batches(rng, vocab, decode_rounds=3):
     - then ``decode_rounds`` decode rounds with one token for every sequence.
     """
     tok = lambda: int(rng.integers(vocab))  # noqa: E731
-    ub1 = [((0,), p, tok()) for p in range(5)] + [((2, 3), p, tok()) for p in range(2)] + \
-          [((2,), p, tok()) for p in range(2, 4)]
+    ub1 = (
+        [((0,), p, tok()) for p in range(5)]
+        + [((2, 3), p, tok()) for p in range(2)]
+        + [((2,), p, tok()) for p in range(2, 4)]
+    )
     seq0_rest = [((0,), p, tok()) for p in range(5, 9)]
-    ub2 = seq0_rest + [((1,), p, tok()) for p in range(4, 7)] + [((2,), p, tok()) for p in range(4, 6)] + \
-          [((3,), p, tok()) for p in range(2, 4)]
+    ub2 = (
+        seq0_rest
+        + [((1,), p, tok()) for p in range(4, 7)]
+        + [((2,), p, tok()) for p in range(4, 6)]
+        + [((3,), p, tok()) for p in range(2, 4)]
+    )
     plan = [("ubatch", ub1), ("seq_cp", (0, 1, 0, 4)), ("ubatch", ub2)]
     next_pos = {0: 9, 1: 7, 2: 6, 3: 4}
     for _ in range(decode_rounds):
@@ -123,7 +142,7 @@ def run_scenario(run_ubatch, cache, vocab, seed=0, decode_rounds=3):
         if ub.seq_ids.shape[1] < 2:  # one ubatch bucket (T=16, M=2) for the whole scenario
             ub = ub.replace(seq_ids=np.pad(ub.seq_ids, ((0, 0), (0, 1)), constant_values=-1))
         tokens = np.zeros(ub.length, np.int32)
-        tokens[:len(item)] = [t for _, _, t in item]
+        tokens[: len(item)] = [t for _, _, t in item]
         logits, cache = run_ubatch(cache, ub, jnp.asarray(tokens))
         logits = np.asarray(logits)
         for row, (seqs, pos, t) in enumerate(item):
@@ -138,34 +157,37 @@ def check_against_uncached(rec, forward, atol=ATOL):
     longest = max(len(s) for s in seqs)
     toks = np.zeros((len(seqs), longest), np.int32)
     for i, s in enumerate(seqs):
-        toks[i, :len(s)] = s  # trailing padding: causal, so it changes nothing before it
+        toks[i, : len(s)] = s  # trailing padding: causal, so it changes nothing before it
     ref = np.asarray(forward(jnp.asarray(toks)))
     worst = 0.0
     for seq_ids, pos, row in rec.rows:
         for s in seq_ids:
-            np.testing.assert_allclose(row, ref[s, pos], atol=atol, rtol=1e-5,
-                                       err_msg=f"sequence {s}, position {pos}")
+            np.testing.assert_allclose(row, ref[s, pos], atol=atol, rtol=1e-5, err_msg=f"sequence {s}, position {pos}")
             worst = max(worst, float(np.abs(row - ref[s, pos]).max()))
     return worst
 
 
 def step_runner(step, state):
     """``run_ubatch`` through a jitted Step (placement inside, window from window_for)."""
+
     def run(cache, ub, tokens):
         n_kv = window_for(cache, int(ub.valid.sum()))
         logits, cache, ok = step(state, cache, ub, tokens, n_kv=n_kv)
         assert bool(ok)
         return logits, cache
+
     return run
 
 
 def eager_runner(model):
     """``run_ubatch`` calling the model eagerly (find_slot, then the model, no jit)."""
+
     def run(cache, ub, tokens):
         cache, slot, ok = kvjax.find_slot(cache, ub)
         assert bool(ok)
         n_kv = int(kvjax.window_bucket(int(kvjax.n_kv(cache)), cache.config.size, cache.config.padding))
         return model(tokens, cache, UbatchInputs(ubatch=ub, placement=slot, windows=(n_kv,)))
+
     return run
 
 
@@ -223,8 +245,9 @@ def shift_case(cfg: LlamaConfig, state, step, forward, use_update: bool):
         assert not bool(kvjax.has_shift(cache))
     new_tok = int(rng.integers(cfg.vocab_size))
     ub = kvjax.make_ubatch([14], [[0]], length=32)  # the prefill's bucket: no new program
-    logits, cache, ok = step(state, cache, ub, jnp.asarray(np.pad([new_tok], (0, 31)).astype(np.int32)),
-                             n_kv=window_for(cache, 1))
+    logits, cache, ok = step(
+        state, cache, ub, jnp.asarray(np.pad([new_tok], (0, 31)).astype(np.int32)), n_kv=window_for(cache, 1)
+    )
     assert bool(ok)
     kept = np.concatenate([prompt[:6], prompt[12:], [new_tok]]).astype(np.int32)
     ref = forward(jnp.asarray(kept)[None])[0, -1]
@@ -264,10 +287,8 @@ def test_shifted_equals_recomputed_alibi():
 def test_layer_matches_uncached():
     """One layer (GQA, sliding window, only layer 1 cached) jitted; two sequences in one ubatch."""
     rope = kvjax.RopeConfig(n_rot=8)
-    attn = CachedAttention(32, 4, 2, 8, layer=1, rope=rope, swa_type="standard", n_swa=3,
-                           rngs=nnx.Rngs(0))
-    cfg = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=8, padding=16,
-                            layer_filter=[1])
+    attn = CachedAttention(32, 4, 2, 8, layer=1, rope=rope, swa_type="standard", n_swa=3, rngs=nnx.Rngs(0))
+    cfg = kvjax.CacheConfig(size=32, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=8, padding=16, layer_filter=[1])
     x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 32)), jnp.float32)
     ub = kvjax.make_ubatch(list(range(4)) * 2, [[0]] * 4 + [[1]] * 4)
 
@@ -295,8 +316,9 @@ def test_layer_bad_input():
     wrong = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=8))
     with pytest.raises(ValueError, match="n_kv_heads"):
         attn(jnp.ones((1, 32)), wrong, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
-    other_layer = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=2, n_kv_heads=2, head_dim=8,
-                                               layer_filter=[1]))
+    other_layer = kvjax.init(
+        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=2, n_kv_heads=2, head_dim=8, layer_filter=[1])
+    )
     with pytest.raises(ValueError, match="layer=0"):
         attn(jnp.ones((1, 32)), other_layer, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
     right = kvjax.init(kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=8))
@@ -305,15 +327,26 @@ def test_layer_bad_input():
 
 
 def test_model_bad_input():
-    for bad in (dict(n_heads=3), dict(n_kv_heads=3), dict(position="nope"), dict(swa_layers=(5,)),
-                dict(swa_layers=(0,), n_swa=0), dict(d_model=30), dict(vocab_size=0)):
+    for bad in (
+        dict(n_heads=3),
+        dict(n_kv_heads=3),
+        dict(position="nope"),
+        dict(swa_layers=(5,)),
+        dict(swa_layers=(0,), n_swa=0),
+        dict(d_model=30),
+        dict(vocab_size=0),
+    ):
         with pytest.raises(ValueError):
             LlamaConfig(**{**BASE, **bad})
     cfg = LlamaConfig(**BASE)
     model = make_model(cfg)
     ub = kvjax.make_ubatch([0], [[0]])
     with pytest.raises(ValueError, match="layers"):
-        model(jnp.array([1]), kvjax.init(cfg.cache_config(32, 1, layer_filter=[0])), UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
+        model(
+            jnp.array([1]),
+            kvjax.init(cfg.cache_config(32, 1, layer_filter=[0])),
+            UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)),
+        )
     cache = kvjax.init(cfg.cache_config(32, 1))
     with pytest.raises(ValueError, match="tokens contains 64"):
         model(jnp.array([64]), cache, UbatchInputs(ubatch=ub, placement=jnp.array([0]), windows=(32,)))
@@ -325,7 +358,7 @@ def test_reference_pieces():
     """The uncached reference's own pieces against direct formulas."""
     slopes = alibi_slopes(6, 8.0)  # not a power of two: the interleaved second series
     m0, m1 = 2 ** (-8 / 4), 2 ** (-4 / 4)
-    np.testing.assert_allclose(slopes, [m0, m0 ** 2, m0 ** 3, m0 ** 4, m1, m1 ** 3], rtol=1e-6)
+    np.testing.assert_allclose(slopes, [m0, m0**2, m0**3, m0**4, m1, m1**3], rtol=1e-6)
     p = jnp.arange(10)
     assert swa_visible(p, jnp.int32(9), "chunked", 4).tolist() == [False] * 8 + [True] * 2
     assert swa_visible(p, jnp.int32(5), "symmetric", 4).tolist() == [False] * 3 + [True] * 5 + [False] * 2

@@ -26,9 +26,9 @@ def test_positions_that_wrap_or_cannot_be_removed_are_refused():
     with pytest.raises(ValueError, match=r"pos=4294967296 is out of range: allowed \[0, 2147483647\)"):
         kvjax.make_ubatch([2**32], [[0]])
     with pytest.raises(ValueError, match=r"pos=2147483647 is out of range"):
-        kvjax.make_ubatch([2**31 - 1], [[0]])       # p1 < 0 ("to infinity") could never reach it
+        kvjax.make_ubatch([2**31 - 1], [[0]])  # p1 < 0 ("to infinity") could never reach it
     cache = fill(kvjax.init(CFG), [2**31 - 2], [[0]])
-    cache, ok = kvjax.seq_rm(cache, 0, 0, -1)         # the largest position is still reachable
+    cache, ok = kvjax.seq_rm(cache, 0, 0, -1)  # the largest position is still reachable
     assert bool(ok) and int(kvjax.used_cells(cache)) == 0
     hand_made = Ubatch(pos=np.array([2**32], np.int64), seq_ids=np.array([[0]], np.int32), valid=np.array([True]))
     with pytest.raises(ValueError, match=r"ubatch.pos contains 4294967296"):

@@ -24,24 +24,28 @@ from tests.helpers import USER_HLO, no_recompile
 
 LLAMA = LlamaConfig(vocab_size=48, d_model=16, n_layer=2, n_heads=2, n_kv_heads=1)
 MAMBA = MambaConfig(vocab_size=48, d_model=16, n_layer=2, d_state=4, d_conv=4, scan_chunk=4)
-HYBRID = HybridLMConfig(vocab_size=48, d_model=16, n_layer=3, recurrent_layers=(0,), n_heads=2, n_kv_heads=1,
-                        d_state=4)
+HYBRID = HybridLMConfig(vocab_size=48, d_model=16, n_layer=3, recurrent_layers=(0,), n_heads=2, n_kv_heads=1, d_state=4)
 ATOL = 2e-5
 
 
 def _engine(kind: str, n_ubatch: int = 8) -> kvjax.Engine:
     """A fresh engine of one model kind (same weights on every call)."""
     if kind == "llama":
-        return kvjax.Engine(Llama(LLAMA, rngs=nnx.Rngs(0)), kvjax.init(LLAMA.cache_config(size=64, n_seq_max=3)),
-                            n_ubatch=n_ubatch)
+        return kvjax.Engine(
+            Llama(LLAMA, rngs=nnx.Rngs(0)), kvjax.init(LLAMA.cache_config(size=64, n_seq_max=3)), n_ubatch=n_ubatch
+        )
     if kind == "linen":
         params = params_from_nnx(Llama(LLAMA, rngs=nnx.Rngs(0)))
-        return kvjax.Engine(LlamaLinen(LLAMA), kvjax.init(LLAMA.cache_config(size=64, n_seq_max=3)), state=params,
-                            n_ubatch=n_ubatch)
+        return kvjax.Engine(
+            LlamaLinen(LLAMA), kvjax.init(LLAMA.cache_config(size=64, n_seq_max=3)), state=params, n_ubatch=n_ubatch
+        )
     if kind == "mamba":
         return kvjax.Engine(Mamba(MAMBA, rngs=nnx.Rngs(1)), kvjax.init(MAMBA.memory_config(3)), n_ubatch=n_ubatch)
-    return kvjax.Engine(HybridLM(HYBRID, rngs=nnx.Rngs(2)),
-                        kvjax.init(HYBRID.memory_config(size=64, n_seq_max=3, padding=16)), n_ubatch=n_ubatch)
+    return kvjax.Engine(
+        HybridLM(HYBRID, rngs=nnx.Rngs(2)),
+        kvjax.init(HYBRID.memory_config(size=64, n_seq_max=3, padding=16)),
+        n_ubatch=n_ubatch,
+    )
 
 
 # linen shares the cached pass with NNX (model_cached): its case runs with the slow tests
@@ -97,11 +101,13 @@ def test_an_iswa_memory_gives_the_full_steps_rows():
     full_eng, part_eng = eng(), eng()
     pos = _pos(SEQS)
     full = np.asarray(full_eng.decode(TOKENS, pos, SEQS))
-    np.testing.assert_allclose(np.asarray(part_eng.decode(TOKENS, pos, SEQS, outputs="last")), full[[11, 12]],
-                               atol=ATOL)
+    np.testing.assert_allclose(
+        np.asarray(part_eng.decode(TOKENS, pos, SEQS, outputs="last")), full[[11, 12]], atol=ATOL
+    )
     nxt_full = np.asarray(full_eng.decode([5, 6], [8, 5], [[0], [1]]))
-    np.testing.assert_allclose(np.asarray(part_eng.decode([5, 6], [8, 5], [[0], [1]], outputs=[1])), nxt_full[[1]],
-                               atol=ATOL)
+    np.testing.assert_allclose(
+        np.asarray(part_eng.decode([5, 6], [8, 5], [[0], [1]], outputs=[1])), nxt_full[[1]], atol=ATOL
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", pytest.param("mamba", marks=pytest.mark.slow)])
@@ -143,12 +149,24 @@ def test_step_outputs_equal_full_rows_and_new_values_never_recompile():
 def test_generate_compiles_the_same_programs_for_new_prompts():
     eng = _engine("llama", n_ubatch=16)
     greedy = kvjax.SamplingConfig(temperature=0)
-    kvjax.generate(eng, [[1, 2, 3, 4, 5], [6, 7, 8]], max_new_tokens=3, key=jax.random.PRNGKey(0), sampling=greedy,
-                   share_prefix=False)
+    kvjax.generate(
+        eng,
+        [[1, 2, 3, 4, 5], [6, 7, 8]],
+        max_new_tokens=3,
+        key=jax.random.PRNGKey(0),
+        sampling=greedy,
+        share_prefix=False,
+    )
     eng.cache = kvjax.init(LLAMA.cache_config(size=64, n_seq_max=3))
     with no_recompile():
-        kvjax.generate(eng, [[9, 3, 2, 1, 4], [5, 5, 1]], max_new_tokens=3, key=jax.random.PRNGKey(1),
-                       sampling=greedy, share_prefix=False)
+        kvjax.generate(
+            eng,
+            [[9, 3, 2, 1, 4], [5, 5, 1]],
+            max_new_tokens=3,
+            key=jax.random.PRNGKey(1),
+            sampling=greedy,
+            share_prefix=False,
+        )
 
 
 @pytest.mark.slow
@@ -156,8 +174,9 @@ def test_generate_with_outputs_only_gives_the_full_steps_greedy_tokens():
     """generate reads the last prompt row; the tokens equal a loop over all-rows decode calls."""
     eng, ref = _engine("llama", n_ubatch=4), _engine("llama", n_ubatch=4)
     prompt = [3, 7, 1, 9, 12, 5, 30]
-    out = kvjax.generate(eng, [prompt], max_new_tokens=5, key=jax.random.PRNGKey(0),
-                         sampling=kvjax.SamplingConfig(temperature=0))
+    out = kvjax.generate(
+        eng, [prompt], max_new_tokens=5, key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0)
+    )
     toks = list(prompt)
     logits = ref.decode(toks, range(len(toks)), [[0]] * len(toks))[-1]
     want = []
@@ -191,7 +210,8 @@ def test_prefill_of_512_tokens_with_32k_vocabulary_builds_no_512_by_vocab_array(
 
     def compiled(outputs):
         return step._jitted.lower(state, rest, buffers, ub, tokens, None, outputs, windows=(512,)).compile(
-            compiler_options=USER_HLO)
+            compiler_options=USER_HLO
+        )
 
     one = compiled(jax.ShapeDtypeStruct((1,), jnp.int32))
     every = compiled(None)
@@ -214,14 +234,17 @@ def test_output_bucket():
         output_bucket(-1)
 
 
-@pytest.mark.parametrize("outputs, match", [
-    ("first", "outputs='first' is out of range"),
-    ([3], "outputs contains row 3"),
-    ([-1], "outputs contains row -1"),
-    ([[0, 1]], "is out of range"),
-    ([0.5], "is out of range"),
-    (None, "is out of range"),
-])
+@pytest.mark.parametrize(
+    "outputs, match",
+    [
+        ("first", "outputs='first' is out of range"),
+        ([3], "outputs contains row 3"),
+        ([-1], "outputs contains row -1"),
+        ([[0, 1]], "is out of range"),
+        ([0.5], "is out of range"),
+        (None, "is out of range"),
+    ],
+)
 def test_engine_refuses_bad_outputs_and_changes_nothing(outputs, match):
     eng = _engine("llama")
     before = kvjax.cell_table(eng.cache)
@@ -232,12 +255,15 @@ def test_engine_refuses_bad_outputs_and_changes_nothing(outputs, match):
     assert eng.n_decoded == 0
 
 
-@pytest.mark.parametrize("outputs, match", [
-    (np.array([8]), "outputs contains row 8"),
-    (np.array([-2]), "outputs contains row -2"),
-    (np.array([[1]]), "outputs has shape"),
-    (np.array([1.0]), "outputs has shape"),
-])
+@pytest.mark.parametrize(
+    "outputs, match",
+    [
+        (np.array([8]), "outputs contains row 8"),
+        (np.array([-2]), "outputs contains row -2"),
+        (np.array([[1]]), "outputs has shape"),
+        (np.array([1.0]), "outputs has shape"),
+    ],
+)
 def test_step_refuses_bad_outputs(outputs, match):
     model = Llama(LLAMA, rngs=nnx.Rngs(0))
     cache = kvjax.init(LLAMA.cache_config(size=64, n_seq_max=2))

@@ -28,17 +28,25 @@ from kvjax.nn._pretrained import SafetensorsSource, read_config, save_llama
 
 pytest.importorskip("safetensors")
 
-ATOL_HF = 1e-4      # float32 against torch (other matmul orders)
-BF16_TOL = 0.08     # bfloat16 weights: max |logit diff| <= BF16_TOL * max |logit| (measured 0.2-4.4% on these models)
+ATOL_HF = 1e-4  # float32 against torch (other matmul orders)
+BF16_TOL = 0.08  # bfloat16 weights: max |logit diff| <= BF16_TOL * max |logit| (measured 0.2-4.4% on these models)
 V = 100
 
 
 def _kvjax_llama(seed=0, **changes):
-    args = dict(vocab_size=V, d_model=64, n_layer=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
-                rope=kvjax.RopeConfig(n_rot=16, mode="neox", freq_base=10000.0))
+    args = dict(
+        vocab_size=V,
+        d_model=64,
+        n_layer=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        d_ff=96,
+        rope=kvjax.RopeConfig(n_rot=16, mode="neox", freq_base=10000.0),
+    )
     args.update(changes)
     model = Llama(LlamaConfig(**args), rngs=nnx.Rngs(seed))
-    if model.config.attention_bias:   # random biases (zero o bias: Qwen2 has none)
+    if model.config.attention_bias:  # random biases (zero o bias: Qwen2 has none)
         rng = np.random.default_rng(seed)
         for block in model.layers:
             for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
@@ -53,10 +61,16 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, V, 13), jnp.int32)
 # -- without torch: kvjax's own weights written and read back ---------------------------------------
 
 
-@pytest.mark.parametrize("changes, shard", [
-    (dict(), None), (dict(tie_embeddings=True), 30_000), (dict(attention_bias=True), None),
-    (dict(attention_bias=True, tie_embeddings=True), 20_000)],
-    ids=["untied", "tied-sharded", "qwen2", "qwen2-tied-sharded"])
+@pytest.mark.parametrize(
+    "changes, shard",
+    [
+        (dict(), None),
+        (dict(tie_embeddings=True), 30_000),
+        (dict(attention_bias=True), None),
+        (dict(attention_bias=True, tie_embeddings=True), 20_000),
+    ],
+    ids=["untied", "tied-sharded", "qwen2", "qwen2-tied-sharded"],
+)
 def test_roundtrip_equals_original(tmp_path, changes, shard):
     model = _kvjax_llama(**changes)
     save_llama(model, tmp_path, max_shard_bytes=shard)
@@ -70,7 +84,7 @@ def test_float16_storage_and_bfloat16_load(tmp_path):
     model = _kvjax_llama(seed=3)
     save_llama(model, tmp_path, dtype="float16")
     assert SafetensorsSource(tmp_path).dtypes["model.embed_tokens.weight"] == "F16"
-    loaded = from_pretrained(tmp_path)                               # float16 on disk, float32 model
+    loaded = from_pretrained(tmp_path)  # float16 on disk, float32 model
     rounded = _kvjax_llama(seed=3)
     for (var, _, _), (src, _, _) in zip(llama_plan(rounded), llama_plan(model)):
         var.set_value(src.get_value().astype(jnp.float16).astype(jnp.float32))
@@ -79,7 +93,7 @@ def test_float16_storage_and_bfloat16_load(tmp_path):
     assert bf.embed.embedding.dtype == jnp.bfloat16 and bf.layers[0].attn.q_proj.kernel.dtype == jnp.bfloat16
     ref, got = np.asarray(loaded.forward(TOKENS)), np.asarray(bf.forward(TOKENS), np.float32)
     assert np.abs(got - ref).max() <= BF16_TOL * np.abs(ref).max()
-    assert np.abs(got - ref).max() > 0     # the test sees the narrower weights
+    assert np.abs(got - ref).max() > 0  # the test sees the narrower weights
 
 
 def test_engine_on_a_loaded_checkpoint(tmp_path):
@@ -137,8 +151,11 @@ def test_unexpected_tensor_is_named(good):
 
 def test_wrong_shape_is_named(good):
     _rewrite(good, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((16, 64), np.float32)}))
-    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_proj.weight has shape \(16, 64\): allowed "
-                                         r"\(32, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers.0.self_attn.k_proj.weight has shape \(16, 64\): allowed "
+        r"\(32, 64\)",
+    ):
         from_pretrained(good)
 
 
@@ -186,18 +203,27 @@ def test_sharded_checkpoint_errors(tmp_path):
         from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
-     r"model_type='gpt2' \(architectures=\['GPT2LMHeadModel'\]\): allowed one of \['llama', 'qwen2', 'mistral'"),
-    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-     r"rope_type='dynamic' is out of range: allowed one of \['default', 'linear', 'llama3', 'yarn'\]"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), r"rope_type='longrope' is out of range"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
-     r"rope_parameters\['low_freq_factor'\]=None is out of range for rope_type='llama3'"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu' is out of range: allowed 'silu'"),
-    (dict(mlp_bias=True), r"mlp_bias=True is out of range"),
-    (dict(model_type=None), r"config.json has no 'model_type'"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+            r"model_type='gpt2' \(architectures=\['GPT2LMHeadModel'\]\): allowed one of \['llama', 'qwen2', 'mistral'",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+            r"rope_type='dynamic' is out of range: allowed one of \['default', 'linear', 'llama3', 'yarn'\]",
+        ),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), r"rope_type='longrope' is out of range"),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+            r"rope_parameters\['low_freq_factor'\]=None is out of range for rope_type='llama3'",
+        ),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is out of range: allowed 'silu'"),
+        (dict(mlp_bias=True), r"mlp_bias=True is out of range"),
+        (dict(model_type=None), r"config.json has no 'model_type'"),
+    ],
+)
 def test_bad_config(good, changes, match):
     _edit_config(good, **changes)
     with pytest.raises(ValueError, match=match):
@@ -217,8 +243,11 @@ def test_bad_paths_and_dtype(good, tmp_path):
     with pytest.raises(ValueError, match=r"has no \*.safetensors files"):
         from_pretrained(tmp_path / "empty")
     for bad in ("int8", jnp.float64, "fp32", None):
-        with pytest.raises(ValueError, match=r"dtype=.* is out of range: allowed one of \['float32', 'bfloat16', "
-                                             r"'float16'\]"):
+        with pytest.raises(
+            ValueError,
+            match=r"dtype=.* is out of range: allowed one of \['float32', 'bfloat16', "
+            r"'float16'\]",
+        ):
             from_pretrained(good, dtype=bad)
 
 
@@ -229,9 +258,12 @@ def test_integer_tensor_refused(good):
 
 
 def test_save_llama_refuses_what_configs_cannot_say(tmp_path):
-    for changes, name in ((dict(swa_layers=(0,), n_swa=4), "swa_layers"), (dict(qk_norm=True), "qk_norm"),
-                          (dict(rope=kvjax.RopeConfig(n_rot=16, mode="normal")), "rope"),
-                          (dict(position="alibi"), "position")):
+    for changes, name in (
+        (dict(swa_layers=(0,), n_swa=4), "swa_layers"),
+        (dict(qk_norm=True), "qk_norm"),
+        (dict(rope=kvjax.RopeConfig(n_rot=16, mode="normal")), "rope"),
+        (dict(position="alibi"), "position"),
+    ):
         with pytest.raises(ValueError, match=rf"model.config.{name}=.* is out of range: allowed the plain Llama"):
             save_llama(_kvjax_llama(**changes), tmp_path)
     with pytest.raises(ValueError, match=r"max_shard_bytes=0 is out of range"):
@@ -247,25 +279,28 @@ def test_memory_config_for_each_kind():
     plain = _kvjax_llama()
     cfg = memory_config_for(plain, size=64, n_seq_max=2, k_dtype="float16", v_dtype="float16")
     assert isinstance(cfg, kvjax.CacheConfig) and cfg.size == 64 and cfg.n_seq_max == 2
-    assert memory_config_for(plain, size=65, n_seq_max=1, padding=16).size == 80     # whole padding blocks
+    assert memory_config_for(plain, size=65, n_seq_max=1, padding=16).size == 80  # whole padding blocks
     gemma_like = _kvjax_llama(swa_layers=(0,), n_swa=4)
     iswa = memory_config_for(gemma_like, size=64, n_seq_max=2, n_batch=16)
     assert isinstance(iswa, kvjax.IswaConfig) and iswa.swa_layers == (0,) and iswa.n_swa == 4 and iswa.n_batch == 16
-    every = _kvjax_llama(swa_layers=(0, 1), n_swa=4)           # Mistral: every layer slides, one cache
+    every = _kvjax_llama(swa_layers=(0, 1), n_swa=4)  # Mistral: every layer slides, one cache
     assert isinstance(memory_config_for(every, size=64, n_seq_max=1), kvjax.CacheConfig)
     mamba = nnx.eval_shape(lambda: Mamba(kvjax.nn.MambaConfig(vocab_size=V, d_model=16, n_layer=2), rngs=nnx.Rngs(0)))
     rec = memory_config_for(mamba, n_seq_max=3, n_states=2)
     assert type(rec).__name__ == "RecurrentConfig" and rec.n_seq_max == 3 and rec.n_states == 2
-    for model in (plain, gemma_like, mamba):   # every kind initialises
+    for model in (plain, gemma_like, mamba):  # every kind initialises
         kvjax.init(memory_config_for(model, size=32, n_seq_max=1))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(size=0), r"size=0 is out of range: allowed an integer >= 1"),
-    (dict(size=None), r"size=None is out of range"),
-    (dict(size=32, n_seq_max=0), r"n_seq_max=0 is out of range: allowed an integer >= 1"),
-    (dict(size=32, n_seq_max=True), r"n_seq_max=True is out of range"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(size=0), r"size=0 is out of range: allowed an integer >= 1"),
+        (dict(size=None), r"size=None is out of range"),
+        (dict(size=32, n_seq_max=0), r"n_seq_max=0 is out of range: allowed an integer >= 1"),
+        (dict(size=32, n_seq_max=True), r"n_seq_max=True is out of range"),
+    ],
+)
 def test_memory_config_for_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         memory_config_for(_kvjax_llama(), **kwargs)
@@ -284,11 +319,25 @@ def test_read_config_fills_old_defaults(good):
 
 ROPE_CASES = {
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
-    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
-                    "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5},
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
 }
 
 
@@ -301,8 +350,9 @@ def test_rope_kinds_equal_transformers_frequencies(kind):
     from kvjax.attn._rope import magnitude, pair_frequencies
 
     params = dict(ROPE_CASES[kind])
-    hc = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
-                                  rope_parameters=params)
+    hc = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=256, rope_parameters=params
+    )
     inv_freq, attention = ROPE_INIT_FUNCTIONS[params["rope_type"]](hc, torch.device("cpu"))
     rope = rope_from_hf(params, 16, 256)
     np.testing.assert_allclose(pair_frequencies(rope), inv_freq.numpy(), rtol=2e-6)
@@ -326,7 +376,7 @@ def test_attention_bias_option():
 
     model = _kvjax_llama(seed=2, attention_bias=True)
     plain = _kvjax_llama(seed=2)
-    assert not np.allclose(np.asarray(model.forward(TOKENS)), np.asarray(plain.forward(TOKENS)))   # biases act
+    assert not np.allclose(np.asarray(model.forward(TOKENS)), np.asarray(plain.forward(TOKENS)))  # biases act
     linen = LlamaLinen(model.config).apply(params_from_nnx(model), TOKENS, method=LlamaLinen.forward)
     np.testing.assert_allclose(np.asarray(linen), np.asarray(model.forward(TOKENS)), atol=1e-5)
     with pytest.raises(ValueError, match=r"attention_bias='yes' is out of range: allowed True or False"):
@@ -338,24 +388,46 @@ def _save_mamba(model, folder):
     from safetensors.numpy import save_file
 
     cfg = model.config
-    arr = lambda v: np.ascontiguousarray(np.asarray(v.get_value()))   # noqa: E731
+    arr = lambda v: np.ascontiguousarray(np.asarray(v.get_value()))  # noqa: E731
     t = {"backbone.embeddings.weight": arr(model.embed.embedding), "backbone.norm_f.weight": arr(model.norm.scale)}
     for il, block in enumerate(model.layers):
         p, m = f"backbone.layers.{il}.", block.mixer
-        t.update({p + "norm.weight": arr(block.norm.scale), p + "mixer.in_proj.weight": arr(m.in_proj.kernel).T.copy(),
-                  p + "mixer.conv1d.weight": arr(m.conv_kernel).T[:, None, :].copy(),
-                  p + "mixer.conv1d.bias": arr(m.conv_bias), p + "mixer.x_proj.weight": arr(m.x_proj.kernel).T.copy(),
-                  p + "mixer.dt_proj.weight": arr(m.dt_proj.kernel).T.copy(),
-                  p + "mixer.dt_proj.bias": arr(m.dt_proj.bias),
-                  p + "mixer.A_log": arr(m.A_log), p + "mixer.D": arr(m.D),
-                  p + "mixer.out_proj.weight": arr(m.out_proj.kernel).T.copy()})
+        t.update(
+            {
+                p + "norm.weight": arr(block.norm.scale),
+                p + "mixer.in_proj.weight": arr(m.in_proj.kernel).T.copy(),
+                p + "mixer.conv1d.weight": arr(m.conv_kernel).T[:, None, :].copy(),
+                p + "mixer.conv1d.bias": arr(m.conv_bias),
+                p + "mixer.x_proj.weight": arr(m.x_proj.kernel).T.copy(),
+                p + "mixer.dt_proj.weight": arr(m.dt_proj.kernel).T.copy(),
+                p + "mixer.dt_proj.bias": arr(m.dt_proj.bias),
+                p + "mixer.A_log": arr(m.A_log),
+                p + "mixer.D": arr(m.D),
+                p + "mixer.out_proj.weight": arr(m.out_proj.kernel).T.copy(),
+            }
+        )
     folder.mkdir(parents=True, exist_ok=True)
     save_file(t, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="mamba", architectures=["MambaForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.n_layer, state_size=cfg.d_state, conv_kernel=cfg.d_conv, expand=cfg.expand,
-        time_step_rank=cfg.dt_rank, intermediate_size=cfg.d_inner, layer_norm_epsilon=cfg.norm_eps,
-        use_bias=False, use_conv_bias=True, tie_word_embeddings=True)))
+    (folder / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="mamba",
+                architectures=["MambaForCausalLM"],
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.d_model,
+                num_hidden_layers=cfg.n_layer,
+                state_size=cfg.d_state,
+                conv_kernel=cfg.d_conv,
+                expand=cfg.expand,
+                time_step_rank=cfg.dt_rank,
+                intermediate_size=cfg.d_inner,
+                layer_norm_epsilon=cfg.norm_eps,
+                use_bias=False,
+                use_conv_bias=True,
+                tie_word_embeddings=True,
+            )
+        )
+    )
 
 
 def test_mamba_roundtrip_and_errors(tmp_path):

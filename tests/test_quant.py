@@ -18,16 +18,16 @@ TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1":
 def _edge_rows(rng):
     rows = [
         np.zeros(64, np.float32),
-        np.full(64, 1e30, np.float32),                       # scale overflows f16
+        np.full(64, 1e30, np.float32),  # scale overflows f16
         np.full(64, -3.0e4, np.float32),
         np.r_[np.full(32, 1e-6), np.full(32, -7e-8)].astype(np.float32),  # f16 subnormal scales
-        np.tile(np.array([1.0, -1.0], np.float32), 32),      # ties in |max|: first wins
+        np.tile(np.array([1.0, -1.0], np.float32), 32),  # ties in |max|: first wins
         np.tile(np.array([-1.0, 1.0], np.float32), 32),
-        (np.arange(64, dtype=np.float32) - 32) / 2,          # halves: rounding ties
+        (np.arange(64, dtype=np.float32) - 32) / 2,  # halves: rounding ties
         np.linspace(-8, 8, 64).astype(np.float32),
         np.r_[np.full(31, 5.0), [-5.0], np.full(32, 0.5)].astype(np.float32),
         np.r_[np.zeros(31), [1e-30], rng.standard_normal(32)].astype(np.float32),  # tiny block
-        np.full(64, 7.0, np.float32),                        # constant rows (max == min)
+        np.full(64, 7.0, np.float32),  # constant rows (max == min)
     ]
     # exact ties of x * id: values that are multiples of d / 2
     for name_d in (127.0, 8.0, 16.0):
@@ -66,7 +66,7 @@ def test_dequantize_matches_gguf_bit_for_bit(name):
         o = blk * qt.type_size
         n_scales = 2 if name in ("q4_1", "q5_1") else 1
         for s in range(n_scales):
-            junk[:, o + 2 * s:o + 2 * s + 2] = np.float16(rng.standard_normal(16)).view(np.uint8).reshape(16, 2)
+            junk[:, o + 2 * s : o + 2 * s + 2] = np.float16(rng.standard_normal(16)).view(np.uint8).reshape(16, 2)
     blocks = np.concatenate([blocks, junk])
     ref = quants.dequantize(blocks, TYPES[name])
     got = np.asarray(jax.jit(Q.dequantize, static_argnums=1)(jnp.asarray(blocks), name))
@@ -91,9 +91,13 @@ def test_error_bound(name):
     x = np.random.default_rng(5).standard_normal((64, 128)).astype(np.float32)
     y = np.asarray(Q.dequantize(Q.quantize(jnp.asarray(x), name), name))
     blocks = x.reshape(64, 4, 32)
-    span = {"q8_0": 2 * np.abs(blocks).max(-1) / 127 / 2, "q4_0": np.abs(blocks).max(-1) / 8,
-            "q5_0": np.abs(blocks).max(-1) / 16, "q4_1": np.ptp(blocks, -1) / 15,
-            "q5_1": np.ptp(blocks, -1) / 31}[name]
+    span = {
+        "q8_0": 2 * np.abs(blocks).max(-1) / 127 / 2,
+        "q4_0": np.abs(blocks).max(-1) / 8,
+        "q5_0": np.abs(blocks).max(-1) / 16,
+        "q4_1": np.ptp(blocks, -1) / 15,
+        "q5_1": np.ptp(blocks, -1) / 31,
+    }[name]
     err = np.abs(y - x).reshape(64, 4, 32).max(-1)
     assert np.all(err <= span * 1.01 + 1e-3 * np.abs(blocks).max(-1))
 

@@ -13,8 +13,17 @@ QTYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
 
 def _cfg(k="q8_0", v="q4_0", d=64, size=64, **kw):
-    return kvjax.CacheConfig(size=size, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=d, k_dtype=k, v_dtype=v,
-                             rope=kvjax.RopeConfig(n_rot=d), **kw)
+    return kvjax.CacheConfig(
+        size=size,
+        n_seq_max=2,
+        n_layer=2,
+        n_kv_heads=2,
+        head_dim=d,
+        k_dtype=k,
+        v_dtype=v,
+        rope=kvjax.RopeConfig(n_rot=d),
+        **kw,
+    )
 
 
 def _fill(cfg, n, seed=0):
@@ -48,8 +57,9 @@ def test_storage_is_ggml_blocks_per_cell(name):
     assert not np.asarray(cache.k[0])[:, :, others].any()
     vk, vv = kvjax.view(cache, 1, 64)
     assert vk.dtype == jnp.float32 and vk.shape == (2, 64, 64)
-    np.testing.assert_array_equal(np.asarray(vk[:, slot]).transpose(1, 0, 2),
-                                  np.asarray(Q.dequantize(Q.quantize(jnp.asarray(k), name), name)))
+    np.testing.assert_array_equal(
+        np.asarray(vk[:, slot]).transpose(1, 0, 2), np.asarray(Q.dequantize(Q.quantize(jnp.asarray(k), name), name))
+    )
 
 
 def test_sizes_are_real_bytes():
@@ -65,8 +75,7 @@ def test_head_dim_not_multiple_of_block_is_refused():
     with pytest.raises(ValueError, match="head_dim=48"):
         kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=48, k_dtype="q8_0")
     with pytest.raises(ValueError, match="head_dim_v=16"):
-        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=64, head_dim_v=16,
-                          v_dtype="q4_0")
+        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=64, head_dim_v=16, v_dtype="q4_0")
     kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=48, v_dtype="float16")
     with pytest.raises(ValueError, match="q3_k"):
         kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=64, k_dtype="q3_k")
@@ -97,16 +106,19 @@ def test_attention_equals_attention_over_dequantized_values(kt, vt):
             out_f = kvjax.attention(q, cache_f, il, mask)
             np.testing.assert_allclose(np.asarray(out_q), np.asarray(out_d), atol=2e-6, rtol=1e-5)
             # measured max |out_q - out_f| (unit normal K/V/q, D=64): 0.02, 0.35, 0.19, 0.18
-            bound = {("q8_0", "q8_0"): 0.03, ("q4_0", "q4_0"): 0.5, ("q8_0", "q4_0"): 0.3,
-                     ("q5_1", "float16"): 0.3}[kt, vt]
+            bound = {("q8_0", "q8_0"): 0.03, ("q4_0", "q4_0"): 0.5, ("q8_0", "q4_0"): 0.3, ("q5_1", "float16"): 0.3}[
+                kt, vt
+            ]
             assert float(jnp.max(jnp.abs(out_q[:n] - out_f[:n]))) < bound
 
 
 def test_attention_chunks_over_quantized_window():
     """A window larger than one chunk (several online-softmax steps) reads the blocks per chunk."""
     from kvjax.attn import _attention as A
-    cfg = kvjax.CacheConfig(size=2048, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=32, k_dtype="q8_0",
-                            v_dtype="q8_0", padding=256)
+
+    cfg = kvjax.CacheConfig(
+        size=2048, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=32, k_dtype="q8_0", v_dtype="q8_0", padding=256
+    )
     n = 1500
     ub = kvjax.make_ubatch(list(range(n)), [[0]] * n)
     cache, slot, _ = kvjax.find_slot(kvjax.init(cfg), ub)
@@ -129,8 +141,17 @@ def test_attention_chunks_over_quantized_window():
     ref = jax.nn.softmax(s) @ vd[0, :n]
     np.testing.assert_allclose(np.asarray(out[0, 0]), np.asarray(ref), atol=1e-5)
     # the jitted program never materialises a float32 copy of the whole window
-    hlo = A._attention.lower(q, cache, mask, None, np.float32(1 / np.sqrt(32)), layer=0, n_kv=2048,
-                             chunk=A.chunk_size(2048, 1, 1, 256), return_lse=False).as_text()
+    hlo = A._attention.lower(
+        q,
+        cache,
+        mask,
+        None,
+        np.float32(1 / np.sqrt(32)),
+        layer=0,
+        n_kv=2048,
+        chunk=A.chunk_size(2048, 1, 1, 256),
+        return_lse=False,
+    ).as_text()
     assert "f32[1,2048,32]" not in hlo and "f32[2048,32]" not in hlo and "f32[1,1,2048,32]" not in hlo
 
 
@@ -139,18 +160,18 @@ def test_k_shift_is_dequantize_rotate_quantize_per_cell(name):
     cfg = _cfg(name, "q8_0")
     cache, ub, slot, rows = _fill(cfg, 10)
     before = [np.asarray(x) for x in cache.k]
-    cache2 = kvjax.seq_add(cache, 0, 4, 10, 3)        # cells 4..9 shift by +3, cells 0..3 untouched
+    cache2 = kvjax.seq_add(cache, 0, 4, 10, 3)  # cells 4..9 shift by +3, cells 0..3 untouched
     shifted = kvjax.update(cache2)
     after = np.asarray(shifted.k[0])
     slot = np.asarray(slot)
     for il in range(2):
-        x = Q.dequantize(jnp.asarray(before[0][il][:, slot]), name)                  # [H, n, D]
+        x = Q.dequantize(jnp.asarray(before[0][il][:, slot]), name)  # [H, n, D]
         delta = np.where(np.arange(10) >= 4, 3, 0)
-        rot = kvjax.rope(x.transpose(1, 0, 2), jnp.asarray(delta), cfg.rope[0])      # [n, H, D]
+        rot = kvjax.rope(x.transpose(1, 0, 2), jnp.asarray(delta), cfg.rope[0])  # [n, H, D]
         expect = np.asarray(Q.quantize(rot, name)).transpose(1, 0, 2)
         got = after[il][:, slot]
         np.testing.assert_array_equal(got[:, 4:], expect[:, 4:])
-        np.testing.assert_array_equal(got[:, :4], before[0][il][:, slot[:4]])          # not requantized
+        np.testing.assert_array_equal(got[:, :4], before[0][il][:, slot[:4]])  # not requantized
     assert int(jnp.max(jnp.abs(shifted.cells.delta))) == 0
     # accuracy cost: shifted quantized K vs the exact rotation of the original float K
     k, _ = rows[0]
@@ -165,7 +186,7 @@ def test_defrag_and_compact_move_blocks(move):
     cfg = _cfg("q4_0", "q8_0", size=64)
     cache, ub, slot, rows = _fill(cfg, 20)
     before_k, before_v = np.asarray(cache.k[0]), np.asarray(cache.v[0])
-    cache, _ = kvjax.seq_rm(cache, 0, 2, 12)             # hole at cells 2..11
+    cache, _ = kvjax.seq_rm(cache, 0, 2, 12)  # hole at cells 2..11
     cache = getattr(kvjax, move)(cache)
     pos = np.asarray(cache.cells.pos)
     for c in range(64):
@@ -173,7 +194,7 @@ def test_defrag_and_compact_move_blocks(move):
         if p >= 0:  # the cell holding position p holds the bytes written for position p
             np.testing.assert_array_equal(np.asarray(cache.k[0])[:, :, c], before_k[:, :, p])
             np.testing.assert_array_equal(np.asarray(cache.v[0])[:, :, c], before_v[:, :, p])
-    assert (pos[:10] >= 0).all() and (pos[10:] < 0).all()   # compacted
+    assert (pos[:10] >= 0).all() and (pos[10:] < 0).all()  # compacted
 
 
 def test_write_jit_only_written_rows():
@@ -206,8 +227,14 @@ def test_engine_context_shift_with_q8_0():
 
     mcfg = LlamaConfig(vocab_size=64, d_model=64, n_layer=1, n_heads=2, n_kv_heads=1)  # head size 32
     cache = kvjax.init(mcfg.cache_config(size=64, n_seq_max=1, padding=32, k_dtype="q8_0", v_dtype="q8_0"))
-    out = generate(Engine(Llama(mcfg, rngs=nnx.Rngs(0)), cache), [[1, 2, 3, 4]], max_new_tokens=80,
-                   key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0), n_ctx=40)
+    out = generate(
+        Engine(Llama(mcfg, rngs=nnx.Rngs(0)), cache),
+        [[1, 2, 3, 4]],
+        max_new_tokens=80,
+        key=jax.random.PRNGKey(0),
+        sampling=kvjax.SamplingConfig(temperature=0),
+        n_ctx=40,
+    )
     assert out.context_shifts >= 1 and len(out.tokens[0]) == 80
 
 
@@ -229,14 +256,15 @@ def test_float16_cache_attends_like_float32_holding_the_same_values(jitted):
     n = 64
     k = rng.standard_normal((n, 2, 64)).astype(np.float16)
     v = rng.standard_normal((n, 2, 64)).astype(np.float16)
-    k[:, :, :8] = np.float16(3e-6)          # float16 subnormals
+    k[:, :, :8] = np.float16(3e-6)  # float16 subnormals
     v[::3, :, 8:16] = np.float16(-0.0)
     q = jnp.asarray(rng.standard_normal((n, 4, 64)), jnp.float32)
     ub = kvjax.make_ubatch(list(range(n)), [[0]] * n)
     outs = []
     for dtype in ("float16", "float32"):
-        cache = kvjax.init(kvjax.CacheConfig(size=128, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=64,
-                                             k_dtype=dtype, v_dtype=dtype))
+        cache = kvjax.init(
+            kvjax.CacheConfig(size=128, n_seq_max=1, n_layer=1, n_kv_heads=2, head_dim=64, k_dtype=dtype, v_dtype=dtype)
+        )
         cache, slot, _ = kvjax.find_slot(cache, ub)
         cache = kvjax.write(cache, 0, slot, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
         attend = jax.jit(kvjax.attention, static_argnums=2) if jitted else kvjax.attention

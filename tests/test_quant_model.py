@@ -27,8 +27,14 @@ def _model():
 @functools.lru_cache(maxsize=None)
 def _run(k_dtype, v_dtype):
     cache = kvjax.init(CFG.cache_config(size=256, n_seq_max=2, padding=32, k_dtype=k_dtype, v_dtype=v_dtype))
-    out = generate(Engine(_model(), cache), PROMPTS, max_new_tokens=N_NEW, key=jax.random.PRNGKey(0),
-                   sampling=GREEDY, share_prefix=False)
+    out = generate(
+        Engine(_model(), cache),
+        PROMPTS,
+        max_new_tokens=N_NEW,
+        key=jax.random.PRNGKey(0),
+        sampling=GREEDY,
+        share_prefix=False,
+    )
     return [list(t) for t in out.tokens]
 
 
@@ -81,22 +87,24 @@ def test_linen_and_nnx_steps_agree_on_a_q8_0_cache():
     params = params_from_nnx(model)
     tokens = [5, 6, 7, 8, 9, 10, 1, 2, 3, 4]
     ub = kvjax.make_ubatch(list(range(len(tokens))), [[0]] * len(tokens))
-    toks = jnp.zeros((ub.length,), jnp.int32).at[:len(tokens)].set(jnp.asarray(tokens, jnp.int32))
+    toks = jnp.zeros((ub.length,), jnp.int32).at[: len(tokens)].set(jnp.asarray(tokens, jnp.int32))
     cfg = CFG.cache_config(size=64, n_seq_max=1, padding=32, k_dtype="q8_0", v_dtype="q8_0")
     nnx_logits, nnx_cache, ok1 = make_step(model)(nnx.state(model), kvjax.init(cfg), ub, toks, n_kv=32)
     lin_logits, lin_cache, ok2 = make_step(LlamaLinen(CFG))(params, kvjax.init(cfg), ub, toks, n_kv=32)
     assert bool(ok1) and bool(ok2) and nnx_cache.k[0].dtype == jnp.uint8
     np.testing.assert_allclose(np.asarray(lin_logits), np.asarray(nnx_logits), atol=1e-4)
     ref = np.asarray(model.forward(jnp.asarray(tokens, jnp.int32)))
-    err = float(np.max(np.abs(np.asarray(nnx_logits)[:len(tokens)] - ref)))
+    err = float(np.max(np.abs(np.asarray(nnx_logits)[: len(tokens)] - ref)))
     print("q8_0 cached vs uncached float logits, max |diff|:", err)
     assert err < 0.05
 
 
-HELD_OUT = ("Return the number of items in the queue, which may be stale by the time it is read. "
-            "If the optional argument is given, the result is converted to that type before it is "
-            "returned; otherwise a new list of strings is built from the lines of the file, with the "
-            "trailing newline removed from each line. Raise ValueError when the value is negative.")
+HELD_OUT = (
+    "Return the number of items in the queue, which may be stale by the time it is read. "
+    "If the optional argument is given, the result is converted to that type before it is "
+    "returned; otherwise a new list of strings is built from the lines of the file, with the "
+    "trailing newline removed from each line. Raise ValueError when the value is negative."
+)
 
 
 def _perplexity(k_dtype, v_dtype, chunk=64):
@@ -107,16 +115,15 @@ def _perplexity(k_dtype, v_dtype, chunk=64):
 
     model, tok, _ = charlm.load(verbose=False)
     ids = np.asarray(tok.encode(HELD_OUT), np.int32)
-    cache = kvjax.init(model.config.cache_config(size=512, n_seq_max=1, padding=32, k_dtype=k_dtype,
-                                                 v_dtype=v_dtype))
+    cache = kvjax.init(model.config.cache_config(size=512, n_seq_max=1, padding=32, k_dtype=k_dtype, v_dtype=v_dtype))
     step, state, logits = make_step(model), nnx.state(model), []
     for s in range(0, len(ids), chunk):
-        part = ids[s:s + chunk]
+        part = ids[s : s + chunk]
         ub = kvjax.make_ubatch(list(range(s, s + len(part))), [[0]] * len(part))
-        toks = jnp.zeros((ub.length,), jnp.int32).at[:len(part)].set(jnp.asarray(part))
+        toks = jnp.zeros((ub.length,), jnp.int32).at[: len(part)].set(jnp.asarray(part))
         out, cache, ok = step(state, cache, ub, toks, n_kv=-(-(s + len(part)) // 32) * 32)
         assert bool(ok)
-        logits.append(np.asarray(out)[:len(part)])
+        logits.append(np.asarray(out)[: len(part)])
     logp = jax.nn.log_softmax(jnp.asarray(np.concatenate(logits)[:-1]), axis=-1)
     nll = -np.asarray(logp)[np.arange(len(ids) - 1), ids[1:]]
     return float(np.exp(nll.mean()))
@@ -131,6 +138,7 @@ def test_perplexity_on_held_out_text_moves_little():
     assert abs(ppl["q4_0"] / ppl["float32"] - 1) < 0.08
     # the float32 cache itself gives the uncached pass's perplexity
     from kvjax.app import _charlm as charlm
+
     model, tok, trained = charlm.load(verbose=False)
     ids = jnp.asarray(tok.encode(HELD_OUT), jnp.int32)
     logp = jax.nn.log_softmax(model.forward(ids)[:-1], axis=-1)
@@ -146,8 +154,13 @@ def test_demo_takes_a_cache_type(tmp_path):
     import sys
 
     env = dict(os.environ, KVJAX_CACHE_DIR=str(tmp_path / "xla"))
-    out = subprocess.run([sys.executable, "-m", "kvjax", "demo", "--quick", "--cache-type", "q4_0"],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax", "demo", "--quick", "--cache-type", "q4_0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "of q4_0 K/V" in out.stdout and "after defrag" in out.stdout and "context shift of sequence 0" in out.stdout
 
@@ -157,8 +170,9 @@ def test_hybrid_model_on_a_q8_0_attention_part():
     token by token stays within the q8_0 rounding of the uncached forward, and its state round trips."""
     from kvjax.nn import HybridLM, HybridLMConfig
 
-    cfg = HybridLMConfig(vocab_size=40, d_model=64, n_layer=3, recurrent_layers=(1,), n_heads=2, n_kv_heads=1,
-                         d_state=4)  # head size 32: one block per head
+    cfg = HybridLMConfig(
+        vocab_size=40, d_model=64, n_layer=3, recurrent_layers=(1,), n_heads=2, n_kv_heads=1, d_state=4
+    )  # head size 32: one block per head
     model = HybridLM(cfg, rngs=nnx.Rngs(5))
     memory = kvjax.init(cfg.memory_config(size=32, n_seq_max=2, padding=16, k_dtype="q8_0", v_dtype="q8_0"))
     assert memory.attention.k[0].dtype == jnp.uint8

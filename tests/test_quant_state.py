@@ -15,15 +15,21 @@ IDS = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}
 
 
 def _cache(k, v, n=6, seqs=((0,),) * 6, seed=0, size=64):
-    cfg = kvjax.CacheConfig(size=size, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=64, head_dim_v=32,
-                            k_dtype=k, v_dtype=v)
+    cfg = kvjax.CacheConfig(
+        size=size, n_seq_max=2, n_layer=2, n_kv_heads=2, head_dim=64, head_dim_v=32, k_dtype=k, v_dtype=v
+    )
     ub = kvjax.make_ubatch(list(range(n)), [list(s) for s in seqs])
     cache, slot, _ = kvjax.find_slot(kvjax.init(cfg), ub)
     rng = np.random.default_rng(seed)
     t = slot.shape[0]
     for il in range(2):
-        cache = kvjax.write(cache, il, slot, jnp.asarray(rng.standard_normal((t, 2, 64)), jnp.float32),
-                            jnp.asarray(rng.standard_normal((t, 2, 32)), jnp.float32))
+        cache = kvjax.write(
+            cache,
+            il,
+            slot,
+            jnp.asarray(rng.standard_normal((t, 2, 64)), jnp.float32),
+            jnp.asarray(rng.standard_normal((t, 2, 32)), jnp.float32),
+        )
     return cfg, cache, np.asarray(slot)[:n]
 
 
@@ -50,8 +56,9 @@ def test_blob_layout_is_the_seeds(name):
     assert off == len(blob)
 
 
-@pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "float16"),
-                                   ("float32", "q8_0")])
+@pytest.mark.parametrize(
+    "kt,vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "float16"), ("float32", "q8_0")]
+)
 def test_round_trip_whole_and_per_sequence(kt, vt):
     cfg, cache, _ = _cache(kt, vt, seqs=((0,), (0, 1), (1,), (0,), (1,), (0, 1)))
     blob = kvjax.state_write(cache)
@@ -65,8 +72,9 @@ def test_round_trip_whole_and_per_sequence(kt, vt):
     assert kvjax.state_write(into, 1) == seq
 
 
-@pytest.mark.parametrize("have,blob_type", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("float16", "q8_0"),
-                                            ("q8_0", "float32")])
+@pytest.mark.parametrize(
+    "have,blob_type", [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("float16", "q8_0"), ("q8_0", "float32")]
+)
 def test_mismatched_type_is_refused_memory_unchanged(have, blob_type):
     _, src, _ = _cache(blob_type, blob_type)
     blob = kvjax.state_write(src)
@@ -79,8 +87,7 @@ def test_mismatched_type_is_refused_memory_unchanged(have, blob_type):
 
 def test_quantized_v_trans_is_refused_in_config():
     with pytest.raises(ValueError, match="v_trans"):
-        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=32, v_dtype="q8_0",
-                          v_trans=True)
+        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=32, v_dtype="q8_0", v_trans=True)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
@@ -113,8 +120,7 @@ def test_checkpoint_round_trip(tmp_path, name):
 
 
 def test_iswa_memory_with_quantized_parts_round_trips():
-    base = kvjax.CacheConfig(size=64, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=32, k_dtype="q8_0",
-                             v_dtype="q4_0")
+    base = kvjax.CacheConfig(size=64, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=32, k_dtype="q8_0", v_dtype="q4_0")
     cfg = kvjax.IswaConfig(base, swa_layers=(1,), n_swa=16, n_batch=8)
     mem = kvjax.init(cfg)
     assert all(mem.part(p).k[0].dtype == jnp.uint8 for p in range(mem.n_parts))

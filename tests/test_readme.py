@@ -24,6 +24,9 @@ def test_the_docs_examples_run():
     import doctest
 
     for page in ("errors.md",):
-        failed, _ = doctest.testfile(str(README.parent / "docs" / page), module_relative=False,
-                                     optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        failed, _ = doctest.testfile(
+            str(README.parent / "docs" / page),
+            module_relative=False,
+            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+        )
         assert failed == 0, page

@@ -54,7 +54,8 @@ def _agree(got, case):
         if a != b:
             assert case["margins"][i] < NEAR_TIE, (
                 f"greedy tokens part at step {i} ({a} against llama.cpp's {b}) where llama.cpp's margin was "
-                f"{case['margins'][i]:.3f} (not a near-tie); kvjax {got}, llama.cpp {want}")
+                f"{case['margins'][i]:.3f} (not a near-tie); kvjax {got}, llama.cpp {want}"
+            )
             return i
     return len(want)
 
@@ -65,7 +66,7 @@ def test_the_file_loads_compact(gemma, real_gemma_gguf):
     assert isinstance(gemma.embed, GGMLEmbed) and gemma.embed.type_name == "Q8_0"
     q, o, down = gemma.layers[0].attn.q_proj, gemma.layers[0].attn.o_proj, gemma.layers[0].mlp.down
     assert all(isinstance(m, GGMLLinear) for m in (q, o, down))
-    assert (q.type_name, o.type_name, down.type_name) == ("Q5_0", "Q4_K", "Q6_K")   # as the file stores them
+    assert (q.type_name, o.type_name, down.type_name) == ("Q5_0", "Q4_K", "Q6_K")  # as the file stores them
     size = pathlib.Path(real_gemma_gguf).stat().st_size
     resident = resident_bytes(gemma)
     print(f"resident weights {resident / 2**20:.1f} MiB, file {size / 2**20:.1f} MiB ({resident / size:.3f}x)")
@@ -78,8 +79,13 @@ def test_the_file_loads_compact(gemma, real_gemma_gguf):
 @pytest.mark.parametrize("index", range(len(FIXTURES["cases"])))
 def test_greedy_tokens_equal_llama_cpp(gemma, index):
     case = FIXTURES["cases"][index]
-    result = kvjax.generate(_engine(gemma), [case["ids"]], max_new_tokens=len(case["greedy"]),
-                            key=jax.random.PRNGKey(0), sampling=kvjax.SamplingConfig(temperature=0.0))
+    result = kvjax.generate(
+        _engine(gemma),
+        [case["ids"]],
+        max_new_tokens=len(case["greedy"]),
+        key=jax.random.PRNGKey(0),
+        sampling=kvjax.SamplingConfig(temperature=0.0),
+    )
     got = [int(t) for t in result.tokens[0]]
     same = _agree(got, case)
     print(f"{len(case['ids'])} prompt tokens: {same} of {len(got)} greedy tokens equal to llama.cpp's")
@@ -97,10 +103,12 @@ def test_every_greedy_step_on_llama_cpps_path(gemma, index):
     case = FIXTURES["cases"][index]
     ids = case["ids"] + case["greedy"][:-1]
     logits = np.asarray(_engine(gemma).decode(ids, range(len(ids)), [[0]] * len(ids)))
-    picks = logits[len(case["ids"]) - 1:].argmax(-1).tolist()
+    picks = logits[len(case["ids"]) - 1 :].argmax(-1).tolist()
     off = [i for i, (a, b) in enumerate(zip(picks, case["greedy"])) if a != b]
-    print(f"{len(case['ids'])} prompt tokens: {len(picks) - len(off)} of {len(picks)} steps pick llama.cpp's token; "
-          f"others at margins {[round(case['margins'][i], 3) for i in off]}")
+    print(
+        f"{len(case['ids'])} prompt tokens: {len(picks) - len(off)} of {len(picks)} steps pick llama.cpp's token; "
+        f"others at margins {[round(case['margins'][i], 3) for i in off]}"
+    )
     assert all(case["margins"][i] < NEAR_TIE for i in off), (off, [case["margins"][i] for i in off])
 
 

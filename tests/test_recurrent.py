@@ -36,8 +36,9 @@ def fold(x, pos):
 
 
 def config(size=4, n_seq_max=4, n_states=1):
-    return kvjax.RecurrentConfig(size=size, n_seq_max=n_seq_max, n_layer=2, k_shape=(1,), v_shape=(2,),
-                                 n_states=n_states)
+    return kvjax.RecurrentConfig(
+        size=size, n_seq_max=n_seq_max, n_layer=2, k_shape=(1,), v_shape=(2,), n_states=n_states
+    )
 
 
 def compare(memory, ref, placement=None, inputs=None):
@@ -72,7 +73,7 @@ def simulated_step(memory, placement, ubatch, read_first=True):
         memory, ((k0, v0),) = memory.read_states(placement, n_slots, t)
     else:
         memory = memory.copy_rows(placement, n_slots)
-        k0, v0 = memory.slot_states(placement, n_slots)              # [L, S, 1], [L, S, 2]
+        k0, v0 = memory.slot_states(placement, n_slots)  # [L, S, 1], [L, S, 2]
     pos = jnp.asarray(ubatch.pos).reshape(n_slots, t)
     q = min(memory.config.n_states, t)
 
@@ -82,7 +83,7 @@ def simulated_step(memory, placement, ubatch, read_first=True):
         for j in range(t):
             x = fold(x, pos[None, :, j].reshape((1, -1) + (1,) * (x.ndim - 2)))
             states.append(x)
-        return jnp.stack(states[t - q:], axis=2)                      # [L, S, q, ...]
+        return jnp.stack(states[t - q :], axis=2)  # [L, S, q, ...]
 
     # the models pass their output as ``after`` (an ordering for XLA): it must change nothing
     return memory.write_states(placement, run(k0), run(v0), after=k0 if read_first else None)
@@ -121,13 +122,13 @@ def place(memory, ref, rows, slots, jitted=False, pad=0):
     assert np.sum(moving) <= moving_rows_bound(new.config, len(slots) + pad), (slots, np.flatnonzero(moving))
     assert len(set(np.flatnonzero(moving) // kk)) <= 2 * len(slots) - 1, slots  # the bound's argument
     others = set(np.flatnonzero(moving) // kk) - set(range(int(placement.head), int(placement.head) + len(slots)))
-    assert len(others) <= len(slots) - 1, (slots, others)            # the slots_rewritten bound's argument
+    assert len(others) <= len(slots) - 1, (slots, others)  # the slots_rewritten bound's argument
     inputs = ref.set_inputs()
     compare(new, ref, placement, inputs)
     rows = move_rows(rows, ref, inputs, [(list(p), list(s)) for p, s in slots], fold, 0.0)
     both = [simulated_step(new, placement, ub, read_first=r) for r in (True, False)]
     for a, b in zip(jax.tree.leaves(both[0]), jax.tree.leaves(both[1])):
-        np.testing.assert_array_equal(a, b)                          # read_states == copy_rows + slot_states
+        np.testing.assert_array_equal(a, b)  # read_states == copy_rows + slot_states
     new = both[0]
     check_states(new, ref, rows)
     return new, rows
@@ -142,8 +143,7 @@ def programs(draw, n_seq_max, size):
     """Operations: equal-split placements (continuing or restarting sequences) and sequence ops."""
     ops = []
     for _ in range(draw(st.integers(4, 14))):
-        kind = draw(st.sampled_from(["place"] * 5 + ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div",
-                                                     "clear"]))
+        kind = draw(st.sampled_from(["place"] * 5 + ["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear"]))
         if kind == "place":
             primaries = draw(st.lists(st.integers(0, n_seq_max - 1), min_size=1, max_size=min(3, size), unique=True))
             rest = [s for s in range(n_seq_max) if s not in primaries]
@@ -154,18 +154,27 @@ def programs(draw, n_seq_max, size):
                 slots.append((p, extra))
             ops.append(("place", slots, draw(st.integers(1, 3)), draw(st.integers(0, 9)) == 0))
         elif kind == "seq_rm":
-            ops.append(("seq_rm", draw(st.integers(-1, n_seq_max - 1)), draw(st.integers(-1, 9)),
-                        draw(st.integers(-1, 12))))
+            ops.append(
+                ("seq_rm", draw(st.integers(-1, n_seq_max - 1)), draw(st.integers(-1, 9)), draw(st.integers(-1, 12)))
+            )
         elif kind == "seq_cp":
             ops.append(("seq_cp", draw(st.integers(0, n_seq_max - 1)), draw(st.integers(0, n_seq_max - 1)), -1, -1))
         elif kind == "seq_keep":
             ops.append(("seq_keep", draw(st.integers(-1, n_seq_max - 1))))
         elif kind == "seq_add":
-            ops.append(("seq_add", draw(st.integers(-1, n_seq_max - 1)), draw(st.integers(-1, 6)), -1,
-                        draw(st.integers(-4, 4))))
+            ops.append(
+                (
+                    "seq_add",
+                    draw(st.integers(-1, n_seq_max - 1)),
+                    draw(st.integers(-1, 6)),
+                    -1,
+                    draw(st.integers(-4, 4)),
+                )
+            )
         elif kind == "seq_div":
-            ops.append(("seq_div", draw(st.integers(-1, n_seq_max - 1)), draw(st.integers(-1, 6)), -1,
-                        draw(st.integers(1, 3))))
+            ops.append(
+                ("seq_div", draw(st.integers(-1, n_seq_max - 1)), draw(st.integers(-1, 6)), -1, draw(st.integers(1, 3)))
+            )
         else:
             ops.append(("clear",))
     return ops
@@ -246,8 +255,8 @@ def test_the_seeds_lost_tail_case_swaps_tails_by_value():
     """The seed re-points only the swapped cells' own tails; a new sequence's reserved cell then
     names a cell that a third sequence's state moves into, which is overwritten. kvjax follows it."""
     memory, ref, rows = kvjax.init(config(4, 4)), RecurrentRef(4, 4), {}
-    memory, rows = place(memory, ref, rows, [([0], [2])])             # seq 2 in cell 0
-    memory, rows = place(memory, ref, rows, [([0], [1])])             # seq 1 in cell 1
+    memory, rows = place(memory, ref, rows, [([0], [2])])  # seq 2 in cell 0
+    memory, rows = place(memory, ref, rows, [([0], [1])])  # seq 1 in cell 1
     memory, ok = kvjax.seq_rm(memory, 2)
     assert ref.seq_rm(2, -1, -1) and bool(ok)
     # seq 3 is new (reserves an empty cell), seq 1 continues: the gather swaps the reserved cell
@@ -260,13 +269,13 @@ def test_rollback_restores_the_kept_state():
     memory, ref, rows = kvjax.init(config(2, 2, n_states=4)), RecurrentRef(2, 2, 4), {}
     memory, rows = place(memory, ref, rows, [(list(range(5)), [0])])
     after_2 = rows[ref.state_of(0, 2)]
-    memory, ok = kvjax.seq_rm(memory, 0, 3, -1)                      # drop positions 3 and 4
+    memory, ok = kvjax.seq_rm(memory, 0, 3, -1)  # drop positions 3 and 4
     assert bool(ok) and ref.seq_rm(0, 3, -1)
     compare(memory, ref)
     assert int(kvjax.seq_pos_max(memory, 0)) == 2
-    memory, rows = place(memory, ref, rows, [([3], [0])])           # continue from the state after 2
+    memory, rows = place(memory, ref, rows, [([3], [0])])  # continue from the state after 2
     assert rows[ref.state_of(0, 0)] == fold(after_2, 3)
-    memory, ok = kvjax.seq_rm(memory, 0, 1, -1)                      # deeper than what is kept: refused
+    memory, ok = kvjax.seq_rm(memory, 0, 1, -1)  # deeper than what is kept: refused
     assert not bool(ok) and not ref.seq_rm(0, 1, -1)
 
 
@@ -278,8 +287,20 @@ def test_a_placement_moves_a_bounded_number_of_rows(data, n_states, pad):
     run_program(data.draw(programs(6, 12)), 12, 6, n_states, jitted=False, pad=pad)
 
 
-@pytest.mark.parametrize("layers, rows, size", [(1, [2], 4), (1, [0, 3], 4), (3, [2], 4), (3, [1, 4, 0], 4),
-                                                (2, [4], 4), (2, [0], 1), (2, [1, 0], 1), (1, [1], 1), (2, [0, 1], 1)])
+@pytest.mark.parametrize(
+    "layers, rows, size",
+    [
+        (1, [2], 4),
+        (1, [0, 3], 4),
+        (3, [2], 4),
+        (3, [1, 4, 0], 4),
+        (2, [4], 4),
+        (2, [0], 1),
+        (2, [1, 0], 1),
+        (1, [1], 1),
+        (2, [0, 1], 1),
+    ],
+)
 def test_row_gather_and_scatter_are_per_layer_and_drop_out_of_range_rows(layers, rows, size):
     """``take_rows`` / ``set_rows`` index the buffer as ``[Lg * R, ...]``: row ``R`` (dropped)
     must not land in the next layer's row 0, nor a write in another layer; a one-row buffer
@@ -310,43 +331,51 @@ def test_a_rolled_back_cell_outside_the_ubatch_keeps_its_roll():
     """A cell in the placement's range that no slot uses moves whole and keeps its ``roll``;
     applying it there (the rule before) made the rows a placement moves unbounded."""
     memory, ref, rows = kvjax.init(config(4, 4, n_states=2)), RecurrentRef(4, 4, 2), {}
-    memory, rows = place(memory, ref, rows, [([0, 1], [s]) for s in range(4)])   # seq s in cell s
+    memory, rows = place(memory, ref, rows, [([0, 1], [s]) for s in range(4)])  # seq s in cell s
     memory, ok = kvjax.seq_rm(memory, 2, 1, -1)
     assert bool(ok) and ref.seq_rm(2, 1, -1) and int(memory.cells.roll[2]) == 1
     before = np.asarray(memory.k[0])[:, 4:6]
-    memory, rows = place(memory, ref, rows, [([2], [0]), ([2], [3])])            # cells 0..3, seq 3 to cell 1
+    memory, rows = place(memory, ref, rows, [([2], [0]), ([2], [3])])  # cells 0..3, seq 3 to cell 1
     assert int(memory.cells.roll[2]) == 1 and ref.cells[2].roll == 1
-    np.testing.assert_array_equal(np.asarray(memory.k[0])[:, 4:6], before)       # cell 2's rows untouched
-    memory, rows = place(memory, ref, rows, [([1], [2])])                        # seq 2 continues after 0
-    assert rows[ref.state_of(2, 0)] == fold(fold(0.0, 0), 1)                   # the state after 0, then 1
+    np.testing.assert_array_equal(np.asarray(memory.k[0])[:, 4:6], before)  # cell 2's rows untouched
+    memory, rows = place(memory, ref, rows, [([1], [2])])  # seq 2 continues after 0
+    assert rows[ref.state_of(2, 0)] == fold(fold(0.0, 0), 1)  # the state after 0, then 1
     assert float(np.asarray(memory.k[0])[0, ref.tail[2] * 2, 0]) == fold(fold(0.0, 0), 1)
 
 
 # -- bad input ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(size=0), r"size=0 is out of range"),
-    (dict(n_seq_max=0), r"n_seq_max=0 is out of range"),
-    (dict(n_layer=10**9), r"n_layer=1000000000 is out of range"),
-    (dict(k_shape=(0, 3)), r"k_shape=\(0, 3\) is out of range"),
-    (dict(v_shape=((2,), (3,))), r"v_shape has 2 shapes: allowed one shape, or one per layer \(n_layer=3\)"),
-    (dict(k_dtype="q8_0"), r"k_dtype='q8_0' is out of range"),
-    (dict(n_states=0), r"n_states=0 is out of range"),
-    (dict(k_shape=(2**20, 2**20)), r"k_shape=.* is out of range"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(size=0), r"size=0 is out of range"),
+        (dict(n_seq_max=0), r"n_seq_max=0 is out of range"),
+        (dict(n_layer=10**9), r"n_layer=1000000000 is out of range"),
+        (dict(k_shape=(0, 3)), r"k_shape=\(0, 3\) is out of range"),
+        (dict(v_shape=((2,), (3,))), r"v_shape has 2 shapes: allowed one shape, or one per layer \(n_layer=3\)"),
+        (dict(k_dtype="q8_0"), r"k_dtype='q8_0' is out of range"),
+        (dict(n_states=0), r"n_states=0 is out of range"),
+        (dict(k_shape=(2**20, 2**20)), r"k_shape=.* is out of range"),
+    ],
+)
 def test_bad_config_names_the_argument(kwargs, match):
     base = dict(size=2, n_seq_max=2, n_layer=3, k_shape=(2,), v_shape=(3,))
     with pytest.raises(ValueError, match=match):
         kvjax.RecurrentConfig(**{**base, **kwargs})
 
 
-@pytest.mark.parametrize("make_ubatch, match", [
-    (lambda: kvjax.make_ubatch([0, 1], [[0], [0]]), r"not an equal split"),
-    (lambda: kvjax.make_equal_ubatch([([0], [0]), ([0], [1]), ([0], [2]), ([0], [3]), ([0], [4])],
-                                     n_slots=8), r"5 sequences: allowed at most size=4"),
-    (lambda: kvjax.make_equal_ubatch([([0], [9])]), r"seq id 9 is out of range"),
-])
+@pytest.mark.parametrize(
+    "make_ubatch, match",
+    [
+        (lambda: kvjax.make_ubatch([0, 1], [[0], [0]]), r"not an equal split"),
+        (
+            lambda: kvjax.make_equal_ubatch([([0], [0]), ([0], [1]), ([0], [2]), ([0], [3]), ([0], [4])], n_slots=8),
+            r"5 sequences: allowed at most size=4",
+        ),
+        (lambda: kvjax.make_equal_ubatch([([0], [9])]), r"seq id 9 is out of range"),
+    ],
+)
 def test_bad_ubatch_raises_and_changes_nothing(make_ubatch, match):
     memory = kvjax.init(config(4, 8))
     memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([([0, 1], [0])]))
@@ -356,12 +385,15 @@ def test_bad_ubatch_raises_and_changes_nothing(make_ubatch, match):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(memory))))
 
 
-@pytest.mark.parametrize("slots, match", [
-    ([([0, 1], [0]), ([0], [1])], r"same positive count"),
-    ([([0], [0]), ([0], [0, 1])], r"seq id 0 is in two slots"),
-    ([], r"non-empty list"),
-    ([([0], [])], r"no seq ids"),
-])
+@pytest.mark.parametrize(
+    "slots, match",
+    [
+        ([([0, 1], [0]), ([0], [1])], r"same positive count"),
+        ([([0], [0]), ([0], [0, 1])], r"seq id 0 is in two slots"),
+        ([], r"non-empty list"),
+        ([([0], [])], r"no seq ids"),
+    ],
+)
 def test_make_equal_ubatch_refuses(slots, match):
     with pytest.raises(ValueError, match=match):
         kvjax.make_equal_ubatch(slots)
@@ -370,7 +402,7 @@ def test_make_equal_ubatch_refuses(slots, match):
 def test_traced_bad_ubatch_is_refused_with_an_error_bit():
     memory = kvjax.init(config(4, 4))
     ub = kvjax.make_equal_ubatch([([0], [0]), ([0], [1])])
-    bad = ub.replace(seq_ids=np.where(ub.seq_ids == 1, 0, ub.seq_ids))       # one id in two slots
+    bad = ub.replace(seq_ids=np.where(ub.seq_ids == 1, 0, ub.seq_ids))  # one id in two slots
     new, placement, ok = _FIND_SLOT(memory, bad)
     assert not bool(ok) and int(placement.n_seqs) == 0
     assert kvjax.errors(new) and int(kvjax.used_cells(new)) == 0
@@ -393,13 +425,35 @@ def test_lock_step_with_the_reference_long(data, size, n_states):
     run_program(data.draw(programs(5, size)), size, 5, n_states, jitted=False)
 
 
-@pytest.mark.parametrize("weird", [None, "3", 1.5, float("nan"), True, -1, 0, 2**63, [], [[0]], {}, object(),
-                                   b"\x00", [([0.5], [0])], [([0], [1.5])], [([-1], [0])], [([0], [-2])],
-                                   [([0], [0], [1])], [("a", [0])], np.array([1, 2])])
+@pytest.mark.parametrize(
+    "weird",
+    [
+        None,
+        "3",
+        1.5,
+        float("nan"),
+        True,
+        -1,
+        0,
+        2**63,
+        [],
+        [[0]],
+        {},
+        object(),
+        b"\x00",
+        [([0.5], [0])],
+        [([0], [1.5])],
+        [([-1], [0])],
+        [([0], [-2])],
+        [([0], [0], [1])],
+        [("a", [0])],
+        np.array([1, 2]),
+    ],
+)
 def test_make_equal_ubatch_gets_weird_values_and_raises_a_value_error(weird):
     with pytest.raises(ValueError):
         kvjax.make_equal_ubatch(weird)
-    if weird is not None:                                  # None is the default slot count
+    if weird is not None:  # None is the default slot count
         with pytest.raises(ValueError):
             kvjax.make_equal_ubatch([([0], [0])], n_slots=weird)
 

@@ -36,8 +36,9 @@ def model():
 
 
 def full(model, tokens):
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(nnx.graphdef(model), s).forward(t))(
-        nnx.state(model), jnp.asarray([tokens]))[0])
+    return np.asarray(
+        jax.jit(lambda s, t: nnx.merge(nnx.graphdef(model), s).forward(t))(nnx.state(model), jnp.asarray([tokens]))[0]
+    )
 
 
 def engine(model, n_seq=4, size=None, n_states=1, n_ubatch=16):
@@ -50,7 +51,7 @@ def test_token_by_token_equals_the_full_forward(model, n_seq):
     is the row: read as itself, replaced by a select)."""
     tokens = [3, 7, 1, 9, 12, 5, 30, 2, 8, 11]
     eng = engine(model, n_seq=n_seq)
-    got = [np.asarray(eng.decode(tokens[:5], range(5), [[0]] * 5))]          # a prefill (4 + 1)
+    got = [np.asarray(eng.decode(tokens[:5], range(5), [[0]] * 5))]  # a prefill (4 + 1)
     for p in range(5, len(tokens)):
         got.append(np.asarray(eng.decode([tokens[p]], [p], [[0]])))
     np.testing.assert_allclose(np.concatenate(got), full(model, tokens), atol=ATOL)
@@ -67,7 +68,7 @@ def test_sequences_together_equal_each_alone(model):
     logits = np.asarray(eng.decode(toks, pos, ids))
     off = 0
     for p in prompts:
-        np.testing.assert_allclose(logits[off:off + len(p)], full(model, p), atol=ATOL)
+        np.testing.assert_allclose(logits[off : off + len(p)], full(model, p), atol=ATOL)
         off += len(p)
     nxt = np.asarray(eng.decode([5, 6, 7], [len(p) for p in prompts], [[0], [1], [2]]))
     for s, p in enumerate(prompts):
@@ -79,8 +80,8 @@ def test_a_fork_continues_as_the_original(model):
     eng = engine(model)
     eng.decode(prompt, range(6), [[0]] * 6)
     eng.cache = kvjax.seq_cp(eng.cache, 0, 1)
-    assert int(kvjax.used_cells(eng.cache)) == 1                                  # shared, no bytes copied
-    out = np.asarray(eng.decode([11, 12], [6, 6], [[0], [1]]))                  # copy-on-write here
+    assert int(kvjax.used_cells(eng.cache)) == 1  # shared, no bytes copied
+    out = np.asarray(eng.decode([11, 12], [6, 6], [[0], [1]]))  # copy-on-write here
     assert int(kvjax.used_cells(eng.cache)) == 2
     np.testing.assert_allclose(out[0], full(model, prompt + [11])[-1], atol=ATOL)
     np.testing.assert_allclose(out[1], full(model, prompt + [12])[-1], atol=ATOL)
@@ -94,12 +95,12 @@ def test_rollback_equals_never_decoding(model):
     eng.decode(prompt, range(6), [[0]] * 6)
     eng.decode([1], [6], [[0]])
     eng.decode([2], [7], [[0]])
-    eng.rollback(0, 6)                                                        # drop positions 6 and 7
+    eng.rollback(0, 6)  # drop positions 6 and 7
     assert int(kvjax.seq_pos_max(eng.cache, 0)) == 5
     out = np.asarray(eng.decode([3], [6], [[0]]))
     np.testing.assert_allclose(out[0], full(model, prompt + [3])[-1], atol=ATOL)
     with pytest.raises(ValueError, match="refused to remove positions >= 1"):
-        eng.rollback(0, 1)                                                    # deeper than the kept states
+        eng.rollback(0, 1)  # deeper than the kept states
     assert int(kvjax.seq_pos_max(eng.cache, 0)) == 6
 
 
@@ -110,17 +111,29 @@ def test_generate_equals_uncached_greedy_with_a_shared_prefix(model):
         seq = list(p)
         for _ in range(6):
             seq.append(int(np.argmax(full(model, seq)[-1])))
-        assert got == seq[len(p):]
+        assert got == seq[len(p) :]
 
 
 def test_parallel_sampling_and_stop_tokens(model):
     eng = engine(model)
-    out = kvjax.generate(eng, [[3, 1, 4, 1, 5]], n_parallel=3, max_new_tokens=5, key=jax.random.PRNGKey(1),
-                         sampling=kvjax.SamplingConfig(temperature=1.0))
+    out = kvjax.generate(
+        eng,
+        [[3, 1, 4, 1, 5]],
+        n_parallel=3,
+        max_new_tokens=5,
+        key=jax.random.PRNGKey(1),
+        sampling=kvjax.SamplingConfig(temperature=1.0),
+    )
     assert [len(t) for t in out.tokens] == [5, 5, 5]
     first = out.tokens[0][0]
-    out = kvjax.generate(engine(model), [[3, 1, 4, 1, 5]], max_new_tokens=5, key=jax.random.PRNGKey(1),
-                         sampling=GREEDY, stop_tokens=[int(np.argmax(full(model, [3, 1, 4, 1, 5])[-1]))])
+    out = kvjax.generate(
+        engine(model),
+        [[3, 1, 4, 1, 5]],
+        max_new_tokens=5,
+        key=jax.random.PRNGKey(1),
+        sampling=GREEDY,
+        stop_tokens=[int(np.argmax(full(model, [3, 1, 4, 1, 5])[-1]))],
+    )
     assert len(out.tokens[0]) == 1
     del first
 
@@ -130,10 +143,10 @@ def test_cache_full_changes_nothing(model):
     eng.decode([1, 2], [0, 0], [[0], [1]])
     before = jax.device_get(eng.cache)
     with pytest.raises(kvjax.CacheFullError):
-        eng.decode([3], [0], [[2]])                                           # a third state: no cell
+        eng.decode([3], [0], [[2]])  # a third state: no cell
     after = jax.device_get(eng.cache)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-    out = np.asarray(eng.decode([3, 4], [1, 1], [[0], [1]]))                  # the next fitting batch works
+    out = np.asarray(eng.decode([3, 4], [1, 1], [[0], [1]]))  # the next fitting batch works
     np.testing.assert_allclose(out[0], full(model, [1, 3])[-1], atol=ATOL)
 
 
@@ -142,7 +155,7 @@ def test_what_cannot_be_done_is_refused_up_front(model):
     eng.decode([1, 2, 3, 4], range(4), [[0]] * 4)
     with pytest.raises(ValueError, match="context shift is not possible"):
         eng.context_shift(0, 1, 2)
-    memory, ok = kvjax.seq_rm(eng.cache, 0, 1, 3)                             # the middle of a state
+    memory, ok = kvjax.seq_rm(eng.cache, 0, 1, 3)  # the middle of a state
     assert not bool(ok)
     with pytest.raises(ValueError, match="cannot do"):
         kvjax.generate(engine(model), [[1, 2]], max_new_tokens=20, n_ctx=8, key=jax.random.PRNGKey(0))
@@ -182,9 +195,9 @@ def test_the_step_compiles_once_per_shape(model):
     # a token outside the vocabulary fails the step and changes nothing a sequence reads
     before = jax.device_get(memory)
     ub = kvjax.make_equal_ubatch([([4], [0]), ([4], [1])])
-    with pytest.raises(ValueError, match=r"tokens contains 99"):     # host ids: named before anything runs
+    with pytest.raises(ValueError, match=r"tokens contains 99"):  # host ids: named before anything runs
         step(state, memory, ub, np.array([1, 99]), windows=())
-    _, after, ok = step(state, memory, ub, jnp.array([1, 99]), windows=())   # device ids: an error bit
+    _, after, ok = step(state, memory, ub, jnp.array([1, 99]), windows=())  # device ids: an error bit
     assert not bool(ok) and int(after.error_bits()) == kvjax.ErrorFlag.TOKEN
     after = after.clear_errors()
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(after))))
@@ -205,8 +218,9 @@ def test_a_step_updates_the_state_buffers_in_place(model, kind, n_states, n_seq)
     from kvjax.nn import HybridLM, HybridLMConfig
 
     if kind == "hybrid":
-        cfg = HybridLMConfig(vocab_size=40, d_model=16, n_layer=4, recurrent_layers=(0, 2), n_heads=2,
-                             n_kv_heads=1, d_state=4)
+        cfg = HybridLMConfig(
+            vocab_size=40, d_model=16, n_layer=4, recurrent_layers=(0, 2), n_heads=2, n_kv_heads=1, d_state=4
+        )
         model = HybridLM(cfg, rngs=nnx.Rngs(2))
         memory = kvjax.init(cfg.memory_config(size=64, n_seq_max=4, n_states=n_states, padding=16))
         windows = (16,)
@@ -214,8 +228,15 @@ def test_a_step_updates_the_state_buffers_in_place(model, kind, n_states, n_seq)
         memory = kvjax.init(CFG.memory_config(4, n_states=n_states))
         windows = ()
     ubatch = kvjax.make_equal_ubatch([([0], [s]) for s in range(n_seq)], n_slots=n_seq)
-    writes = buffer_writes(make_step(model), model, memory, ubatch, jnp.arange(1, n_seq + 1, dtype=jnp.int32),
-                           windows=windows, of=memory.recurrent if kind == "hybrid" else memory)
+    writes = buffer_writes(
+        make_step(model),
+        model,
+        memory,
+        ubatch,
+        jnp.arange(1, n_seq + 1, dtype=jnp.int32),
+        windows=windows,
+        of=memory.recurrent if kind == "hybrid" else memory,
+    )
     assert not writes["copy"], writes["copy"][:3]
     # one sequence's new states were written by a dynamic-update-slice fusion that XLA:CPU filled with
     # the whole state update, run slowly: a third of the step
@@ -238,8 +259,9 @@ def test_engine_logits_equal_hugging_face():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hc = transformers.MambaConfig(vocab_size=48, hidden_size=16, state_size=4, num_hidden_layers=2,
-                                  conv_kernel=4, expand=2)
+    hc = transformers.MambaConfig(
+        vocab_size=48, hidden_size=16, state_size=4, num_hidden_layers=2, conv_kernel=4, expand=2
+    )
     hf = transformers.MambaForCausalLM(hc).eval()
     with torch.no_grad():
         for _, p in hf.named_parameters():

@@ -77,12 +77,12 @@ def cells(ref):
 
 
 def test_seq_rm_refuses_cuts_inside_a_state():
-    ref = make(4, [(2, [0]), None, None, None])       # seq 0: one state, positions 0..2
+    ref = make(4, [(2, [0]), None, None, None])  # seq 0: one state, positions 0..2
     before = snapshot(ref)
     for p0, p1 in [(1, -1), (2, 3), (0, 2), (1, 2), (5, 1), (2, -1)]:
-        assert ref.seq_rm(0, p0, p1) is False, (p0, p1)   # p0 in (0, 2] or p1 in (0, 2]
+        assert ref.seq_rm(0, p0, p1) is False, (p0, p1)  # p0 in (0, 2] or p1 in (0, 2]
         assert snapshot(ref) == before
-    assert ref.seq_rm(4, -1, -1) is False                   # seq id >= n_seq_max
+    assert ref.seq_rm(4, -1, -1) is False  # seq id >= n_seq_max
     # negative seq id: everything or nothing
     for p0, p1 in [(0, 5), (1, -1), (-1, 3)]:
         assert ref.seq_rm(-1, p0, p1) is False, (p0, p1)
@@ -92,24 +92,24 @@ def test_seq_rm_refuses_cuts_inside_a_state():
 def test_seq_rm_accepts_ranges_missing_or_covering_the_state():
     ref = make(4, [(2, [0]), (1, [1]), None, None], head=3)
     before = snapshot(ref)
-    assert ref.seq_rm(0, 3, -1) and snapshot(ref) == before      # after the state
-    assert ref.seq_rm(0, 0, 0) and snapshot(ref) == before       # empty range
-    assert ref.seq_rm(2, 1, -1) and snapshot(ref) == before      # seq 2 has no state
-    assert ref.seq_rm(-1, 3, 3) and snapshot(ref) == before      # empty range, all sequences
-    assert ref.seq_rm(0, 0, 3)                                    # exactly the whole state
+    assert ref.seq_rm(0, 3, -1) and snapshot(ref) == before  # after the state
+    assert ref.seq_rm(0, 0, 0) and snapshot(ref) == before  # empty range
+    assert ref.seq_rm(2, 1, -1) and snapshot(ref) == before  # seq 2 has no state
+    assert ref.seq_rm(-1, 3, 3) and snapshot(ref) == before  # empty range, all sequences
+    assert ref.seq_rm(0, 0, 3)  # exactly the whole state
     assert cells(ref)[:2] == [(-1, []), (1, [1])]
-    assert ref.tail[:2] == [-1, 1] and ref.used == 1 and ref.head == 0   # freed 0 < head 3
-    assert ref.seq_rm(-1, -1, -1)                                 # everything, tails too
+    assert ref.tail[:2] == [-1, 1] and ref.used == 1 and ref.head == 0  # freed 0 < head 3
+    assert ref.seq_rm(-1, -1, -1)  # everything, tails too
     assert ref.tail == [-1] * 4 and ref.used == 0
     ref.check_invariants()
 
 
 def test_seq_rm_of_a_shared_state_keeps_it_for_the_others():
     ref = make(4, [(4, [0, 1]), None, None, None], head=2)
-    assert not ref.seq_rm(1, 2, -1)                               # a cut, shared or not
+    assert not ref.seq_rm(1, 2, -1)  # a cut, shared or not
     assert ref.seq_rm(1, -1, -1)
     assert cells(ref)[0] == (4, [0]) and ref.tail[:2] == [0, -1]
-    assert ref.used == 1 and ref.head == 2                        # nothing freed
+    assert ref.used == 1 and ref.head == 2  # nothing freed
     ref.check_invariants()
 
 
@@ -119,9 +119,9 @@ def test_seq_rm_of_a_shared_state_keeps_it_for_the_others():
 def test_seq_cp_then_divergent_decode_copies_on_write():
     ref = RecurrentRef(4, 4)
     rows, inputs = run(ref, {}, [([0, 1, 2], [0])])
-    assert inputs == ([0], [0], [0.0])                            # new: zeroed, read from itself
+    assert inputs == ([0], [0], [0.0])  # new: zeroed, read from itself
     ref.seq_cp(0, 1, -1, -1)
-    ref.seq_cp(0, 2, 5, 9)                                        # the range is ignored
+    ref.seq_cp(0, 2, 5, 9)  # the range is ignored
     assert cells(ref)[0] == (2, [0, 1, 2]) and ref.tail[:3] == [0, 0, 0]
     assert (ref.n_tokens(), ref.used_cells()) == (3, 1)
     # three sequences decode position 3 from the shared state. From head 0 the next empty
@@ -144,11 +144,11 @@ def test_seq_cp_then_divergent_decode_copies_on_write():
 
 def test_seq_cp_drops_the_destination_state():
     ref = make(4, [(3, [0]), (7, [1]), (5, [2]), None])
-    ref.seq_cp(0, 1, -1, -1)                                      # seq 1's cell 1 is freed
+    ref.seq_cp(0, 1, -1, -1)  # seq 1's cell 1 is freed
     assert cells(ref)[:3] == [(3, [0, 1]), (-1, []), (5, [2])] and ref.used == 2
-    ref.seq_cp(3, 2, -1, -1)                                      # seq 3 has no state: 2 loses its
+    ref.seq_cp(3, 2, -1, -1)  # seq 3 has no state: 2 loses its
     assert ref.tail == [0, 0, -1, -1] and ref.used == 1
-    ref.seq_cp(1, 0, -1, -1)                                      # already shared: unchanged
+    ref.seq_cp(1, 0, -1, -1)  # already shared: unchanged
     assert cells(ref)[0] == (3, [0, 1])
     ref.seq_cp(0, 0, -1, -1)
     ref.check_invariants()
@@ -183,7 +183,7 @@ def test_tails_are_swapped_by_value():
 def test_secondary_seq_ids_join_the_primary_state():
     ref = make(4, [(4, [0]), (2, [1]), None, None], head=1)
     rows = rows_of(ref)
-    rows, inputs = run(ref, rows, [([5], [0, 1])])              # seq 1's own state is dropped
+    rows, inputs = run(ref, rows, [([5], [0, 1])])  # seq 1's own state is dropped
     assert cells(ref)[:2] == [(5, [0, 1]), (-1, [])] and ref.tail[:2] == [0, 0]
     assert inputs == ([0], [0], [1.0]) and (ref.head, ref.n, ref.used) == (0, 1, 1)
     assert ref.warnings == []
@@ -213,7 +213,7 @@ def test_empty_cell_swapped_into_the_range_keeps_no_source():
     # slot 1 -> cell 1 swaps the empty cell 1 with seq 1's cell 2: n = 3 covers the empty cell
     rows, inputs = run(ref, rows, [([4], [0]), ([6], [1])])
     assert inputs == ([0, 2, 2], [0, 0, 0], [1.0, 1.0, 0.0])
-    assert ref.cells[2].src == -1          # the seed points it at itself (src = 2) ...
+    assert ref.cells[2].src == -1  # the seed points it at itself (src = 2) ...
     # ... and a new sequence given cell 2 would read the stale row 2 (mask 1) instead of zeros
     rows, inputs = run(ref, rows, [([0], [2])])
     assert ref.tail[2] == 2 and inputs == ([2], [0], [0.0]) and rows[(2, 0)] == (0,)
@@ -222,15 +222,15 @@ def test_empty_cell_swapped_into_the_range_keeps_no_source():
 def test_failed_find_slot_changes_nothing():
     ref = make(2, [(3, [0]), (1, [1])], n_seq_max=3, head=1)
     before = snapshot(ref)
-    assert not ref.find_slot([([4], [0]), ([0], [2])])      # seq 2 needs a cell: none is empty
+    assert not ref.find_slot([([4], [0]), ([0], [2])])  # seq 2 needs a cell: none is empty
     assert snapshot(ref) == before
-    assert not ref.find_slot([([4], [0, 3])])               # seq id 3 >= n_seq_max
+    assert not ref.find_slot([([4], [0, 3])])  # seq id 3 >= n_seq_max
     assert snapshot(ref) == before
     # a shared state needs a cell for the copy too
     shared = make(1, [(3, [0, 1])], n_seq_max=2)
     before = snapshot(shared)
     assert not shared.find_slot([([4], [0])]) and snapshot(shared) == before
-    assert shared.find_slot([([4], [0, 1])])                # both advance together: no copy
+    assert shared.find_slot([([4], [0, 1])])  # both advance together: no copy
 
 
 # -- sequence operations on positions -----------------------------------------------------------
@@ -238,32 +238,32 @@ def test_failed_find_slot_changes_nothing():
 
 def test_seq_add_div_keep_and_queries():
     ref = make(4, [(5, [0]), (3, [1, 2]), (7, [3]), None], head=3)
-    ref.seq_add(1, 0, 4, 10)                  # the shared cell moves for seq 2 as well
+    ref.seq_add(1, 0, 4, 10)  # the shared cell moves for seq 2 as well
     assert cells(ref)[1] == (13, [1, 2]) and ref.seq_pos_max(2) == 13
-    ref.seq_add(0, 6, -1, 3)                  # 5 is not in [6, inf)
-    ref.seq_add(0, 4, 4, 3)                   # empty range
-    ref.seq_add(0, 0, -1, 0)                  # delta 0
+    ref.seq_add(0, 6, -1, 3)  # 5 is not in [6, inf)
+    ref.seq_add(0, 4, 4, 3)  # empty range
+    ref.seq_add(0, 0, -1, 0)  # delta 0
     assert ref.cells[0].pos == 5
-    ref.seq_add(-1, 0, 10, 2)                 # kvjax -1: cells at 5 and 7, not 13
+    ref.seq_add(-1, 0, 10, 2)  # kvjax -1: cells at 5 and 7, not 13
     assert [c.pos for c in ref.cells] == [7, 13, 9, -1]
-    ref.seq_div(3, 0, -1, 2)                  # 9 -> 4
-    ref.seq_div(0, 8, -1, 2)                  # 7 not in range
+    ref.seq_div(3, 0, -1, 2)  # 9 -> 4
+    ref.seq_div(0, 8, -1, 2)  # 7 not in range
     assert [c.pos for c in ref.cells] == [7, 13, 4, -1]
     assert [ref.seq_pos_min(s) for s in (-1, 0, 1, 3)] == [4, 7, 13, 4]
     assert [ref.seq_pos_max(s) for s in (-1, 0, 1, 3)] == [13, 7, 13, 4]
     assert (ref.pos_max(), ref.n_tokens(), ref.cell_max(), ref.can_shift()) == (13, 4, 3, False)
     before = snapshot(ref)
-    ref.seq_add(0, -1, -1, -8)                # 7 - 8 < 0: kvjax refuses, the state is kept
-    ref.seq_add(-1, -1, -1, -5)               # one of the states (4) would go below 0: nothing moves
+    ref.seq_add(0, -1, -1, -8)  # 7 - 8 < 0: kvjax refuses, the state is kept
+    ref.seq_add(-1, -1, -1, -5)  # one of the states (4) would go below 0: nothing moves
     assert snapshot(ref) == before
-    ref.seq_rm(0, -1, -1)                     # what the old test freed by the shift, removed for real
+    ref.seq_rm(0, -1, -1)  # what the old test freed by the shift, removed for real
     assert cells(ref)[0] == (-1, []) and ref.tail[0] == -1 and ref.head == 0 and ref.used == 2
     ref.head = 3
-    ref.seq_keep(-1)                          # kvjax: keeps everything
+    ref.seq_keep(-1)  # kvjax: keeps everything
     assert ref.used == 2 and ref.head == 3
-    ref.seq_keep(1)                           # seq 2 loses its share of cell 1, seq 3 its cell
+    ref.seq_keep(1)  # seq 2 loses its share of cell 1, seq 3 its cell
     assert cells(ref)[:3] == [(-1, []), (13, [1]), (-1, [])] and ref.tail == [-1, 1, -1, -1]
-    assert ref.used == 1 and ref.head == 0    # first cell without seq 1
+    assert ref.used == 1 and ref.head == 0  # first cell without seq 1
     ref.check_invariants()
     ref.clear()
     assert ref.used == 0 and ref.tail == [-1] * 4
@@ -278,20 +278,20 @@ def test_rollback_into_the_kept_states():
     # states after 4, 3, 2 are kept in rows 0, 1, 2 of cell 0
     assert (ref.cells[0].pos, ref.cells[0].hist) == (4, 3)
     assert [rows[(0, j)] for j in range(3)] == [(0, 1, 2, 3, 4), (0, 1, 2, 3), (0, 1, 2)]
-    assert not ref.seq_rm(0, 2, -1)           # needs the state after 1: j = 3 is not kept
-    assert not ref.seq_rm(0, 4, 4)            # p1 = 4 <= pos: not a rollback, refused
-    assert ref.seq_rm(0, 4, -1)               # j = 1: the state after 3 covers positions < 4
+    assert not ref.seq_rm(0, 2, -1)  # needs the state after 1: j = 3 is not kept
+    assert not ref.seq_rm(0, 4, 4)  # p1 = 4 <= pos: not a rollback, refused
+    assert ref.seq_rm(0, 4, -1)  # j = 1: the state after 3 covers positions < 4
     assert (ref.cells[0].pos, ref.cells[0].roll, ref.cells[0].hist) == (3, 1, 2)
     assert rows[ref.state_of(0)] == (0, 1, 2, 3)
-    assert ref.seq_rm(0, 3, 10)               # a finite end past pos is a rollback too
+    assert ref.seq_rm(0, 3, 10)  # a finite end past pos is a rollback too
     assert (ref.cells[0].pos, ref.cells[0].roll, ref.cells[0].hist) == (2, 2, 1)
-    assert not ref.seq_rm(0, 2, -1)           # nothing older is kept
+    assert not ref.seq_rm(0, 2, -1)  # nothing older is kept
     assert ref.seq_pos_max(0) == 2
     # decoding 3 reads row 2, writes the new state to row 0 and carries the old one to row 1
     rows, inputs = run(ref, rows, [([3], [0])])
     assert inputs == ([0], [2], [1.0])
     assert (ref.cells[0].hist, rows[(0, 0)], rows[(0, 1)]) == (2, (0, 1, 2, 3), (0, 1, 2))
-    assert (0, 2) not in rows                 # past hist: never read
+    assert (0, 2) not in rows  # past hist: never read
 
 
 def test_rollback_of_a_shared_state_refused_until_copy_on_write():
@@ -304,9 +304,8 @@ def test_rollback_of_a_shared_state_refused_until_copy_on_write():
     # seq 1 decodes: copy-on-write into cell 1 takes the history along (hist 3 -> min(3, 4))
     rows, inputs = run(ref, rows, [([4], [1])])
     assert inputs == ([0], [0], [1.0]) and ref.tail == [0, 1]
-    assert [rows[ref.state_of(1, j)] for j in range(3)] == [
-        (0, 1, 2, 3, 4), (0, 1, 2, 3), (0, 1, 2)]
-    assert ref.seq_rm(1, 3, -1)               # j = 2 < 3
+    assert [rows[ref.state_of(1, j)] for j in range(3)] == [(0, 1, 2, 3, 4), (0, 1, 2, 3), (0, 1, 2)]
+    assert ref.seq_rm(1, 3, -1)  # j = 2 < 3
     assert rows[ref.state_of(1)] == (0, 1, 2) and rows[ref.state_of(0)] == (0, 1, 2, 3)
     # a rolled-back state shared by seq_cp is read from its row by both copies
     ref.seq_cp(1, 0, -1, -1)
@@ -323,13 +322,13 @@ def test_one_state_is_the_seed():
 def test_div_keeps_only_the_current_state_and_jumps_restart_history():
     ref = RecurrentRef(2, 2, n_states=3)
     rows, _ = run(ref, {}, [([0, 1, 2, 3], [0])])
-    ref.seq_add(0, -1, -1, 4)                 # kept states move along: 7, 6, 5
+    ref.seq_add(0, -1, -1, 4)  # kept states move along: 7, 6, 5
     assert ref.seq_rm(0, 7, -1) and ref.cells[0].pos == 6
-    ref.seq_div(0, -1, -1, 2)                 # 6 -> 3: older states are not at 2, 1
+    ref.seq_div(0, -1, -1, 2)  # 6 -> 3: older states are not at 2, 1
     assert ref.cells[0].hist == 1 and not ref.seq_rm(0, 3, -1)
     ref2 = RecurrentRef(2, 2, n_states=3)
     rows, _ = run(ref2, {}, [([0, 1], [0])])
-    assert ref2.find_slot([([5, 6], [0])])    # not 2, 3: the seed warns, history restarts
+    assert ref2.find_slot([([5, 6], [0])])  # not 2, 3: the seed warns, history restarts
     assert ref2.warnings == [(0, 6, 1)] and ref2.cells[0].hist == 2
 
 
@@ -354,8 +353,8 @@ def test_invariants_and_rows_over_a_mixed_run(k):
             p0 = nxt[b] - 1 - step % 2
             t = ref.tail[b]
             if t < 0 or p0 <= 0 or p0 > ref.cells[t].pos:
-                expect = True                 # nothing, or the whole state, is removed
-            else:                             # a rollback: kept and not shared
+                expect = True  # nothing, or the whole state, is removed
+            else:  # a rollback: kept and not shared
                 cell = ref.cells[t]
                 expect = k > 1 and cell.pos - p0 + 1 < cell.hist and len(cell.seqs) == 1
             assert ref.seq_rm(b, p0, -1) == expect
@@ -368,8 +367,16 @@ def test_invariants_and_rows_over_a_mixed_run(k):
 
 def test_state_layout_names_every_field():
     text = state_layout()
-    for field in ("u32 cell_count", "i32 pos", "u32 n_seq_id", "u32 v_trans", "u32 n_layer",
-                  "u64 k row size", "src = its own index", "roll = 0, hist = 1"):
+    for field in (
+        "u32 cell_count",
+        "i32 pos",
+        "u32 n_seq_id",
+        "u32 v_trans",
+        "u32 n_layer",
+        "u64 k row size",
+        "src = its own index",
+        "roll = 0, hist = 1",
+    ):
         assert field in text, field
 
 

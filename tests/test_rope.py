@@ -13,8 +13,20 @@ import kvjax
 from tests.helpers import no_recompile
 
 
-def ref_rope(x, pos, n_rot, mode="normal", freq_base=10000.0, freq_scale=1.0, ext_factor=0.0,
-             attn_factor=1.0, beta_fast=32.0, beta_slow=1.0, n_ctx_orig=0, freq_factors=None):
+def ref_rope(
+    x,
+    pos,
+    n_rot,
+    mode="normal",
+    freq_base=10000.0,
+    freq_scale=1.0,
+    ext_factor=0.0,
+    attn_factor=1.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    n_ctx_orig=0,
+    freq_factors=None,
+):
     """ggml's rope_f32 written out: per pair, theta = pos * theta_scale^i (/ factor), YaRN blend.
 
     x: float64 [T, H, D]; pos: int [T].
@@ -23,8 +35,10 @@ def ref_rope(x, pos, n_rot, mode="normal", freq_base=10000.0, freq_scale=1.0, ex
     out = x.copy()
     theta_scale = freq_base ** (-2.0 / n_rot)
     if ext_factor != 0:
+
         def corr_dim(beta):
             return n_rot * math.log(n_ctx_orig / (beta * 2 * math.pi)) / (2 * math.log(freq_base))
+
         lo = max(0.0, math.floor(corr_dim(beta_fast)))
         hi = min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
     for t, p in enumerate(pos):
@@ -51,12 +65,28 @@ def ref_rope(x, pos, n_rot, mode="normal", freq_base=10000.0, freq_scale=1.0, ex
 CASES = [
     dict(n_rot=16, mode="normal"),
     dict(n_rot=16, mode="neox"),
-    dict(n_rot=10, mode="normal", freq_base=500000.0),             # partial rotation (D = 16)
-    dict(n_rot=8, mode="neox", freq_scale=0.25),                   # partial, linear scaling
-    dict(n_rot=16, mode="neox", freq_scale=0.125, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=512,
-         beta_fast=32.0, beta_slow=1.0),                           # YaRN
-    dict(n_rot=12, mode="normal", freq_scale=0.5, ext_factor=0.5, attn_factor=0.9, n_ctx_orig=256,
-         beta_fast=16.0, beta_slow=2.0),                           # YaRN, partial, mixed ramp
+    dict(n_rot=10, mode="normal", freq_base=500000.0),  # partial rotation (D = 16)
+    dict(n_rot=8, mode="neox", freq_scale=0.25),  # partial, linear scaling
+    dict(
+        n_rot=16,
+        mode="neox",
+        freq_scale=0.125,
+        ext_factor=1.0,
+        attn_factor=1.0,
+        n_ctx_orig=512,
+        beta_fast=32.0,
+        beta_slow=1.0,
+    ),  # YaRN
+    dict(
+        n_rot=12,
+        mode="normal",
+        freq_scale=0.5,
+        ext_factor=0.5,
+        attn_factor=0.9,
+        n_ctx_orig=256,
+        beta_fast=16.0,
+        beta_slow=2.0,
+    ),  # YaRN, partial, mixed ramp
     dict(n_rot=16, mode="normal", freq_factors=tuple(1.0 + 0.5 * i for i in range(8))),
 ]
 
@@ -76,7 +106,7 @@ def test_rope_matches_ggml_formula(case):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-3)
     np.testing.assert_allclose(got[:4], expected[:4], rtol=0, atol=2e-5)
     # the dims past n_rot pass through bit for bit
-    np.testing.assert_array_equal(got[..., case["n_rot"]:], x[..., case["n_rot"]:])
+    np.testing.assert_array_equal(got[..., case["n_rot"] :], x[..., case["n_rot"] :])
 
 
 def _unit_magnitude(case):
@@ -108,8 +138,9 @@ def test_leading_axes_and_broadcast_positions():
     per_row = jnp.array([[0, 1, 2, 3], [10, 11, 12, 13]], jnp.int32)
     got = kvjax.rope(x, per_row, cfg)
     for bi in range(2):
-        np.testing.assert_allclose(np.asarray(got[bi]), np.asarray(kvjax.rope(x[bi], per_row[bi], cfg)),
-                                   rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got[bi]), np.asarray(kvjax.rope(x[bi], per_row[bi], cfg)), rtol=0, atol=1e-6
+        )
     shared = kvjax.rope(x, per_row[0], cfg)  # pos [T] broadcast over B
     np.testing.assert_allclose(np.asarray(shared[1]), np.asarray(kvjax.rope(x[1], per_row[0], cfg)), atol=1e-6)
 
@@ -120,8 +151,9 @@ def test_dtype_kept_and_float16_close():
     pos = np.array([0, 5, 50, 500], np.int32)
     got = kvjax.rope(jnp.asarray(x, jnp.float16), jnp.asarray(pos), cfg)
     assert got.dtype == jnp.float16
-    np.testing.assert_allclose(np.asarray(got, np.float64), ref_rope(x.astype(np.float16), pos, 16),
-                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), ref_rope(x.astype(np.float16), pos, 16), rtol=2e-3, atol=2e-3
+    )
 
 
 def test_rope_jitted_and_no_recompile():
@@ -153,8 +185,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="freq_base"):
         kvjax.RopeConfig(n_rot=4, freq_base=-1.0)
     with pytest.raises(ValueError, match=r"rope.n_rot=32 is out of range"):
-        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=16,
-                          rope=kvjax.RopeConfig(n_rot=32))
+        kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=16, rope=kvjax.RopeConfig(n_rot=32))
     x = jnp.zeros((2, 1, 8))
     with pytest.raises(ValueError, match="n_rot=16 is out of range: allowed an even number <= the head size D=8"):
         kvjax.rope(x, jnp.array([0, 1]), kvjax.RopeConfig(n_rot=16))

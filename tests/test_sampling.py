@@ -39,11 +39,14 @@ def test_same_key_same_tokens_and_temperature_sharpens():
     assert float(jax.nn.softmax(cold)[0, 1]) > 0.95
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-1), r"temperature=-1 is out of range: allowed 0 \(greedy\) or >= 1e-06"),
-    (dict(top_k=-2), r"top_k=-2 is out of range"),
-    (dict(top_p=0), r"top_p=0 is out of range: allowed \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-1), r"temperature=-1 is out of range: allowed 0 \(greedy\) or >= 1e-06"),
+        (dict(top_k=-2), r"top_k=-2 is out of range"),
+        (dict(top_p=0), r"top_p=0 is out of range: allowed \(0, 1\]"),
+    ],
+)
 def test_bad_configs(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
@@ -61,8 +64,13 @@ def test_numpy_and_jax_scalars_are_numbers():
     assert cfg == SamplingConfig(temperature=0.5, top_k=5, top_p=0.5)
     assert hash(cfg) == hash(SamplingConfig(temperature=0.5, top_k=5, top_p=0.5))
     assert type(cfg.top_k) is int and type(cfg.temperature) is float
-    for bad, match in ((dict(top_k=2.5), "top_k=2.5 is out of range"), (dict(top_k="5"), "top_k='5'"),
-                       (dict(top_k=np.bool_(True)), "top_k=.*True"), (dict(temperature="hot"), "temperature='hot'"),
-                       (dict(temperature=np.float32("nan")), "temperature=.*nan"), (dict(top_p=True), "top_p=True")):
+    for bad, match in (
+        (dict(top_k=2.5), "top_k=2.5 is out of range"),
+        (dict(top_k="5"), "top_k='5'"),
+        (dict(top_k=np.bool_(True)), "top_k=.*True"),
+        (dict(temperature="hot"), "temperature='hot'"),
+        (dict(temperature=np.float32("nan")), "temperature=.*nan"),
+        (dict(top_p=True), "top_p=True"),
+    ):
         with pytest.raises(ValueError, match=match):
             SamplingConfig(**bad)

@@ -132,7 +132,9 @@ def test_corrupt_files(tmp_path):
     bad = bytearray(good)
     bad[0:8] = b"GGSN\0\0\0\0"
     expect_refused(tmp_path, bytes(bad), dest, match="magic: expected b'KVJAXSES'")
-    expect_refused(tmp_path, good[:8] + struct.pack("<I", 2) + good[12:], dest, match="format version: expected 1, found 2")
+    expect_refused(
+        tmp_path, good[:8] + struct.pack("<I", 2) + good[12:], dest, match="format version: expected 1, found 2"
+    )
     expect_refused(tmp_path, good, dest, 0, match="the file holds the whole cache")
     other = kvjax.init(CFG.replace(head_dim=8))
     expect_refused(tmp_path, good, other, match="config fingerprint")

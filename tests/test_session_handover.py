@@ -56,9 +56,13 @@ def memory_config(case: dict):
     kv = {"f16": "float16", "q8_0": "q8_0"}[opts["kv_type"]]
     model = model_of(case["model"])
     overrides = dict(k_dtype=kv, v_dtype=kv, v_trans=not opts["flash_attn"], padding=256)
-    if not opts["kv_unified"]:   # llama.cpp's n_ctx is shared out: n_ctx / n_seq cells per stream
-        per_stream = memory_config_for(model, size=opts["n_ctx"] // opts["n_seq"], n_seq_max=opts["n_seq"],
-                                       **dict(overrides, padding=opts["n_ctx"] // opts["n_seq"]))
+    if not opts["kv_unified"]:  # llama.cpp's n_ctx is shared out: n_ctx / n_seq cells per stream
+        per_stream = memory_config_for(
+            model,
+            size=opts["n_ctx"] // opts["n_seq"],
+            n_seq_max=opts["n_seq"],
+            **dict(overrides, padding=opts["n_ctx"] // opts["n_seq"]),
+        )
         return kvjax.StreamsConfig(per_stream)
     return memory_config_for(model, size=opts["n_ctx"], n_seq_max=opts["n_seq"], **overrides)
 
@@ -85,7 +89,9 @@ def continue_forced(engine: kvjax.Engine, histories, seq_ids, want, gaps, near_t
             best, theirs = int(np.argmax(rows[i])), want[i][step]
             short = rows[i, best] - rows[i, theirs]
             where = f"sequence {seq_ids[i]}, step {step}: kvjax chose {best}, llama.cpp {theirs}"
-            assert short <= near_tie, f"{where}: {short:.3f} below kvjax's best (llama.cpp's margin {gaps[i][step]:.3f})"
+            assert short <= near_tie, (
+                f"{where}: {short:.3f} below kvjax's best (llama.cpp's margin {gaps[i][step]:.3f})"
+            )
             assert best == theirs or gaps[i][step] < 2 * near_tie, f"{where} (llama.cpp's margin {gaps[i][step]:.3f})"
             same += best == theirs
         logits = engine.decode([w[step] for w in want], [len(h) + step for h in histories], [[s] for s in seq_ids])
@@ -101,8 +107,14 @@ def test_a_llama_cpp_session_continues_in_kvjax(name):
     for s, prompt in enumerate(case["prompts"]):
         assert int(kvjax.seq_pos_max(engine.cache, s)) == len(prompt) - 1
     got = case["session"]
-    checked = continue_forced(engine, case["prompts"], list(range(len(case["prompts"]))), got["tokens"], got["gaps"],
-                              NEAR_TIE[case["kv_type"]])
+    checked = continue_forced(
+        engine,
+        case["prompts"],
+        list(range(len(case["prompts"]))),
+        got["tokens"],
+        got["gaps"],
+        NEAR_TIE[case["kv_type"]],
+    )
     assert checked >= 0.75 * FIXTURES["n_new"] * len(case["prompts"])
 
 
@@ -111,8 +123,13 @@ def _rotated(case: dict) -> bool:
     from kvjax.io._attn_rot import rotation_sizes
 
     cfg = memory_config(case)
-    parts = [cfg.base, cfg.swa_config] if isinstance(cfg, kvjax.IswaConfig) else \
-        [cfg.base] if isinstance(cfg, kvjax.StreamsConfig) else [cfg]
+    parts = (
+        [cfg.base, cfg.swa_config]
+        if isinstance(cfg, kvjax.IswaConfig)
+        else [cfg.base]
+        if isinstance(cfg, kvjax.StreamsConfig)
+        else [cfg]
+    )
     return any(any(rotation_sizes(c)) for c in parts)
 
 
@@ -141,7 +158,7 @@ def test_kvjax_writes_back_the_bytes_llama_cpp_wrote(name, tmp_path):
                 for a, b in zip(_cells_and_kv(read(mine)), _cells_and_kv(read(theirs))):
                     assert set(a) == set(b)
                     for key in a:
-                        for x, y in zip(a[key], b[key]):   # within two Q8_0 steps of llama.cpp's values
+                        for x, y in zip(a[key], b[key]):  # within two Q8_0 steps of llama.cpp's values
                             np.testing.assert_allclose(x, y, rtol=0, atol=2.5 * np.abs(y).max() / 127)
 
 
@@ -156,9 +173,10 @@ def test_a_llama_cpp_sequence_file_joins_a_busy_kvjax_memory(name):
     before = kvjax.state_write(engine.cache, 0)
     held = engine.load_sequence(DATA / f"{name}.seq", seq["dest"])
     assert held.tolist() == case["prompts"][seq["src"]]
-    assert kvjax.state_write(engine.cache, 0) == before          # the other sequence is untouched
-    checked = continue_forced(engine, [held.tolist()], [seq["dest"]], [seq["tokens"]], [seq["gaps"]],
-                              NEAR_TIE[case["kv_type"]])
+    assert kvjax.state_write(engine.cache, 0) == before  # the other sequence is untouched
+    checked = continue_forced(
+        engine, [held.tolist()], [seq["dest"]], [seq["tokens"]], [seq["gaps"]], NEAR_TIE[case["kv_type"]]
+    )
     assert checked >= 0.75 * FIXTURES["n_new"]
 
 
@@ -171,16 +189,26 @@ def _evaluate(engine: kvjax.Engine, case: dict) -> None:
 
 def _cells_and_kv(memory):
     """Per unified part: ``{(pos, seq id): (K [L, H, D], V [L, H, Dv])}`` of each cell's every sequence."""
-    parts = [memory.base, memory.swa] if isinstance(memory, kvjax.IswaCache) else \
-        [memory.stream(s) for s in range(memory.config.n_stream)] if isinstance(memory, kvjax.StreamCache) else [memory]
+    parts = (
+        [memory.base, memory.swa]
+        if isinstance(memory, kvjax.IswaCache)
+        else [memory.stream(s) for s in range(memory.config.n_stream)]
+        if isinstance(memory, kvjax.StreamCache)
+        else [memory]
+    )
     out = []
     for part in parts:
         table = kvjax.cell_table(part)
         layers = [kvjax.view(part, il, part.size) for il in part.config.cached_layers]
-        k = np.stack([np.asarray(x, np.float32) for x, _ in layers])     # [L, H, C, D]
+        k = np.stack([np.asarray(x, np.float32) for x, _ in layers])  # [L, H, C, D]
         v = np.stack([np.asarray(y, np.float32) for _, y in layers])
-        out.append({(int(table.pos[c]), int(s)): (k[:, :, c], v[:, :, c])
-                    for c in np.flatnonzero(table.pos >= 0) for s in np.flatnonzero(table.seqs[c])})
+        out.append(
+            {
+                (int(table.pos[c]), int(s)): (k[:, :, c], v[:, :, c])
+                for c in np.flatnonzero(table.pos >= 0)
+                for s in np.flatnonzero(table.seqs[c])
+            }
+        )
     return out
 
 
@@ -193,7 +221,7 @@ def test_kvjax_writes_the_file_llama_cpp_wrote_for_the_same_prompts(name, tmp_pa
     mine = (tmp_path / "kvjax.session").read_bytes()
     theirs = (DATA / f"{name}.session").read_bytes()
     head = 12 + 4 * len(case["prompts"][0]) + 4 + len(case["model"])
-    assert mine[:head] == theirs[:head]                # magic, version 10, tokens, architecture
+    assert mine[:head] == theirs[:head]  # magic, version 10, tokens, architecture
     read = lambda data: kvjax.session_read(kvjax.init(memory_config(case)), data).cache
     for p, (a, b) in enumerate(zip(_cells_and_kv(read(mine)), _cells_and_kv(read(theirs)))):
         if p == 1 and case["model"] == "gemma3":
@@ -204,7 +232,7 @@ def test_kvjax_writes_the_file_llama_cpp_wrote_for_the_same_prompts(name, tmp_pa
             assert set(a) == set(b)
         quantized = case["options"]["kv_type"] == "q8_0"
         for key in a:
-            for x, y in zip(a[key], b[key]):       # [L, H, D] of one cell
+            for x, y in zip(a[key], b[key]):  # [L, H, D] of one cell
                 for il in range(len(x)):
                     scale = np.abs(y[il]).max()
                     # the first cached layer's K/V depend on the embedding alone: they agree to the
@@ -226,7 +254,7 @@ def test_a_file_of_another_model_is_refused_and_nothing_changes(tmp_path):
     # ... and, named as ours, holds a section per cache of the pair: layer counts that differ
     data = (DATA / "gemma3-f16-vtrans.session").read_bytes()
     head = 12 + 4 * len(gemma["prompts"][0])
-    forged = data[:head] + struct.pack("<I", 5) + b"llama" + data[head + 4 + 6:]
+    forged = data[:head] + struct.pack("<I", 5) + b"llama" + data[head + 4 + 6 :]
     with pytest.raises(StateError, match="n_layer"):
         engine.load_session(forged)
     # Q8_0 K/V into an F16 memory: the type is named, with the dtype to make the memory with
@@ -254,8 +282,14 @@ def test_a_loaded_session_parked_in_a_prompt_cache_continues_with_generate():
     engine = engine_for(case)
     pc = kvjax.PromptCache(n_seq_max=1, max_tokens=256)
     tokens = engine.load_session(DATA / "llama-f16-rows.session", prompt_cache=pc)
-    out = kvjax.generate(engine, [tokens.tolist()], max_new_tokens=16, key=jax.random.PRNGKey(0),
-                         sampling=kvjax.SamplingConfig(temperature=0), prompt_cache=pc)
+    out = kvjax.generate(
+        engine,
+        [tokens.tolist()],
+        max_new_tokens=16,
+        key=jax.random.PRNGKey(0),
+        sampling=kvjax.SamplingConfig(temperature=0),
+        prompt_cache=pc,
+    )
     assert out.prompt_tokens == 1
     want, gaps = case["session"]["tokens"][0], case["session"]["gaps"][0]
     first_tie = next((i for i, g in enumerate(gaps) if g < NEAR_TIE["f16"]), len(gaps))
@@ -268,11 +302,12 @@ def test_a_loaded_session_parked_in_a_prompt_cache_continues_with_generate():
 
 def _shift(engine: kvjax.Engine, history, n_keep: int, n_discard: int):
     engine.context_shift(0, n_keep, n_discard)
-    return history[:n_keep] + history[n_keep + n_discard:]
+    return history[:n_keep] + history[n_keep + n_discard :]
 
 
-@pytest.mark.parametrize("name, shift", [(n, False) for n in CASES] + [("llama-f16-vtrans", True),
-                                                                     ("gemma3-f16-vtrans", True)])
+@pytest.mark.parametrize(
+    "name, shift", [(n, False) for n in CASES] + [("llama-f16-vtrans", True), ("gemma3-f16-vtrans", True)]
+)
 def test_kvjax_files_continue_in_llama_cpp(name, shift, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is the oracle here; CI runs without it")
     from benchmarks.llamacpp_context import LlamaCppContext
@@ -281,7 +316,7 @@ def test_kvjax_files_continue_in_llama_cpp(name, shift, tmp_path):
     engine = engine_for(case)
     _evaluate(engine, case)
     histories = [list(p) for p in case["prompts"]]
-    if shift:   # a context shift: its K-shift is applied before the file is written
+    if shift:  # a context shift: its K-shift is applied before the file is written
         histories[0] = _shift(engine, histories[0], 4, 6)
     engine.save_session(tmp_path / "kvjax.session", histories[0])
     if "seq" in case:
@@ -323,12 +358,15 @@ def test_the_docs_worked_example_runs(capsys, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
     assert len(blocks) == 4
     have_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
-    namespace = {} if have_llama_cpp else {"MODEL": "tests/data/sessions/tiny-llama.gguf",
-                                           "FILE": str(DATA / "llama-f16-vtrans.session")}
+    namespace = (
+        {}
+        if have_llama_cpp
+        else {"MODEL": "tests/data/sessions/tiny-llama.gguf", "FILE": str(DATA / "llama-f16-vtrans.session")}
+    )
     for block in blocks:
         if block.startswith("# needs llama-cpp-python") and not have_llama_cpp:
             continue
-        if not have_llama_cpp:   # the example writes next to the file it read: keep the fixtures clean
+        if not have_llama_cpp:  # the example writes next to the file it read: keep the fixtures clean
             block = block.replace('BACK = FILE + ".back"', 'BACK = str(pathlib.Path(tempfile.mkdtemp()) / "back")')
             namespace.update(pathlib=pathlib, tempfile=__import__("tempfile"))
         exec(compile(block, "docs/sessions.md", "exec"), namespace)
@@ -347,8 +385,11 @@ def test_bad_arguments_are_named_and_nothing_changes(tmp_path):
     out = tmp_path / "out"
     bad = [
         (lambda: engine.save_session(out, [[1, 2]]), ValueError, "tokens has shape"),
-        (lambda: engine.save_session(out, [1], version=8), ValueError,
-         r"version=8 is out of range for a session file: allowed one of \[9, 10\]"),
+        (
+            lambda: engine.save_session(out, [1], version=8),
+            ValueError,
+            r"version=8 is out of range for a session file: allowed one of \[9, 10\]",
+        ),
         (lambda: engine.save_session(out, [1], v_trans="no"), ValueError, "v_trans='no' is out of range: allowed None"),
         (lambda: engine.save_session(out, [1], attn_rot=None), ValueError, "attn_rot=None is out of range"),
         (lambda: engine.save_session(out, [1], arch=""), ValueError, "arch='' is out of range"),
@@ -357,8 +398,11 @@ def test_bad_arguments_are_named_and_nothing_changes(tmp_path):
         (lambda: engine.save_sequence(out, 0, [1], version=4), ValueError, "version=4 is out of range for a sequence"),
         (lambda: engine.load_sequence(DATA / "llama-shared.seq", 7), ValueError, "seq_id=7 is out of range"),
         (lambda: engine.load_session(12), ValueError, "data must be bytes or a file path, got int"),
-        (lambda: engine.load_session(DATA / "llama-f16-vtrans.session", arch="gemma3"), StateError,
-         "expected 'gemma3'"),
+        (
+            lambda: engine.load_session(DATA / "llama-f16-vtrans.session", arch="gemma3"),
+            StateError,
+            "expected 'gemma3'",
+        ),
         (lambda: engine.load_session(DATA / "llama-shared.seq"), StateError, "session file magic: expected 0x6767736e"),
         (lambda: engine.load_sequence(DATA / "llama-shared.session", 0), StateError, "sequence file magic"),
     ]
@@ -387,14 +431,14 @@ def test_loading_another_file_recompiles_nothing(tmp_path):
         engine.rollback(0, len(prompt) - 1)
         return np.asarray(engine.decode(prompt[-1:], [len(prompt) - 1], [[0]]))
 
-    first = load_and_step("llama-f16-vtrans")          # compiles the step, and the reader of each layout
+    first = load_and_step("llama-f16-vtrans")  # compiles the step, and the reader of each layout
     load_and_step("llama-f16-rows")
-    shorter, _ = kvjax.seq_rm(engine.cache, 0, 17, -1)      # 17 and 20 cells: one power-of-two bucket
+    shorter, _ = kvjax.seq_rm(engine.cache, 0, 17, -1)  # 17 and 20 cells: one power-of-two bucket
     kvjax.session_save_file(tmp_path / "short.session", shorter, prompt[:17], arch="llama")
     with kvjax.CompileCounter() as compiles:
         again = load_and_step("llama-f16-rows")
         load_and_step("llama-f16-vtrans")
-        engine.load_session(tmp_path / "short.session")      # another file, fewer cells
+        engine.load_session(tmp_path / "short.session")  # another file, fewer cells
     assert compiles.count == 0
     # one file written in the other V layout holds the same K/V: the same logits
     engine.load_session(DATA / "llama-f16-vtrans.session")
@@ -403,4 +447,4 @@ def test_loading_another_file_recompiles_nothing(tmp_path):
     engine.load_session(tmp_path / "as_rows.session")
     engine.rollback(0, len(prompt) - 1)
     np.testing.assert_array_equal(np.asarray(engine.decode(prompt[-1:], [len(prompt) - 1], [[0]])), first)
-    assert not np.array_equal(again, first)            # llama.cpp's two contexts computed slightly other K/V
+    assert not np.array_equal(again, first)  # llama.cpp's two contexts computed slightly other K/V

@@ -41,8 +41,10 @@ MESH_SHAPES = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
 
 def meshes(*default: str):
     """The four meshes as parameters; all but ``default`` run with ``-m slow`` (compiles cost seconds)."""
-    return [pytest.param(shape, id=name, marks=() if name in default else pytest.mark.slow)
-            for name, shape in MESH_SHAPES.items()]
+    return [
+        pytest.param(shape, id=name, marks=() if name in default else pytest.mark.slow)
+        for name, shape in MESH_SHAPES.items()
+    ]
 
 
 #: 2x4 splits both axes (kv heads over 4 devices, streams over 2): the default suite's mesh
@@ -51,8 +53,7 @@ MESHES = meshes("2x4")
 
 def _unified(**changes) -> kvjax.CacheConfig:
     """8 kv heads and 8 sequences: every default rule divides on every mesh of the table."""
-    fields = dict(size=32, n_seq_max=8, n_layer=2, n_kv_heads=8, head_dim=8, padding=8,
-                  rope=kvjax.RopeConfig(n_rot=8))
+    fields = dict(size=32, n_seq_max=8, n_layer=2, n_kv_heads=8, head_dim=8, padding=8, rope=kvjax.RopeConfig(n_rot=8))
     return kvjax.CacheConfig(**{**fields, **changes})
 
 
@@ -60,22 +61,34 @@ UNIFIED = _unified()
 QUANTIZED = _unified(n_layer=1, head_dim=32, k_dtype="q8_0", v_dtype="q4_0", rope=kvjax.RopeConfig(n_rot=32))
 ISWA = kvjax.IswaConfig(_unified(n_layer=3), swa_layers=(0, 2), n_swa=3, n_batch=8)
 RECURRENT = kvjax.RecurrentConfig(size=8, n_seq_max=8, n_layer=2, k_shape=(3, 2), v_shape=(2, 4), n_states=2)
-HYBRID = kvjax.HybridConfig(_unified(n_layer=3, layer_filter=(0, 2)),
-                            kvjax.RecurrentConfig(size=8, n_seq_max=8, n_layer=1, k_shape=(3, 2), v_shape=(2, 4),
-                                                  n_states=2), recurrent_layers=(1,))
+HYBRID = kvjax.HybridConfig(
+    _unified(n_layer=3, layer_filter=(0, 2)),
+    kvjax.RecurrentConfig(size=8, n_seq_max=8, n_layer=1, k_shape=(3, 2), v_shape=(2, 4), n_states=2),
+    recurrent_layers=(1,),
+)
 STREAMS = kvjax.StreamsConfig(_unified(size=16))
 
-CONFIGS = [pytest.param(c, id=name) for name, c in (("unified", UNIFIED), ("quantized", QUANTIZED),
-                                                      ("iswa", ISWA), ("recurrent", RECURRENT),
-                                                      ("hybrid", HYBRID), ("streams", STREAMS))]
+CONFIGS = [
+    pytest.param(c, id=name)
+    for name, c in (
+        ("unified", UNIFIED),
+        ("quantized", QUANTIZED),
+        ("iswa", ISWA),
+        ("recurrent", RECURRENT),
+        ("hybrid", HYBRID),
+        ("streams", STREAMS),
+    )
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _eight_devices():
     if jax.device_count() < 8:
-        pytest.fail(f"these tests need 8 devices, found {jax.device_count()}: tests/conftest.py sets "
-                    f"XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts; a process that "
-                    f"started JAX earlier (or set a smaller count) cannot run them")
+        pytest.fail(
+            f"these tests need 8 devices, found {jax.device_count()}: tests/conftest.py sets "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts; a process that "
+            f"started JAX earlier (or set a smaller count) cannot run them"
+        )
 
 
 def _random_kv(memory, seed):
@@ -117,8 +130,10 @@ def test_operations_equal_unsharded_and_keep_shardings(config, mesh_shape):
         assert ok_plain == ok_sharded, op
         assert leaves_equal(plain, sharded), f"the sharded memory differs after {op}"
         _assert_kept(sharded, layout, op[0])
-    for name, fn in (("update", kvjax.update), ("defrag", kvjax.defrag) if isinstance(plain, kvjax.KVCache)
-                     else ("update again", kvjax.update)):
+    for name, fn in (
+        ("update", kvjax.update),
+        ("defrag", kvjax.defrag) if isinstance(plain, kvjax.KVCache) else ("update again", kvjax.update),
+    ):
         plain, sharded = fn(plain), fn(sharded)
         assert leaves_equal(plain, sharded), name
         _assert_kept(sharded, layout, name)
@@ -156,8 +171,11 @@ def test_one_sequence_restores_on_a_mesh(config, mesh_shape):
     assert blob == kvjax.state_write(plain, 1) and len(blob) > 100
     probe = jax.jit(kvjax.seq_pos_max)
     probe(layout, 1)
-    for into_plain, into_sharded, seq_id in ((kvjax.init(config), kvjax.init(config, mesh=mesh), 1),
-                                             (plain, sharded, 2), (plain, sharded, 1)):
+    for into_plain, into_sharded, seq_id in (
+        (kvjax.init(config), kvjax.init(config, mesh=mesh), 1),
+        (plain, sharded, 2),
+        (plain, sharded, 1),
+    ):
         want = kvjax.state_read(into_plain, blob, seq_id)
         got = kvjax.state_read(into_sharded, blob, seq_id)
         assert leaves_equal(got, want), seq_id
@@ -229,16 +247,23 @@ def _decode(streams: bool):
     return kvjax.make_ubatch([4, 4], [[0], [5]])
 
 
-@pytest.mark.parametrize("streams, mesh_shape, variant", [
-    *[pytest.param(False, m.values[0], "plain", id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
-    *[pytest.param(True, m.values[0], "plain", id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
-    # fused projections (kvjax.nn.fuse_projections) split by whole heads and MLP columns too
-    *[pytest.param(False, m.values[0], "fused", id=f"unified-fused-{m.id}", marks=m.marks)
-      for m in meshes("2x4", "1x8")],
-    # ALiBi: the streams mesh path splits the per-head slopes like the query heads
-    *[pytest.param(True, m.values[0], "alibi", id=f"streams-alibi-{m.id}", marks=m.marks)
-      for m in meshes("2x4", "1x8")],
-])
+@pytest.mark.parametrize(
+    "streams, mesh_shape, variant",
+    [
+        *[pytest.param(False, m.values[0], "plain", id=f"unified-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+        *[pytest.param(True, m.values[0], "plain", id=f"streams-{m.id}", marks=m.marks) for m in meshes("2x4", "1x8")],
+        # fused projections (kvjax.nn.fuse_projections) split by whole heads and MLP columns too
+        *[
+            pytest.param(False, m.values[0], "fused", id=f"unified-fused-{m.id}", marks=m.marks)
+            for m in meshes("2x4", "1x8")
+        ],
+        # ALiBi: the streams mesh path splits the per-head slopes like the query heads
+        *[
+            pytest.param(True, m.values[0], "alibi", id=f"streams-alibi-{m.id}", marks=m.marks)
+            for m in meshes("2x4", "1x8")
+        ],
+    ],
+)
 def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
     config = ALIBI_MODEL if variant == "alibi" else MODEL
     model = make_model(config)
@@ -260,13 +285,17 @@ def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
         assert bool(ok) and bool(ok_plain)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
         assert jax.tree.all(jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), sharded, layout))
-        np.testing.assert_allclose(np.asarray(sharded.split()[0][0][0]), np.asarray(plain.split()[0][0][0]),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(sharded.split()[0][0][0]), np.asarray(plain.split()[0][0][0]), rtol=1e-5, atol=1e-5
+        )
     # the compiled decode step: K/V stay where they are (tensor parallelism's all-reduces only)
     buffers, rest = sharded.split()
     ub = _decode(streams)
-    hlo = step._jitted.lower(state, rest, buffers, ub, tokens[:2], None, None, windows=(16,)).compile(
-        compiler_options=USER_HLO).as_text()
+    hlo = (
+        step._jitted.lower(state, rest, buffers, ub, tokens[:2], None, None, windows=(16,))
+        .compile(compiler_options=USER_HLO)
+        .as_text()
+    )
     gathers = [shape for shape, kind in _COLLECTIVE.findall(hlo) if kind != "all-reduce"]
     assert gathers == [], f"the compiled step moves data between devices: {gathers}"
 
@@ -278,8 +307,11 @@ def test_shard_params_refuses_a_mesh_that_splits_a_head_group():
     model = make_model(config)
     mesh = shard.make_mesh(2, 4)
     before = jax.tree.leaves(nnx.state(model))  # the arrays (the Variables are updated in place)
-    with pytest.raises(ValueError, match=r"n_kv_heads=2 is out of range for mesh=.*allowed a mesh whose model "
-                                         r"size is one of \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"n_kv_heads=2 is out of range for mesh=.*allowed a mesh whose model "
+        r"size is one of \[1, 2\]",
+    ):
         shard.shard_params(model, mesh)
     assert all(a is b for a, b in zip(jax.tree.leaves(nnx.state(model)), before, strict=True))
     with pytest.raises(ValueError, match=r"n_kv_heads=2 is out of range"):
@@ -293,13 +325,16 @@ def test_shard_params_refuses_a_mesh_that_splits_a_head_group():
     # a mesh that divides the heads places the bare state
     placed = shard.shard_params(nnx.state(model), shard.make_mesh(4, 2), n_kv_heads=2)
     assert placed["layers"][0]["attn"]["k_proj"]["kernel"].get_value().sharding.spec == jax.sharding.PartitionSpec(
-        None, "model")
+        None, "model"
+    )
 
 
 # -- what the compiled attention and K-shift communicate ---------------------------------------------
 
-_ANY_COLLECTIVE = re.compile(r"= (\([^)]*\)|\w+\[[0-9,]*\]\S*) (all-gather|all-reduce|all-to-all|collective-permute|"
-                             r"reduce-scatter)(?:-start)?\(")
+_ANY_COLLECTIVE = re.compile(
+    r"= (\([^)]*\)|\w+\[[0-9,]*\]\S*) (all-gather|all-reduce|all-to-all|collective-permute|"
+    r"reduce-scatter)(?:-start)?\("
+)
 _ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
 
 
@@ -320,12 +355,17 @@ def kv_collectives(hlo: str, memory) -> list:
 _LONG = dict(size=384, n_seq_max=8, n_layer=2, padding=32)
 COLLECTIVE_CASES = {
     "unified": kvjax.CacheConfig(**_LONG, n_kv_heads=8, head_dim=8, rope=kvjax.RopeConfig(n_rot=8)),
-    "unified-q8_0": kvjax.CacheConfig(**_LONG, n_kv_heads=8, head_dim=32, k_dtype="q8_0", v_dtype="q8_0",
-                                      rope=kvjax.RopeConfig(n_rot=32)),
-    "streams": kvjax.StreamsConfig(kvjax.CacheConfig(**_LONG, n_kv_heads=16, head_dim=4,
-                                                     rope=kvjax.RopeConfig(n_rot=4))),
-    "streams-q4_0": kvjax.StreamsConfig(kvjax.CacheConfig(**_LONG, n_kv_heads=8, head_dim=32, k_dtype="q4_0",
-                                                          v_dtype="q4_0", rope=kvjax.RopeConfig(n_rot=32))),
+    "unified-q8_0": kvjax.CacheConfig(
+        **_LONG, n_kv_heads=8, head_dim=32, k_dtype="q8_0", v_dtype="q8_0", rope=kvjax.RopeConfig(n_rot=32)
+    ),
+    "streams": kvjax.StreamsConfig(
+        kvjax.CacheConfig(**_LONG, n_kv_heads=16, head_dim=4, rope=kvjax.RopeConfig(n_rot=4))
+    ),
+    "streams-q4_0": kvjax.StreamsConfig(
+        kvjax.CacheConfig(
+            **_LONG, n_kv_heads=8, head_dim=32, k_dtype="q4_0", v_dtype="q4_0", rope=kvjax.RopeConfig(n_rot=32)
+        )
+    ),
 }
 
 
@@ -336,8 +376,13 @@ def _attention_programs(memory, rng):
     heads, dim = memory.part(0).config.n_kv_heads[0], memory.part(0).config.head_dim[0]
     cases = []
     for what, slots in (("chunk", [(list(range(100, 116)), [3])]), ("decode", [([200], [s]) for s in range(8)])):
-        ub = kvjax.make_equal_ubatch(slots) if streams else kvjax.make_ubatch(
-            [p for ps, _ in slots for p in ps], [ids for ps, ids in slots for _ in ps], length=16)
+        ub = (
+            kvjax.make_equal_ubatch(slots)
+            if streams
+            else kvjax.make_ubatch(
+                [p for ps, _ in slots for p in ps], [ids for ps, ids in slots for _ in ps], length=16
+            )
+        )
         placed, placement, ok = kvjax.find_slot(memory, ub)
         assert bool(ok)
         q = jnp.asarray(rng.normal(size=(ub.length, 2 * heads, dim)), jnp.float32)
@@ -357,6 +402,7 @@ def _k_shift_program(memory):
     only when one is pending)."""
     if isinstance(memory, kvjax.StreamCache):
         from kvjax.memory._streams import _apply_shifts
+
         return _apply_shifts
     return kvjax.update
 
@@ -371,8 +417,11 @@ def test_attention_and_k_shift_move_no_kv_between_devices(case, mesh_shape):
     a streams memory's attention gathered every stream to every device."""
     config = COLLECTIVE_CASES[case]
     memory = kvjax.init(config, mesh=shard.make_mesh(*mesh_shape))
-    ub = (kvjax.make_equal_ubatch([(list(range(8)), [s]) for s in range(8)])
-          if isinstance(memory, kvjax.StreamCache) else kvjax.make_ubatch(list(range(8)) * 2, [[0]] * 8 + [[5]] * 8))
+    ub = (
+        kvjax.make_equal_ubatch([(list(range(8)), [s]) for s in range(8)])
+        if isinstance(memory, kvjax.StreamCache)
+        else kvjax.make_ubatch(list(range(8)) * 2, [[0]] * 8 + [[5]] * 8)
+    )
     memory = kvjax.commit(kvjax.find_slot(memory, ub)[0], [ub])
     rng = np.random.default_rng(0)
     for what, fn, args in _attention_programs(memory, rng):
@@ -393,10 +442,11 @@ def test_stream_attention_on_a_mesh_equals_one_device(mesh_shape):
     plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
     sharded = shard.reshard_like(plain, kvjax.init(config, mesh=shard.make_mesh(*mesh_shape)))
     one_device = _attention_programs(plain, np.random.default_rng(3))
-    on_mesh = _attention_programs(sharded, np.random.default_rng(3))    # the same queries
+    on_mesh = _attention_programs(sharded, np.random.default_rng(3))  # the same queries
     for (what, fn, args), (_, fn_mesh, args_mesh) in zip(one_device, on_mesh):
-        np.testing.assert_allclose(np.asarray(fn_mesh(*args_mesh)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-5,
-                                   err_msg=what)
+        np.testing.assert_allclose(
+            np.asarray(fn_mesh(*args_mesh)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-5, err_msg=what
+        )
 
 
 @pytest.mark.parametrize("case", ["unified", "unified-q8_0", "streams"])
@@ -406,16 +456,20 @@ def test_k_shift_on_a_mesh_equals_one_device(case, mesh_shape):
     config = COLLECTIVE_CASES[case]
     plain = _random_kv(kvjax.init(config), 5)
     streams = isinstance(plain, kvjax.StreamCache)
-    ub = (kvjax.make_equal_ubatch([(list(range(8)), [s]) for s in range(8)]) if streams
-          else kvjax.make_ubatch(list(range(8)) * 2, [[0]] * 8 + [[5]] * 8))
+    ub = (
+        kvjax.make_equal_ubatch([(list(range(8)), [s]) for s in range(8)])
+        if streams
+        else kvjax.make_ubatch(list(range(8)) * 2, [[0]] * 8 + [[5]] * 8)
+    )
     plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
     sharded = shard.reshard_like(plain, kvjax.init(config, mesh=shard.make_mesh(*mesh_shape)))
     want = kvjax.update(kvjax.seq_add(plain, 5, 2, -1, 3))
     got = kvjax.update(kvjax.seq_add(sharded, 5, 2, -1, 3))
     _assert_kept(got, sharded, "update")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -426,8 +480,9 @@ def test_a_copy_between_streams_moves_only_the_copied_streams(mesh_shape):
     device. Bfloat16 K (with -0.0 in it) and q8_0 V: the blocks travel as unsigned bits."""
     from kvjax.memory._streams import _apply_copies
 
-    base = kvjax.CacheConfig(size=32, n_seq_max=8, n_layer=2, n_kv_heads=8, head_dim=32, padding=8,
-                             k_dtype="bfloat16", v_dtype="q8_0")
+    base = kvjax.CacheConfig(
+        size=32, n_seq_max=8, n_layer=2, n_kv_heads=8, head_dim=32, padding=8, k_dtype="bfloat16", v_dtype="q8_0"
+    )
     config = kvjax.StreamsConfig(base)
     plain = kvjax.init(config)
     for s in range(8):
@@ -436,19 +491,21 @@ def test_a_copy_between_streams_moves_only_the_copied_streams(mesh_shape):
     plain = _random_kv(plain, 6)
     buffers, rest = plain.split()
     k = buffers[0][0]
-    plain = rest.join(((k.at[:, :, :, :2].set(-0.0),) + buffers[0][1:], buffers[1]))   # a float sum loses -0.0
-    for src, dst in ((0, 5), (3, 2), (6, 7), (1, 0)):        # across devices and within one
+    plain = rest.join(((k.at[:, :, :, :2].set(-0.0),) + buffers[0][1:], buffers[1]))  # a float sum loses -0.0
+    for src, dst in ((0, 5), (3, 2), (6, 7), (1, 0)):  # across devices and within one
         plain = kvjax.seq_cp(kvjax.seq_rm(plain, dst, 0, -1)[0], src, dst, -1, -1)
     layout = kvjax.init(config, mesh=shard.make_mesh(*mesh_shape))
     sharded = shard.reshard_like(plain, layout)
     got, want = kvjax.update(sharded), kvjax.update(plain)
     assert leaves_equal(got, want)
-    assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
-               for a, b in zip(jax.tree.leaves(got.split()[0]), jax.tree.leaves(want.split()[0])))
+    assert all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(jax.tree.leaves(got.split()[0]), jax.tree.leaves(want.split()[0]))
+    )
     _assert_kept(got, layout, "update with copies")
     hlo = jax.jit(_apply_copies).lower(sharded).compile().as_text()
     stream_block = max(int(np.prod(x.sharding.shard_shape(x.shape)[1:])) for x in jax.tree.leaves(sharded.split()[0]))
-    found = [(kind, shapes) for shapes, kind in _ANY_COLLECTIVE.findall(hlo)]   # and copy_from's few ids
+    found = [(kind, shapes) for shapes, kind in _ANY_COLLECTIVE.findall(hlo)]  # and copy_from's few ids
     for kind, shapes in found:
         for _, dims in _ARRAY.findall(shapes):
             assert int(np.prod([int(d) for d in dims.split(",") if d])) <= stream_block, (kind, shapes)

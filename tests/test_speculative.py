@@ -46,8 +46,9 @@ def _engines(kind, same=False):
             base = cfg.cache_config(size=128, n_seq_max=2, padding=16)
             if kind == "iswa":
                 # swa_full: a pruned window cache cannot roll back (llama.cpp needs --swa-full too)
-                return kvjax.init(kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, n_batch=32,
-                                                   swa_full=True))
+                return kvjax.init(
+                    kvjax.IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, n_batch=32, swa_full=True)
+                )
             return kvjax.init(base)
 
         return kvjax.Engine(target, memory(tcfg), n_ubatch=32), kvjax.Engine(draft, memory(dcfg), n_ubatch=32)
@@ -56,18 +57,28 @@ def _engines(kind, same=False):
         target = _scaled(Mamba(tcfg, rngs=nnx.Rngs(0)), 1.5)
         dcfg, draft = (tcfg, target) if same else (MambaConfig(vocab_size=V, d_model=16, n_layer=1, d_state=4), None)
         draft = target if same else _scaled(Mamba(dcfg, rngs=nnx.Rngs(1)), 1.5)
-        return (kvjax.Engine(target, kvjax.init(tcfg.memory_config(2, n_states=5)), n_ubatch=32),
-                kvjax.Engine(draft, kvjax.init(dcfg.memory_config(2, n_states=4)), n_ubatch=32))
-    tcfg = HybridLMConfig(vocab_size=V, d_model=32, n_layer=3, recurrent_layers=(0, 2), n_heads=2, n_kv_heads=1,
-                          d_state=4)
+        return (
+            kvjax.Engine(target, kvjax.init(tcfg.memory_config(2, n_states=5)), n_ubatch=32),
+            kvjax.Engine(draft, kvjax.init(dcfg.memory_config(2, n_states=4)), n_ubatch=32),
+        )
+    tcfg = HybridLMConfig(
+        vocab_size=V, d_model=32, n_layer=3, recurrent_layers=(0, 2), n_heads=2, n_kv_heads=1, d_state=4
+    )
     target = _scaled(HybridLM(tcfg, rngs=nnx.Rngs(0)), 1.5)
-    dcfg = tcfg if same else HybridLMConfig(vocab_size=V, d_model=16, n_layer=2, recurrent_layers=(0,), n_heads=2,
-                                            n_kv_heads=1, d_state=4)
+    dcfg = (
+        tcfg
+        if same
+        else HybridLMConfig(
+            vocab_size=V, d_model=16, n_layer=2, recurrent_layers=(0,), n_heads=2, n_kv_heads=1, d_state=4
+        )
+    )
     draft = target if same else _scaled(HybridLM(dcfg, rngs=nnx.Rngs(1)), 1.5)
-    return (kvjax.Engine(target, kvjax.init(tcfg.memory_config(size=128, n_seq_max=2, n_states=5, padding=16)),
-                         n_ubatch=32),
-            kvjax.Engine(draft, kvjax.init(dcfg.memory_config(size=128, n_seq_max=2, n_states=4, padding=16)),
-                         n_ubatch=32))
+    return (
+        kvjax.Engine(
+            target, kvjax.init(tcfg.memory_config(size=128, n_seq_max=2, n_states=5, padding=16)), n_ubatch=32
+        ),
+        kvjax.Engine(draft, kvjax.init(dcfg.memory_config(size=128, n_seq_max=2, n_states=4, padding=16)), n_ubatch=32),
+    )
 
 
 def _greedy_reference(engine, prompts, n, width=32):
@@ -78,9 +89,9 @@ def _greedy_reference(engine, prompts, n, width=32):
         seq = list(p)
         for _ in range(n):
             row = np.zeros((1, width), np.int32)
-            row[0, :len(seq)] = seq
+            row[0, : len(seq)] = seq
             seq.append(int(np.argmax(np.asarray(forward(nnx.state(engine.model), row)[0, len(seq) - 1]))))
-        out.append(seq[len(p):])
+        out.append(seq[len(p) :])
     return out
 
 
@@ -92,12 +103,20 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7]]
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("kind", ["unified", pytest.param("recurrent", marks=SLOW), pytest.param("iswa", marks=SLOW),
-                                  pytest.param("hybrid", marks=SLOW)])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "unified",
+        pytest.param("recurrent", marks=SLOW),
+        pytest.param("iswa", marks=SLOW),
+        pytest.param("hybrid", marks=SLOW),
+    ],
+)
 def test_greedy_speculative_is_the_targets_greedy_output(kind):
     target, draft = _engines(kind)
-    out = kvjax.generate(target, PROMPTS, max_new_tokens=10, key=jax.random.PRNGKey(0), sampling=GREEDY,
-                         draft=draft, n_draft=3)
+    out = kvjax.generate(
+        target, PROMPTS, max_new_tokens=10, key=jax.random.PRNGKey(0), sampling=GREEDY, draft=draft, n_draft=3
+    )
     assert out.tokens == _greedy_reference(target, PROMPTS, 10)
     assert out.drafted > 0 and 0 <= out.accepted <= out.drafted
 
@@ -105,8 +124,9 @@ def test_greedy_speculative_is_the_targets_greedy_output(kind):
 @pytest.mark.parametrize("kind", ["unified", pytest.param("recurrent", marks=SLOW), pytest.param("hybrid", marks=SLOW)])
 def test_the_target_as_its_own_draft_accepts_everything(kind):
     target, draft = _engines(kind, same=True)
-    out = kvjax.generate(target, PROMPTS, max_new_tokens=9, key=jax.random.PRNGKey(0), sampling=GREEDY,
-                         draft=draft, n_draft=4)
+    out = kvjax.generate(
+        target, PROMPTS, max_new_tokens=9, key=jax.random.PRNGKey(0), sampling=GREEDY, draft=draft, n_draft=4
+    )
     assert out.tokens == _greedy_reference(target, PROMPTS, 9)
     assert out.acceptance_rate == 1.0
 
@@ -145,8 +165,8 @@ def test_a_rollback_leaves_what_never_seeing_the_rejected_tokens_leaves(kind):
     prompt = [3, 1, 4, 1, 5, 9]
     for e in (spec, plain):
         e.decode(prompt, range(6), [[0]] * 6)
-    spec.decode([2, 6, 5, 3], [6, 7, 8, 9], [[0]] * 4)          # a checked draft: 4 positions
-    spec.rollback(0, 8)                                        # 2 rejected
+    spec.decode([2, 6, 5, 3], [6, 7, 8, 9], [[0]] * 4)  # a checked draft: 4 positions
+    spec.rollback(0, 8)  # 2 rejected
     plain.decode([2], [6], [[0]])
     plain.decode([6], [7], [[0]])
     got, want = _held(spec.cache), _held(plain.cache)
@@ -174,7 +194,7 @@ def test_sampled_first_tokens_follow_the_target_distribution():
     @jax.jit
     def one(key):
         kd, ka = jax.random.split(key)
-        drafts = jax.random.categorical(kd, q_logits[0], axis=-1).astype(jnp.int32)[None]       # [1, k]
+        drafts = jax.random.categorical(kd, q_logits[0], axis=-1).astype(jnp.int32)[None]  # [1, k]
         n_ok, nxt = accept_drafts(p_logits, q_logits, drafts, ka, config)
         return jnp.where(n_ok[0] >= 1, drafts[0, 0], nxt[0])
 
@@ -182,11 +202,11 @@ def test_sampled_first_tokens_follow_the_target_distribution():
     counts = np.bincount(first, minlength=8)
     p = np.asarray(jax.nn.softmax(p_logits[0, 0]))
     chi2 = float(np.sum((counts - n * p) ** 2 / (n * p)))
-    assert chi2 < 24.3, (chi2, counts, n * p)                 # 7 degrees of freedom, p = 0.001
+    assert chi2 < 24.3, (chi2, counts, n * p)  # 7 degrees of freedom, p = 0.001
 
 
 def test_greedy_acceptance_rule():
-    p = jnp.asarray([[[0, 5, 0], [0, 0, 5], [5, 0, 0]]], jnp.float32)    # argmax 1, 2, 0
+    p = jnp.asarray([[[0, 5, 0], [0, 0, 5], [5, 0, 0]]], jnp.float32)  # argmax 1, 2, 0
     q = jnp.zeros((1, 2, 3))
     n, nxt = accept_drafts(p, q, jnp.asarray([[1, 2]]), jax.random.PRNGKey(0), GREEDY)
     assert (int(n[0]), int(nxt[0])) == (2, 0)
@@ -207,8 +227,10 @@ def test_bad_requests_are_refused_before_anything_changes():
         kvjax.generate(target, PROMPTS, max_new_tokens=4, key=key, draft=target)
     with pytest.raises(ValueError, match="n_parallel"):
         kvjax.generate(target, PROMPTS[:1], max_new_tokens=4, key=key, draft=draft, n_parallel=2)
-    other = kvjax.Engine(Mamba(MambaConfig(vocab_size=V + 1, d_model=16, n_layer=1), rngs=nnx.Rngs(0)),
-                         kvjax.init(MambaConfig(vocab_size=V + 1, d_model=16, n_layer=1).memory_config(2, n_states=4)))
+    other = kvjax.Engine(
+        Mamba(MambaConfig(vocab_size=V + 1, d_model=16, n_layer=1), rngs=nnx.Rngs(0)),
+        kvjax.init(MambaConfig(vocab_size=V + 1, d_model=16, n_layer=1).memory_config(2, n_states=4)),
+    )
     with pytest.raises(ValueError, match="draft has vocab_size=25"):
         kvjax.generate(target, PROMPTS, max_new_tokens=4, key=key, draft=other)
     for e in (target, draft):

@@ -22,8 +22,17 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 # Two layouts: one layer group and plain V; two layer groups (a filtered layer, other head
 # counts and sizes) with V transposed.
 PLAIN = dict(size=64, n_seq_max=5, n_layer=2, n_kv_heads=2, head_dim=4, padding=16)
-MIXED = dict(size=64, n_seq_max=5, n_layer=3, n_kv_heads=(2, 3, 1), head_dim=(4, 4, 8),
-             head_dim_v=(4, 4, 2), layer_filter=[0, 2], padding=16, v_trans=True)
+MIXED = dict(
+    size=64,
+    n_seq_max=5,
+    n_layer=3,
+    n_kv_heads=(2, 3, 1),
+    head_dim=(4, 4, 8),
+    head_dim_v=(4, 4, 2),
+    layer_filter=[0, 2],
+    padding=16,
+    v_trans=True,
+)
 CONFIGS = {"plain": kvjax.CacheConfig(**PLAIN), "mixed": kvjax.CacheConfig(**MIXED)}
 
 
@@ -54,8 +63,13 @@ def apply_ops(cache, steps):
 
 def op_steps(n_seq_max):
     seq = st.integers(0, n_seq_max - 1)
-    add = st.tuples(st.just("add"), st.lists(seq, min_size=1, max_size=3, unique=True),
-                    st.integers(1, 12), st.integers(0, 40), st.booleans())
+    add = st.tuples(
+        st.just("add"),
+        st.lists(seq, min_size=1, max_size=3, unique=True),
+        st.integers(1, 12),
+        st.integers(0, 40),
+        st.booleans(),
+    )
     rm = st.tuples(st.just("rm"), st.integers(-1, n_seq_max - 1), st.integers(-1, 30), st.integers(-1, 50))
     cp = st.tuples(st.just("cp"), seq, seq, st.integers(-1, 30), st.integers(-1, 50))
     return st.lists(st.one_of(add, add, rm, cp), max_size=8)
@@ -98,7 +112,7 @@ def assert_valid(cache):
     assert (table.pos[~used] == -1).all() and (table.delta[~used] == 0).all()
     assert (table.pos[used] >= 0).all()
     words = np.asarray(cache.cells.seq)
-    spare = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, cache.config.n_seq_max:]
+    spare = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, cache.config.n_seq_max :]
     assert not spare.any()
 
 
@@ -115,8 +129,7 @@ def largest_free_run(cache):
 
 
 @SETTINGS
-@given(name=st.sampled_from(sorted(CONFIGS)), steps=op_steps(5), dest_steps=op_steps(5),
-       seed=st.integers(0, 2**16))
+@given(name=st.sampled_from(sorted(CONFIGS)), steps=op_steps(5), dest_steps=op_steps(5), seed=st.integers(0, 2**16))
 def test_whole_round_trip(name, steps, dest_steps, seed):
     cfg = CONFIGS[name]
     cache = random_cache(cfg, steps, seed)
@@ -133,15 +146,21 @@ def test_whole_round_trip(name, steps, dest_steps, seed):
 
 
 @SETTINGS
-@given(name=st.sampled_from(sorted(CONFIGS)), steps=op_steps(5), dest_steps=op_steps(5),
-       src=st.integers(0, 4), dst=st.integers(0, 4), where=st.sampled_from(["fresh", "same", "other"]),
-       contiguous=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    name=st.sampled_from(sorted(CONFIGS)),
+    steps=op_steps(5),
+    dest_steps=op_steps(5),
+    src=st.integers(0, 4),
+    dst=st.integers(0, 4),
+    where=st.sampled_from(["fresh", "same", "other"]),
+    contiguous=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_sequence_round_trip(name, steps, dest_steps, src, dst, where, contiguous, seed):
     cfg = CONFIGS[name]
     cache = random_cache(cfg, steps, seed)
     blob = kvjax.state_write(cache, src)
-    dest = {"fresh": kvjax.init(cfg), "same": cache,
-            "other": random_cache(cfg, dest_steps, seed + 1)}[where]
+    dest = {"fresh": kvjax.init(cfg), "same": cache, "other": random_cache(cfg, dest_steps, seed + 1)}[where]
     base, _ = kvjax.seq_rm(dest, dst, -1, -1)
     moved = [(p, k, v) for p, seqs, k, v in records(cache) if src in seqs]
     try:
@@ -281,9 +300,19 @@ def hand_built(v_trans, k_dtype="float32", v_dtype="float32"):
     cells 0..5 hold positions 10..15 for sequences {0}, {0, 2}, {1}, {0}, {2, 1, 0}, {1}; cell 3
     is then removed, so the written cells form two ranges.
     """
-    cfg = kvjax.CacheConfig(size=32, n_seq_max=3, n_layer=3, n_kv_heads=(2, 5, 1), head_dim=(4, 2, 8),
-                            head_dim_v=3, layer_filter=[0, 2], padding=16, v_trans=v_trans,
-                            k_dtype=k_dtype, v_dtype=v_dtype)
+    cfg = kvjax.CacheConfig(
+        size=32,
+        n_seq_max=3,
+        n_layer=3,
+        n_kv_heads=(2, 5, 1),
+        head_dim=(4, 2, 8),
+        head_dim_v=3,
+        layer_filter=[0, 2],
+        padding=16,
+        v_trans=v_trans,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+    )
     seqs = [[0], [0, 2], [1], [0], [2, 1, 0], [1]]
     ub = kvjax.make_ubatch([10 + i for i in range(6)], seqs)
     cache, slot, ok = kvjax.find_slot(kvjax.init(cfg), ub)
@@ -294,19 +323,34 @@ def hand_built(v_trans, k_dtype="float32", v_dtype="float32"):
         # small multiples of 1/8: exact in every dtype used here
         k_vals[layer] = (np.arange(6 * h * d).reshape(6, h, d) % 61 - 30) / 8.0 + layer
         v_vals[layer] = (np.arange(6 * h * 3).reshape(6, h, 3) % 53 - 20) / 4.0 - layer
-        cache = kvjax.write(cache, layer, slot[:6], jnp.asarray(k_vals[layer], jnp.float32),
-                            jnp.asarray(v_vals[layer], jnp.float32))
+        cache = kvjax.write(
+            cache, layer, slot[:6], jnp.asarray(k_vals[layer], jnp.float32), jnp.asarray(v_vals[layer], jnp.float32)
+        )
     cache, _ = kvjax.seq_rm(cache, 0, 13, 14)  # empties cell 3 (position 13)
     kept = [0, 1, 2, 4, 5]
-    whole = seed_blob([(10 + c, sorted(seqs[c])) for c in kept],
-                      [([k_vals[ly][c].reshape(-1).tolist() for c in kept],
-                        [v_vals[ly][c].reshape(-1).tolist() for c in kept]) for ly in (0, 2)],
-                      v_trans, single=False, k_dtype=k_dtype, v_dtype=v_dtype)
+    whole = seed_blob(
+        [(10 + c, sorted(seqs[c])) for c in kept],
+        [
+            ([k_vals[ly][c].reshape(-1).tolist() for c in kept], [v_vals[ly][c].reshape(-1).tolist() for c in kept])
+            for ly in (0, 2)
+        ],
+        v_trans,
+        single=False,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+    )
     of1 = [c for c in kept if 1 in seqs[c]]
-    single = seed_blob([(10 + c, []) for c in of1],
-                       [([k_vals[ly][c].reshape(-1).tolist() for c in of1],
-                         [v_vals[ly][c].reshape(-1).tolist() for c in of1]) for ly in (0, 2)],
-                       v_trans, single=True, k_dtype=k_dtype, v_dtype=v_dtype)
+    single = seed_blob(
+        [(10 + c, []) for c in of1],
+        [
+            ([k_vals[ly][c].reshape(-1).tolist() for c in of1], [v_vals[ly][c].reshape(-1).tolist() for c in of1])
+            for ly in (0, 2)
+        ],
+        v_trans,
+        single=True,
+        k_dtype=k_dtype,
+        v_dtype=v_dtype,
+    )
     return cfg, cache, whole, single, (seqs, kept, of1, k_vals, v_vals)
 
 
@@ -340,7 +384,8 @@ def test_hand_built_blob(v_trans):
 
 def test_hand_built_half_precision_type_ids():
     cfg, cache, (whole, _), (single, _), (_, kept, _, k_vals, v_vals) = hand_built(
-        True, k_dtype="float16", v_dtype="bfloat16")
+        True, k_dtype="float16", v_dtype="bfloat16"
+    )
     assert kvjax.state_write(cache) == whole
     assert kvjax.state_write(cache, 1) == single
     restored = kvjax.state_read(kvjax.init(cfg), whole)
@@ -381,8 +426,7 @@ def test_mismatched_fields_are_named():
     # field offsets of the whole blob: count, 5 cell records (2 + ids words), v_trans, n_layer, ...
     n_pieces_meta = 1 + sum(1 + len(ids) for ids in ([0], [0, 2], [1], [2, 1, 0], [1]))
     i_vtrans = n_pieces_meta
-    o_vtrans, o_nlayer, o_ktype, o_krow = (cuts[i_vtrans], cuts[i_vtrans + 1], cuts[i_vtrans + 2],
-                                           cuts[i_vtrans + 3])
+    o_vtrans, o_nlayer, o_ktype, o_krow = (cuts[i_vtrans], cuts[i_vtrans + 1], cuts[i_vtrans + 2], cuts[i_vtrans + 3])
     cases = [
         (_patch(whole, 0, "<I", 33), "cell_count: expected at most 32"),
         (_patch(whole, 0, "<I", 2**32 - 1), "cell_count"),
@@ -427,8 +471,16 @@ def test_mismatched_fields_are_named():
 
 def test_other_config_is_refused():
     _, _, (whole, _), _, _ = hand_built(False)
-    base = dict(size=32, n_seq_max=3, n_layer=3, n_kv_heads=(2, 5, 1), head_dim=(4, 2, 8), head_dim_v=3,
-                layer_filter=[0, 2], padding=16)
+    base = dict(
+        size=32,
+        n_seq_max=3,
+        n_layer=3,
+        n_kv_heads=(2, 5, 1),
+        head_dim=(4, 2, 8),
+        head_dim_v=3,
+        layer_filter=[0, 2],
+        padding=16,
+    )
     others = {
         "K type": dict(k_dtype="float16"),
         "V type": dict(v_dtype="bfloat16"),
@@ -450,9 +502,16 @@ def test_random_bytes(data, seq):
 
 
 @settings(max_examples=80, deadline=None)
-@given(which=st.sampled_from(["whole", "single"]), v_trans=st.booleans(), donate=st.booleans(),
-       edits=st.lists(st.tuples(st.sampled_from(["set", "insert", "delete", "cut"]), st.integers(0, 2**16),
-                               st.integers(0, 255)), min_size=1, max_size=4))
+@given(
+    which=st.sampled_from(["whole", "single"]),
+    v_trans=st.booleans(),
+    donate=st.booleans(),
+    edits=st.lists(
+        st.tuples(st.sampled_from(["set", "insert", "delete", "cut"]), st.integers(0, 2**16), st.integers(0, 255)),
+        min_size=1,
+        max_size=4,
+    ),
+)
 def test_fuzz_mutated_blobs(which, v_trans, donate, edits):
     cfg, cache, (whole, _), (single, _), _ = built(v_trans)
     blob = bytearray(whole if which == "whole" else single)
@@ -463,7 +522,7 @@ def test_fuzz_mutated_blobs(which, v_trans, donate, edits):
         elif kind == "insert":
             blob[at:at] = bytes([byte])
         elif kind == "delete":
-            del blob[at:at + 1 + byte % 9]
+            del blob[at : at + 1 + byte % 9]
         elif kind == "cut":
             del blob[at:]
     dest = kvjax.state_read(kvjax.init(cfg), whole)  # a fresh value each time (donation below)

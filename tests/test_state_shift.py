@@ -29,8 +29,9 @@ def _recurrent():
 def _hybrid():
     from kvjax.nn import HybridLMConfig
 
-    cfg = HybridLMConfig(vocab_size=20, d_model=16, n_layer=2, recurrent_layers=(1,), n_heads=2, n_kv_heads=1,
-                         d_state=4)
+    cfg = HybridLMConfig(
+        vocab_size=20, d_model=16, n_layer=2, recurrent_layers=(1,), n_heads=2, n_kv_heads=1, d_state=4
+    )
     return kvjax.init(cfg.memory_config(size=64, n_seq_max=6, padding=16))
 
 
@@ -50,8 +51,10 @@ def _shared_prompt(memory):
 
 
 def _same(a, b) -> bool:
-    return all(np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(kvjax.clear_errors(a)), jax.tree.leaves(kvjax.clear_errors(b))))
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(kvjax.clear_errors(a)), jax.tree.leaves(kvjax.clear_errors(b)))
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(MEMORIES))
@@ -62,8 +65,11 @@ def test_a_shift_below_zero_is_refused_and_every_state_kept(kind, jitted):
     for seq_id, p0, delta in ((4, 0, -5), (4, 0, -100), (-1, 0, -6), (1, 2, -7)):
         if not jitted:
             before = jax.device_get(memory)
-            with pytest.raises(ValueError, match=rf"seq_add\(seq_id={seq_id}, p0={p0}, p1=-1, delta={delta}\) was "
-                                                 r"refused, the memory is unchanged: seq_add would move a recurrent"):
+            with pytest.raises(
+                ValueError,
+                match=rf"seq_add\(seq_id={seq_id}, p0={p0}, p1=-1, delta={delta}\) was "
+                r"refused, the memory is unchanged: seq_add would move a recurrent",
+            ):
                 seq_add(memory, seq_id, p0, -1, delta)
             assert _same(memory, before)
             continue
@@ -72,7 +78,7 @@ def test_a_shift_below_zero_is_refused_and_every_state_kept(kind, jitted):
         assert ErrorFlag.STATE_SHIFT & int(out.error_bits())
         with pytest.raises(ValueError, match="would move a recurrent state below position 0"):
             kvjax.check(out)
-        for s in (1, 4, 5):                                   # every sharer still holds positions 0..4
+        for s in (1, 4, 5):  # every sharer still holds positions 0..4
             assert int(kvjax.seq_pos_max(out, s)) == 4
     # a shift that keeps the state at >= 0 moves it, for the sharers too (one shared state)
     moved = seq_add(memory, 4, 0, -1, -4)

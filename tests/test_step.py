@@ -22,8 +22,9 @@ def _cache(size=128, n_seq_max=4):
 
 
 def _ubatch(n, length, seqs, start=0):
-    return kvjax.make_ubatch([start + i // len(seqs) for i in range(n)],
-                             [[seqs[i % len(seqs)]] for i in range(n)], length=length)
+    return kvjax.make_ubatch(
+        [start + i // len(seqs) for i in range(n)], [[seqs[i % len(seqs)]] for i in range(n)], length=length
+    )
 
 
 def _tokens(rng, length):
@@ -49,8 +50,9 @@ def test_one_program_per_bucket_pair():
         _, cache, _ = step(nnx.state(other), cache, _ubatch(2, 4, [3]), _tokens(rng, 4), n_kv=32)
     for n_kv, length in ((64, 4), (64, 8), (32, 8)):  # each new pair: exactly one program
         with CompileCounter() as counter:
-            _, cache, ok = step(state, cache, _ubatch(length, length, [0, 1], start=100), _tokens(rng, length),
-                                n_kv=n_kv)
+            _, cache, ok = step(
+                state, cache, _ubatch(length, length, [0, 1], start=100), _tokens(rng, length), n_kv=n_kv
+            )
         assert counter.count == 1, (n_kv, length, counter.count)
     with no_recompile():
         for n_kv, length in ((64, 4), (64, 8), (32, 8), (32, 4)):
@@ -92,6 +94,7 @@ def test_caller_placed_equals_step_placed():
 
 def test_apply_function_step():
     """make_step also takes a plain function: here attention-free, writing zeros for every layer."""
+
     def apply(state, tokens, cache, inputs):
         ubatch, (n_kv,) = inputs.ubatch, inputs.windows
         rows = jnp.zeros((ubatch.length, 2, 8))
@@ -184,11 +187,11 @@ def test_step_fails_on_what_it_cannot_compute():
     _, cache, ok = step(state, cache, ub, np.arange(32) % 16, n_kv=32)
     assert bool(ok)
     before = np.asarray(kvjax.cell_table(cache).pos).copy()
-    ub2 = kvjax.make_ubatch(range(20, 36), [[0]] * 16)          # lands in cells 20..35: beyond a window of 32
+    ub2 = kvjax.make_ubatch(range(20, 36), [[0]] * 16)  # lands in cells 20..35: beyond a window of 32
     logits, cache, ok = step(state, cache, ub2, np.zeros(16, np.int32), n_kv=32)
     assert not bool(ok)
     np.testing.assert_array_equal(kvjax.cell_table(cache).pos, before)
-    assert int(cache.error_bits()) == kvjax.ErrorFlag.WINDOW    # says why, in the memory's error word
+    assert int(cache.error_bits()) == kvjax.ErrorFlag.WINDOW  # says why, in the memory's error word
     cache = kvjax.clear_errors(cache)
     bad_tokens = jnp.asarray(np.array([3, 99, 4, 0], np.int32))  # a device array: no host read, an error bit
     one = kvjax.make_ubatch([20, 21, 22], [[0]] * 3)
@@ -198,7 +201,7 @@ def test_step_fails_on_what_it_cannot_compute():
     assert int(cache.error_bits()) == kvjax.ErrorFlag.TOKEN
     cache = kvjax.clear_errors(cache)
     _, cache, ok = step(state, cache, one, jnp.asarray(np.array([3, 9, 4, 99], np.int32)), n_kv=64)
-    assert bool(ok)                                               # the padding row's token is ignored
+    assert bool(ok)  # the padding row's token is ignored
     assert int(kvjax.used_cells(cache)) == 23
     with pytest.raises(ValueError, match="vocab_size=0 is out of range"):
         Step(lambda *a: None, vocab_size=0)
@@ -220,20 +223,30 @@ def test_step_names_host_slots_and_tokens_eagerly_and_flags_device_ones():
     tokens = np.array([1, 2, 3, 0], np.int32)
     before = jax.device_get(cache)
     for call, match in (
-            (lambda: step(state, cache, ub, np.array([1, 2, 16, 0]), n_kv=64), r"tokens contains 16: allowed ids in \[0, 16\)"),
-            (lambda: step(state, cache, ub, [1, -3, 2, 0], n_kv=64), r"tokens contains -3"),
-            (lambda: step(state, cache, ub, tokens, n_kv=64, slot=np.array([0, 1, 64, -1])),
-             r"slot contains 64: allowed cells in \[-1, size=64\)"),
-            (lambda: step(state, cache, ub, tokens, n_kv=64, slot=[0, -2, 1, -1]), r"slot contains -2"),
-            (lambda: step(state, cache, ub, tokens, n_kv=16, slot=np.array([0, 1, 20, -1])),
-             r"slot contains 20: allowed cells inside the window 16")):
+        (
+            lambda: step(state, cache, ub, np.array([1, 2, 16, 0]), n_kv=64),
+            r"tokens contains 16: allowed ids in \[0, 16\)",
+        ),
+        (lambda: step(state, cache, ub, [1, -3, 2, 0], n_kv=64), r"tokens contains -3"),
+        (
+            lambda: step(state, cache, ub, tokens, n_kv=64, slot=np.array([0, 1, 64, -1])),
+            r"slot contains 64: allowed cells in \[-1, size=64\)",
+        ),
+        (lambda: step(state, cache, ub, tokens, n_kv=64, slot=[0, -2, 1, -1]), r"slot contains -2"),
+        (
+            lambda: step(state, cache, ub, tokens, n_kv=16, slot=np.array([0, 1, 20, -1])),
+            r"slot contains 20: allowed cells inside the window 16",
+        ),
+    ):
         with pytest.raises(ValueError, match=match):
             call()
         chex.assert_trees_all_equal(jax.device_get(cache), before)
-    for kwargs, bit in ((dict(tokens=jnp.array([1, 2, 16, 0])), kvjax.ErrorFlag.TOKEN),
-                        (dict(slot=jnp.array([0, 1, 64, -1])), kvjax.ErrorFlag.SLOT),
-                        (dict(slot=jnp.array([0, -5, 1, -1])), kvjax.ErrorFlag.SLOT),
-                        (dict(slot=jnp.array([0, 1, 20, -1]), n_kv=16), kvjax.ErrorFlag.WINDOW)):
+    for kwargs, bit in (
+        (dict(tokens=jnp.array([1, 2, 16, 0])), kvjax.ErrorFlag.TOKEN),
+        (dict(slot=jnp.array([0, 1, 64, -1])), kvjax.ErrorFlag.SLOT),
+        (dict(slot=jnp.array([0, -5, 1, -1])), kvjax.ErrorFlag.SLOT),
+        (dict(slot=jnp.array([0, 1, 20, -1]), n_kv=16), kvjax.ErrorFlag.WINDOW),
+    ):
         kwargs = {"tokens": jnp.asarray(tokens), "n_kv": 64, **kwargs}
         _, out, ok = step(state, kvjax.init(cfg.cache_config(size=64, n_seq_max=2, padding=16)), ub, **kwargs)
         assert not bool(ok)

@@ -19,8 +19,9 @@ from kvjax.storage import _quant
 from kvjax.testing import StreamsRef
 from tests.helpers import assert_cells_match, buffer_writes, no_recompile
 
-BASE = kvjax.CacheConfig(size=16, n_seq_max=4, n_layer=1, n_kv_heads=1, head_dim=4, padding=8,
-                         rope=kvjax.RopeConfig(n_rot=4))
+BASE = kvjax.CacheConfig(
+    size=16, n_seq_max=4, n_layer=1, n_kv_heads=1, head_dim=4, padding=8, rope=kvjax.RopeConfig(n_rot=4)
+)
 
 
 def _compare(memory, ref):
@@ -41,8 +42,10 @@ def _ubatch(tokens):
     return kvjax.make_ubatch([p for p, _ in tokens], [ids for _, ids in tokens], length=16)
 
 
-_JIT = {name: jax.jit(getattr(kvjax, name)) for name in
-        ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot", "update")}
+_JIT = {
+    name: jax.jit(getattr(kvjax, name))
+    for name in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "find_slot", "update")
+}
 
 
 def _op(n_seq):
@@ -83,8 +86,15 @@ def test_lock_step_with_the_reference(n_stream, ops, jitted):
                 assert got.tolist() == cells
                 for s, n in dict(args[0]).items():
                     next_pos[s] += n
-        elif name == "seq_cp" and ref.stream_of(args[0]) != ref.stream_of(args[1]) and (
-                args[2] > 0 or args[3] >= 0 or any(c.seqs - {args[1]} for c in ref.streams[ref.stream_of(args[1])].cells)):
+        elif (
+            name == "seq_cp"
+            and ref.stream_of(args[0]) != ref.stream_of(args[1])
+            and (
+                args[2] > 0
+                or args[3] >= 0
+                or any(c.seqs - {args[1]} for c in ref.streams[ref.stream_of(args[1])].cells)
+            )
+        ):
             before = jax.tree.map(np.asarray, memory)
             if jitted:  # traced arguments: a no-op flagged on device
                 memory = call("seq_cp")(memory, *args)
@@ -149,8 +159,13 @@ def test_a_token_of_two_streams_is_refused_and_changes_nothing():
     for fn in (jax.jit(kvjax.find_slot),):
         got, placement, ok = fn(memory, kvjax.make_ubatch([0], [[0, 1]]))
         assert not bool(ok) and (np.asarray(placement.cell) == -1).all()
-        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), before.cache,
-                                         got.cache.replace(cells=got.cache.cells.replace(error=memory.cache.cells.error))))
+        assert jax.tree.all(
+            jax.tree.map(
+                lambda a, b: np.array_equal(a, np.asarray(b)),
+                before.cache,
+                got.cache.replace(cells=got.cache.cells.replace(error=memory.cache.cells.error)),
+            )
+        )
         assert kvjax.errors(got)  # the refusal is flagged
     # within one stream (grouped streams) a shared token is fine
     grouped = kvjax.init(kvjax.StreamsConfig(BASE, n_stream=2))
@@ -180,9 +195,9 @@ def test_eager_operations_are_one_program_each_and_leave_the_k_v_buffers_alone()
     for name, call in calls.items():
         with CompileCounter() as first:
             out = call(memory, 0)
-        assert first.count <= 2, (name, first.count)   # the op's program (and the copy check's)
+        assert first.count <= 2, (name, first.count)  # the op's program (and the copy check's)
         with no_recompile():
-            out = call(memory, 1)                       # new values: nothing compiles
+            out = call(memory, 1)  # new values: nothing compiles
         if isinstance(out, kvjax.StreamCache):
             assert all(a is b for a, b in zip(out.cache.k + out.cache.v, memory.cache.k + memory.cache.v)), name
 
@@ -202,7 +217,7 @@ def test_state_layout_is_llama_cpps_and_reads_a_unified_sequence():
     memory = _random_kv(memory, 1)
     blob = kvjax.state_write(memory)
     n_stream, count0, count1 = np.frombuffer(blob[:12], "<u4")
-    assert (n_stream, count0, count1) == (4, 0, 3)           # stream 0 empty, stream 1 three cells
+    assert (n_stream, count0, count1) == (4, 0, 3)  # stream 0 empty, stream 1 three cells
     with pytest.raises(kvjax.StateError, match="n_stream: expected 2"):
         kvjax.state_read(kvjax.init(kvjax.StreamsConfig(BASE, n_stream=2)), blob)
     # a sequence saved from a unified cache goes into its stream
@@ -214,7 +229,7 @@ def test_state_layout_is_llama_cpps_and_reads_a_unified_sequence():
     restored = kvjax.state_read(memory, stream_state_write(unified, 3), 3)
     assert int(kvjax.seq_pos_max(restored, 3)) == 1
     np.testing.assert_array_equal(np.asarray(restored.cache.k[0][3][:, :, :2]), 1.0)
-    assert int(kvjax.seq_pos_max(restored, 1)) == 2          # the other streams are untouched
+    assert int(kvjax.seq_pos_max(restored, 1)) == 2  # the other streams are untouched
 
 
 # -- the attention path ------------------------------------------------------------------------
@@ -240,9 +255,13 @@ def test_a_model_step_updates_the_stream_buffers_in_place(n_seq):
     copies = buffer_writes(step, model, memory, ubatch, tokens, windows=(32,))["copy"]
     assert not copies, copies[:3]
     logits, _, ok = step(_nnx.state(model), memory, ubatch, tokens, n_kv=32)
-    want, _, _ = make_step(model)(_nnx.state(model), kvjax.init(model.config.cache_config(size=256, n_seq_max=4,
-                                                                                         padding=32)),
-                                  ubatch, tokens, n_kv=32)
+    want, _, _ = make_step(model)(
+        _nnx.state(model),
+        kvjax.init(model.config.cache_config(size=256, n_seq_max=4, padding=32)),
+        ubatch,
+        tokens,
+        n_kv=32,
+    )
     assert bool(ok)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5)
 
@@ -273,13 +292,19 @@ def test_stream_attention_equals_unified_attention_per_stream_jitted_and_eager()
         one = written.stream(stream)
         want = kvjax.attention(q[rows], one, 0, kvjax.kq_mask(one, sub, 32))
         np.testing.assert_allclose(np.asarray(eager[rows]), np.asarray(want), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(eager[6:]), 0.0)      # the padding slot
+    np.testing.assert_array_equal(np.asarray(eager[6:]), 0.0)  # the padding slot
 
 
-@pytest.mark.parametrize("kv_dtype,alibi,softcap,pairs", [("float32", False, None, False),
-                                                           ("float16", True, None, False),
-                                                           ("float32", False, 5.0, False), ("q8_0", False, None, False),
-                                                           ("float32", False, None, True)])
+@pytest.mark.parametrize(
+    "kv_dtype,alibi,softcap,pairs",
+    [
+        ("float32", False, None, False),
+        ("float16", True, None, False),
+        ("float32", False, 5.0, False),
+        ("q8_0", False, None, False),
+        ("float32", False, None, True),
+    ],
+)
 def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, softcap, pairs):
     """All slots in one loop up to the longest stream give each slot what its own loop gives.
 
@@ -295,14 +320,16 @@ def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, soft
     monkeypatch.setattr(_attention, "MAX_CHUNK", 8)
     if pairs:  # a chunk of 8 cells, 2 kv heads of 32 floats: 4096 bytes hold two slots' K block
         monkeypatch.setattr(_attention, "GATHER_BLOCK_BYTES", 4096)
-    base = kvjax.CacheConfig(size=64, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=32, padding=8,
-                             k_dtype=kv_dtype, v_dtype=kv_dtype)
+    base = kvjax.CacheConfig(
+        size=64, n_seq_max=4, n_layer=2, n_kv_heads=2, head_dim=32, padding=8, k_dtype=kv_dtype, v_dtype=kv_dtype
+    )
     memory = kvjax.init(kvjax.StreamsConfig(base))
     memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([(list(range(37)), [0])]))
     memory, _, _ = kvjax.find_slot(memory, kvjax.make_equal_ubatch([(list(range(3)), [2])]))
     rng = np.random.default_rng(1)
-    k_old, v_old = (_quant.to_storage(jnp.asarray(rng.normal(size=(4, 2, 2, 64, 32)), jnp.float32), kv_dtype)
-                    for _ in range(2))
+    k_old, v_old = (
+        _quant.to_storage(jnp.asarray(rng.normal(size=(4, 2, 2, 64, 32)), jnp.float32), kv_dtype) for _ in range(2)
+    )
     memory = memory.replace(cache=memory.cache.replace(k=(k_old,), v=(v_old,)))
     ub = kvjax.make_equal_ubatch([([37, 38], [0]), ([3, 4], [2]), ([0, 1], [3])], n_slots=4)
     memory, placement, ok = kvjax.find_slot(memory, ub)
@@ -310,7 +337,7 @@ def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, soft
     k_new, v_new = (jnp.asarray(rng.normal(size=(8, 2, 32)), jnp.float32) for _ in range(2))
     cache = _streams.write(memory.cache, 1, placement, k_new, v_new)
     if kv_dtype != "q8_0":
-        k, v = cache.k[0], cache.v[0]                       # [S, L, H, C, D]
+        k, v = cache.k[0], cache.v[0]  # [S, L, H, C, D]
         k, v = k.at[2, 1, :, 5:].set(jnp.nan), v.at[2, 1, :, 5:].set(jnp.nan)  # unwritten by stream 2
         cache = cache.replace(k=(k,), v=(v,))
     memory = memory.replace(cache=cache)
@@ -325,15 +352,17 @@ def test_slots_in_one_loop_equal_slot_by_slot(monkeypatch, kv_dtype, alibi, soft
         c = memory.cache
         with monkeypatch.context() as patch:
             patch.setattr(_streams, "ONE_LOOP_READ_FACTOR", 1e9 if batched else 0.0)
-            return _streams._slots_attention(q, c.k[0], c.v[0], 1, masks, streams, live, (4, 2), c.config, None,
-                                             slopes, softcap, batched=batched)
+            return _streams._slots_attention(
+                q, c.k[0], c.v[0], 1, masks, streams, live, (4, 2), c.config, None, slopes, softcap, batched=batched
+            )
 
     one_loop, by_slot = run(memory, q, True), run(memory, q, False)
     assert np.isfinite(np.asarray(by_slot)).all()
     np.testing.assert_allclose(np.asarray(one_loop), np.asarray(by_slot), rtol=2e-6, atol=2e-6)
-    np.testing.assert_allclose(np.asarray(jax.jit(run, static_argnums=2)(memory, q, True)), np.asarray(by_slot),
-                               rtol=2e-6, atol=2e-6)
-    np.testing.assert_array_equal(np.asarray(one_loop[6:]), 0.0)      # the padding slot
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(run, static_argnums=2)(memory, q, True)), np.asarray(by_slot), rtol=2e-6, atol=2e-6
+    )
+    np.testing.assert_array_equal(np.asarray(one_loop[6:]), 0.0)  # the padding slot
     # a slot with nothing to read (on a mesh: its stream is another device's) gives zeros, whatever its mask
     for batched in (True, False):
         np.testing.assert_array_equal(np.asarray(run(memory, q, batched, live.at[1].set(0))[2:4]), 0.0)
@@ -368,7 +397,7 @@ def test_decode_logits_equal_a_unified_cache():
     for name, engine in [("unified", _engine(False)), ("streams", _engine(True)), ("grouped", _engine(True, 2))]:
         # grouped: 0 and 1 share stream 0, 2 and 3 stream 1 (copied into before 3 arrives)
         first = engine.decode([1, 2, 3, 4, 5], [0, 1, 2, 0, 1], [[0], [0], [0], [1], [1]])
-        engine.cache = kvjax.seq_cp(engine.cache, 0, 2)       # a whole-sequence copy (across streams)
+        engine.cache = kvjax.seq_cp(engine.cache, 0, 2)  # a whole-sequence copy (across streams)
         second = engine.decode([8, 9, 6, 7, 10, 11], [3, 2, 0, 1, 2, 3], [[0], [1], [3], [3], [3], [2]])
         got[name] = np.asarray(first), np.asarray(second)
     for name in ("streams", "grouped"):

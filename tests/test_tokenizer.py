@@ -19,9 +19,13 @@ from kvjax.nn import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café",
-          "日本語のテキスト 🙂 emoji",
-          "Return a new list of items", "kv cache for every sequence"] * 4
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "héllo wörld, naïve café",
+    "日本語のテキスト 🙂 emoji",
+    "Return a new list of items",
+    "kv cache for every sequence",
+] * 4
 
 
 def make_tokenizer(vocab_size: int = 300, byte_level: bool = True, post_bos: bool = False):
@@ -34,8 +38,9 @@ def make_tokenizer(vocab_size: int = 300, byte_level: bool = True, post_bos: boo
         backend = Backend(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
     else:
         backend = Backend(models.BPE(unk_token="<unk>"))
         backend.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -50,8 +55,11 @@ def make_tokenizer(vocab_size: int = 300, byte_level: bool = True, post_bos: boo
 def write_tokenizer_folder(folder: pathlib.Path, backend, *, config=None, generation=None, tokenizer_config=None):
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
-    for name, data in (("config.json", config), ("generation_config.json", generation),
-                       ("tokenizer_config.json", tokenizer_config)):
+    for name, data in (
+        ("config.json", config),
+        ("generation_config.json", generation),
+        ("tokenizer_config.json", tokenizer_config),
+    ):
         if data is not None:
             (folder / name).write_text(json.dumps(data))
     return folder
@@ -63,9 +71,13 @@ def byte_bpe():
 
 
 def test_round_trip_and_special_ids(tmp_path, byte_bpe):
-    folder = write_tokenizer_folder(tmp_path, byte_bpe, config={"bos_token_id": 0, "eos_token_id": 1},
-                                    generation={"bos_token_id": 0, "eos_token_id": [1, 2]},
-                                    tokenizer_config={"add_bos_token": True})
+    folder = write_tokenizer_folder(
+        tmp_path,
+        byte_bpe,
+        config={"bos_token_id": 0, "eos_token_id": 1},
+        generation={"bos_token_id": 0, "eos_token_id": [1, 2]},
+        tokenizer_config={"add_bos_token": True},
+    )
     tok = Tokenizer.from_pretrained(folder)
     assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (0, (1, 2), True)
     for text in CORPUS[:3] + ["", "   spaces  ", "unseen ÿ ø Ω"]:
@@ -77,20 +89,27 @@ def test_round_trip_and_special_ids(tmp_path, byte_bpe):
 
 def test_ids_from_each_file(tmp_path, byte_bpe):
     # only tokenizer_config.json's token strings
-    tok = Tokenizer.from_pretrained(write_tokenizer_folder(
-        tmp_path / "a", byte_bpe, tokenizer_config={"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
-    assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (0, (1,), False)   # no post-processor adds BOS
+    tok = Tokenizer.from_pretrained(
+        write_tokenizer_folder(
+            tmp_path / "a", byte_bpe, tokenizer_config={"bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+        )
+    )
+    assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (0, (1,), False)  # no post-processor adds BOS
     # config.json only; the backend's post-processor adds BOS, so prompts start with it
-    tok = Tokenizer.from_pretrained(write_tokenizer_folder(
-        tmp_path / "b", make_tokenizer(post_bos=True), config={"bos_token_id": 0, "eos_token_id": 1}))
+    tok = Tokenizer.from_pretrained(
+        write_tokenizer_folder(
+            tmp_path / "b", make_tokenizer(post_bos=True), config={"bos_token_id": 0, "eos_token_id": 1}
+        )
+    )
     assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (0, (1,), True)
-    assert tok.encode("dog")[:1] == [0] and tok.encode("dog").count(0) == 1     # BOS once
+    assert tok.encode("dog")[:1] == [0] and tok.encode("dog").count(0) == 1  # BOS once
     # nothing: no special ids
     tok = Tokenizer.from_pretrained(write_tokenizer_folder(tmp_path / "c", byte_bpe))
     assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (None, (), False)
     # out-of-vocabulary ids in the configs are dropped, not trusted
-    tok = Tokenizer.from_pretrained(write_tokenizer_folder(tmp_path / "d", byte_bpe,
-                                                           config={"bos_token_id": 10**6, "eos_token_id": [1, 10**6]}))
+    tok = Tokenizer.from_pretrained(
+        write_tokenizer_folder(tmp_path / "d", byte_bpe, config={"bos_token_id": 10**6, "eos_token_id": [1, 10**6]})
+    )
     assert (tok.bos_id, tok.eos_ids) == (None, (1,))
 
 
@@ -115,7 +134,7 @@ def test_stream_flush_of_an_incomplete_character(byte_bpe):
     ids = tok.encode("🙂", add_bos=False)
     stream = tok.stream()
     assert stream.push(ids[0]) == ""
-    assert stream.flush() == "\ufffd"        # what is left at the end comes out, marked
+    assert stream.flush() == "\ufffd"  # what is left at the end comes out, marked
     assert stream.flush() == ""
 
 
@@ -179,11 +198,13 @@ def test_equals_transformers_fast_tokenizer(tmp_path, byte_bpe):
 def test_special_tokens_parsed_only_when_asked(byte_bpe):
     tok = Tokenizer(byte_bpe, bos_id=0, eos_ids=(1,))
     parsed = tok.encode("fox</s>", special=True)
-    assert parsed[-1] == 1 and 1 not in tok.encode("fox</s>")        # the default: plain text
+    assert parsed[-1] == 1 and 1 not in tok.encode("fox</s>")  # the default: plain text
     assert tok.decode(tok.encode("fox</s>")) == "fox</s>"
-    assert byte_bpe.encode_special_tokens is False                    # the backend's own setting is kept
-    assert tok.encode("fox", add_eos=True)[-1] == 1 and Tokenizer(byte_bpe, eos_ids=(1,), add_eos=True).encode(
-        "fox")[-1] == 1
+    assert byte_bpe.encode_special_tokens is False  # the backend's own setting is kept
+    assert (
+        tok.encode("fox", add_eos=True)[-1] == 1
+        and Tokenizer(byte_bpe, eos_ids=(1,), add_eos=True).encode("fox")[-1] == 1
+    )
     with pytest.raises(ValueError, match=r"add_eos=True is out of range without eos_ids"):
         Tokenizer(byte_bpe, add_eos=True)
     with pytest.raises(ValueError, match=r"special='yes' is out of range: allowed True or False"):
@@ -192,14 +213,23 @@ def test_special_tokens_parsed_only_when_asked(byte_bpe):
 
 def test_chat_template_from_the_folder(tmp_path, byte_bpe):
     template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
-    folder = write_tokenizer_folder(tmp_path / "a", byte_bpe, config={"bos_token_id": 0, "eos_token_id": 1},
-                                    tokenizer_config={"chat_template": template, "bos_token": "<s>"})
+    folder = write_tokenizer_folder(
+        tmp_path / "a",
+        byte_bpe,
+        config={"bos_token_id": 0, "eos_token_id": 1},
+        tokenizer_config={"chat_template": template, "bos_token": "<s>"},
+    )
     tok = Tokenizer.from_pretrained(folder)
     assert tok.chat_template == template
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>user: hi</s>"
     # a list of named templates: the default one; a chat_template.jinja file wins over both
-    folder = write_tokenizer_folder(tmp_path / "b", byte_bpe, tokenizer_config={"chat_template": [
-        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]})
+    folder = write_tokenizer_folder(
+        tmp_path / "b",
+        byte_bpe,
+        tokenizer_config={
+            "chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]
+        },
+    )
     assert Tokenizer.from_pretrained(folder).chat_template == "plain"
     (folder / "chat_template.jinja").write_text("from the file")
     assert Tokenizer.from_pretrained(folder).chat_template == "from the file"
@@ -226,9 +256,17 @@ def test_a_sentencepiece_folder(tmp_path, monkeypatch):
     import io
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=340,
-                                   hard_vocab_limit=False, model_type="bpe", byte_fallback=True, character_coverage=1.0,
-                                   user_defined_symbols=["<mask>"], minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS),
+        model_writer=model,
+        vocab_size=340,
+        hard_vocab_limit=False,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        user_defined_symbols=["<mask>"],
+        minloglevel=2,
+    )
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
     tok = Tokenizer.from_pretrained(tmp_path)

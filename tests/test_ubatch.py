@@ -24,13 +24,16 @@ def test_make_ubatch_layout():
     assert bare.seq_ids.tolist() == kvjax.make_ubatch([0, 1], [[3], [4]]).seq_ids.tolist() == [[3], [4]]
 
 
-@pytest.mark.parametrize("args, match", [
-    (([0, 1], [[0]]), r"seq_ids has 1 entries: allowed exactly one per token \(len\(pos\)=2\)"),
-    (([0], [[]]), r"seq_ids\[0\] is empty"),
-    (([0], [[-1]]), r"seq_ids\[0\] contains -1: allowed \[0, "),
-    (([-3], [[0]]), r"pos=-3 is out of range: allowed \[0, 2147483647\)"),
-    (([2**31], [[0]]), r"pos=2147483648 is out of range"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (([0, 1], [[0]]), r"seq_ids has 1 entries: allowed exactly one per token \(len\(pos\)=2\)"),
+        (([0], [[]]), r"seq_ids\[0\] is empty"),
+        (([0], [[-1]]), r"seq_ids\[0\] contains -1: allowed \[0, "),
+        (([-3], [[0]]), r"pos=-3 is out of range: allowed \[0, 2147483647\)"),
+        (([2**31], [[0]]), r"pos=2147483648 is out of range"),
+    ],
+)
 def test_make_ubatch_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         kvjax.make_ubatch(*args)
@@ -44,8 +47,11 @@ def test_make_ubatch_length_and_n_seq_max():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=20),
-       st.booleans(), st.sampled_from(["lists", "numpy", "numpy uint8"]))
+@given(
+    st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=4), min_size=1, max_size=20),
+    st.booleans(),
+    st.sampled_from(["lists", "numpy", "numpy uint8"]),
+)
 def test_make_ubatch_equals_a_per_token_construction(seq_ids, rectangular, form):
     """Whatever path builds it (one vectorized pass for rectangular ids, token by token otherwise),
     the ubatch is the per-token definition: each token's ids in order with repeats dropped, -1 padded."""
@@ -63,7 +69,7 @@ def test_make_ubatch_equals_a_per_token_construction(seq_ids, rectangular, form)
     ub = kvjax.make_ubatch(pos, seq_ids, length=32)
     assert ub.seq_ids.dtype == np.int32 and ub.seq_ids.shape == (32, width)
     np.testing.assert_array_equal(ub.seq_ids[: len(uniq)], want)
-    assert (ub.seq_ids[len(uniq):] == -1).all() and ub.valid.tolist() == [i < len(uniq) for i in range(32)]
+    assert (ub.seq_ids[len(uniq) :] == -1).all() and ub.valid.tolist() == [i < len(uniq) for i in range(32)]
     assert ub.pos[: len(pos)].tolist() == pos
 
 
@@ -129,7 +135,10 @@ def test_split_bad_n_ubatch():
 @pytest.mark.parametrize("jit", [False, True])
 def test_prepare_reports_and_keeps_nothing(jit):
     cache = fill(kvjax.init(small_config(size=32, padding=16)), range(20), [[0]] * 20)
-    fits = [kvjax.make_ubatch(range(20, 24), [[0]] * 4, length=8), kvjax.make_ubatch(range(24, 30), [[0]] * 6, length=8)]
+    fits = [
+        kvjax.make_ubatch(range(20, 24), [[0]] * 4, length=8),
+        kvjax.make_ubatch(range(24, 30), [[0]] * 6, length=8),
+    ]
     too_many = fits + [kvjax.make_ubatch(range(30, 33), [[0]] * 3, length=8)]
     prepare = jax.jit(kvjax.prepare, static_argnames="contiguous") if jit else kvjax.prepare
     ok, slots = prepare(cache, fits)
@@ -146,31 +155,53 @@ def test_prepare_reports_and_keeps_nothing(jit):
     assert counter.count == 0
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: kvjax.make_ubatch([0.7, 1.9], [[0], [0]]), r"pos has dtype float64: allowed integers"),
-    (lambda: kvjax.make_ubatch([0], [[0.5]]), r"seq_ids\[0\] has dtype float64: allowed integers"),
-    # a bool is no sequence id, even where numpy would take it as 0 or 1 among ints
-    (lambda: kvjax.make_ubatch([0, 1], [[0], [True]]), r"seq_ids\[1\] contains True: allowed integer sequence ids"),
-    (lambda: kvjax.make_ubatch([0, 1], [0, True]), r"seq_ids\[1\] contains True: allowed integer sequence ids"),
-    (lambda: kvjax.make_ubatch([0], [[2, False]]), r"seq_ids\[0\] contains False: allowed integer sequence ids"),
-    (lambda: kvjax.make_ubatch([0], [[np.True_]]), r"seq_ids\[0\] contains np.True_"),
-    (lambda: kvjax.make_ubatch([0], [[True]]), r"seq_ids\[0\] contains True"),
-    (lambda: kvjax.make_ubatch([0, 1], np.array([[True], [False]])), r"seq_ids\[0\] has dtype bool: allowed integers"),
-    # ids past int32 are refused, never wrapped, whatever n_seq_max says
-    (lambda: kvjax.make_ubatch([0], [[2**35]], n_seq_max=2**40), r"seq_ids\[0\] contains 34359738368: allowed \[0, "
-                                                                  r"2147483648\)"),
-    (lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=float("nan")), r"n_seq_max=nan is out of range: allowed an integer"),
-    (lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=0), r"n_seq_max=0 is out of range: allowed an integer >= 1"),
-    (lambda: kvjax.split_simple([[0]], 2.5), r"n_ubatch=2.5 is out of range"),
-    (lambda: kvjax.find_slot(kvjax.init(small_config()), kvjax.make_ubatch([0], [[0]]), contiguous="no"),
-     r"contiguous='no' is out of range: allowed True or False"),
-    (lambda: kvjax.find_slot(kvjax.init(small_config()),
-                             kvjax.Ubatch(pos=np.zeros(2, np.float32), seq_ids=np.zeros((2, 1), np.int32),
-                                          valid=np.ones(2, bool))), r"ubatch.pos has dtype float32"),
-    (lambda: kvjax.find_slot(kvjax.init(small_config()),
-                             kvjax.Ubatch(pos=np.zeros(2, np.int32), seq_ids=np.zeros((3, 1), np.int32),
-                                          valid=np.ones(2, bool))), r"allowed \[T\], \[T, M\], \[T\]"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: kvjax.make_ubatch([0.7, 1.9], [[0], [0]]), r"pos has dtype float64: allowed integers"),
+        (lambda: kvjax.make_ubatch([0], [[0.5]]), r"seq_ids\[0\] has dtype float64: allowed integers"),
+        # a bool is no sequence id, even where numpy would take it as 0 or 1 among ints
+        (lambda: kvjax.make_ubatch([0, 1], [[0], [True]]), r"seq_ids\[1\] contains True: allowed integer sequence ids"),
+        (lambda: kvjax.make_ubatch([0, 1], [0, True]), r"seq_ids\[1\] contains True: allowed integer sequence ids"),
+        (lambda: kvjax.make_ubatch([0], [[2, False]]), r"seq_ids\[0\] contains False: allowed integer sequence ids"),
+        (lambda: kvjax.make_ubatch([0], [[np.True_]]), r"seq_ids\[0\] contains np.True_"),
+        (lambda: kvjax.make_ubatch([0], [[True]]), r"seq_ids\[0\] contains True"),
+        (
+            lambda: kvjax.make_ubatch([0, 1], np.array([[True], [False]])),
+            r"seq_ids\[0\] has dtype bool: allowed integers",
+        ),
+        # ids past int32 are refused, never wrapped, whatever n_seq_max says
+        (
+            lambda: kvjax.make_ubatch([0], [[2**35]], n_seq_max=2**40),
+            r"seq_ids\[0\] contains 34359738368: allowed \[0, "
+            r"2147483648\)",
+        ),
+        (
+            lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=float("nan")),
+            r"n_seq_max=nan is out of range: allowed an integer",
+        ),
+        (lambda: kvjax.make_ubatch([0], [[3]], n_seq_max=0), r"n_seq_max=0 is out of range: allowed an integer >= 1"),
+        (lambda: kvjax.split_simple([[0]], 2.5), r"n_ubatch=2.5 is out of range"),
+        (
+            lambda: kvjax.find_slot(kvjax.init(small_config()), kvjax.make_ubatch([0], [[0]]), contiguous="no"),
+            r"contiguous='no' is out of range: allowed True or False",
+        ),
+        (
+            lambda: kvjax.find_slot(
+                kvjax.init(small_config()),
+                kvjax.Ubatch(pos=np.zeros(2, np.float32), seq_ids=np.zeros((2, 1), np.int32), valid=np.ones(2, bool)),
+            ),
+            r"ubatch.pos has dtype float32",
+        ),
+        (
+            lambda: kvjax.find_slot(
+                kvjax.init(small_config()),
+                kvjax.Ubatch(pos=np.zeros(2, np.int32), seq_ids=np.zeros((3, 1), np.int32), valid=np.ones(2, bool)),
+            ),
+            r"allowed \[T\], \[T, M\], \[T\]",
+        ),
+    ],
+)
 def test_no_silent_truncation(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -50,35 +50,35 @@ def tokens(pos, seq):
 
 def test_seq_rm_frees_and_moves_head_back_only_when_earlier():
     ref = make(8, [(0, [0]), (1, [0]), (2, [0, 1]), (3, [1]), (4, [0]), None, None, None], head=3)
-    ref.seq_rm(0, 1, 5)             # cell 1, 4 freed; cell 2 keeps seq 1
+    ref.seq_rm(0, 1, 5)  # cell 1, 4 freed; cell 2 keeps seq 1
     assert picture(ref) == "0.11...."
     assert ref.head == 1 and ref.used == 3
-    ref.seq_rm(1, 3, -1)            # frees cell 3, which is after head: head stays
+    ref.seq_rm(1, 3, -1)  # frees cell 3, which is after head: head stays
     assert picture(ref) == "0.1....."
     assert ref.head == 1 and ref.used == 2
-    ref.seq_rm(3, -1, -1)           # sequence 3 is nowhere: nothing changes
+    ref.seq_rm(3, -1, -1)  # sequence 3 is nowhere: nothing changes
     assert picture(ref) == "0.1....." and ref.head == 1
     ref.check_invariants()
 
 
 def test_seq_rm_all_sequences_and_empty_ranges():
     ref = make(8, [(5, [0, 2]), (6, [1]), (7, [2]), None, None, None, None, None], head=6)
-    ref.seq_rm(-1, 6, 6)            # empty range
-    ref.seq_rm(-1, 7, 6)            # p0 > p1: empty too
+    ref.seq_rm(-1, 6, 6)  # empty range
+    ref.seq_rm(-1, 7, 6)  # p0 > p1: empty too
     assert picture(ref) == "+12....." and ref.head == 6
-    ref.seq_rm(-1, 6, -1)           # every sequence at positions >= 6
+    ref.seq_rm(-1, 6, -1)  # every sequence at positions >= 6
     assert picture(ref) == "+......." and positions(ref)[:3] == [5, -1, -1]
     assert ref.head == 1 and ref.used == 1
-    ref.seq_rm(-1, -5, 0)           # [0, 0) after normalization: nothing
+    ref.seq_rm(-1, -5, 0)  # [0, 0) after normalization: nothing
     assert ref.used == 1
 
 
 def test_seq_rm_resets_delta_of_freed_cells():
     ref = make(4, [(3, [0]), (4, [1]), None, None], head=0)
-    ref.seq_add(-1, 0, -1, 2)       # both shifted by 2, delta 2
+    ref.seq_add(-1, 0, -1, 2)  # both shifted by 2, delta 2
     assert positions(ref)[:2] == [5, 6] and deltas(ref)[:2] == [2, 2]
     ref.seq_rm(0, -1, -1)
-    assert deltas(ref) == [0, 2, 0, 0]   # the seed would keep delta 2 in the freed cell 0
+    assert deltas(ref) == [0, 2, 0, 0]  # the seed would keep delta 2 in the freed cell 0
 
 
 # -- seq_cp -------------------------------------------------------------------------------------
@@ -86,13 +86,13 @@ def test_seq_rm_resets_delta_of_freed_cells():
 
 def test_seq_cp_shares_cells_and_resets_head():
     ref = make(8, [(0, [0]), (1, [0]), (2, [0]), (0, [1]), None, None, None, None], head=4)
-    ref.seq_cp(0, 0, 0, 2)          # onto itself: nothing, head kept
+    ref.seq_cp(0, 0, 0, 2)  # onto itself: nothing, head kept
     assert ref.head == 4
     ref.seq_cp(0, 2, 1, 3)
     assert [sorted(c.seqs) for c in ref.cells[:4]] == [[0], [0, 2], [0, 2], [1]]
     assert ref.head == 0 and ref.used == 4 and ref.n_tokens() == 6
     ref.head = 4
-    ref.seq_cp(1, 3, 5, 5)          # empty range: no cell changes, but the head still resets
+    ref.seq_cp(1, 3, 5, 5)  # empty range: no cell changes, but the head still resets
     assert ref.head == 0 and ref.n_tokens() == 6
 
 
@@ -107,12 +107,12 @@ def test_seq_keep_head_goes_to_first_cell_without_the_sequence():
     # cells already empty count too: the first one not holding seq 0 is now cell 1 again
     ref.head = 0
     ref.seq_keep(0)
-    assert ref.head == 0              # 1 is not before 0: head stays
+    assert ref.head == 0  # 1 is not before 0: head stays
 
 
 def test_seq_keep_empty_cell_before_head_moves_head():
     ref = make(8, [(0, [0]), None, (1, [0]), None, None, None, None, None], head=5)
-    ref.seq_keep(0)                   # nothing freed, but cell 1 is the first "other" cell
+    ref.seq_keep(0)  # nothing freed, but cell 1 is the first "other" cell
     assert picture(ref) == "0.0....." and ref.head == 1
 
 
@@ -127,29 +127,29 @@ def test_seq_keep_all_is_a_noop():
 
 def test_seq_add_frees_cells_pushed_below_zero():
     ref = make(8, [(0, [0]), (1, [0]), (2, [0, 1]), (3, [0]), (1, [1]), None, None, None], head=5)
-    ref.seq_add(0, 0, 3, -2)          # cells 0, 1 (pos 0, 1) fall below 0; cell 2 -> 0
+    ref.seq_add(0, 0, 3, -2)  # cells 0, 1 (pos 0, 1) fall below 0; cell 2 -> 0
     assert positions(ref) == [-1, -1, 0, 3, 1, -1, -1, -1]
-    assert deltas(ref) == [0, 0, -2, 0, 0, 0, 0, 0]   # freed cells carry no delta
-    assert sorted(ref.cells[2].seqs) == [0, 1]         # seq 1 moves with the shared cell
-    assert ref.head == 0 and ref.used == 3             # first freed cell is 0
+    assert deltas(ref) == [0, 0, -2, 0, 0, 0, 0, 0]  # freed cells carry no delta
+    assert sorted(ref.cells[2].seqs) == [0, 1]  # seq 1 moves with the shared cell
+    assert ref.head == 0 and ref.used == 3  # first freed cell is 0
     ref.head = 6
-    ref.seq_add(1, 1, 2, -5)          # only cell 4 (seq 1 at pos 1) is in range: freed
+    ref.seq_add(1, 1, 2, -5)  # only cell 4 (seq 1 at pos 1) is in range: freed
     assert ref.head == 4 and positions(ref)[4] == -1 and ref.used == 2
 
 
 def test_seq_add_head_without_freeing_and_noops():
     ref = make(8, [(0, [0]), (1, [0]), (5, [1]), None, None, None, None, None], head=3)
-    ref.seq_add(0, 0, 2, 0)           # delta 0: no-op, head kept
+    ref.seq_add(0, 0, 2, 0)  # delta 0: no-op, head kept
     assert ref.head == 3
-    ref.seq_add(0, -4, 0, 7)          # normalized range [0, 0): no-op, head kept
+    ref.seq_add(0, -4, 0, 7)  # normalized range [0, 0): no-op, head kept
     assert ref.head == 3
-    ref.seq_add(0, 5, 2, 7)           # p0 > p1: no cell moves, but the head resets to 0
+    ref.seq_add(0, 5, 2, 7)  # p0 > p1: no cell moves, but the head resets to 0
     assert positions(ref)[:3] == [0, 1, 5] and ref.head == 0
     ref.head = 3
-    ref.seq_add(-1, 1, -1, 10)        # every sequence at positions >= 1
+    ref.seq_add(-1, 1, -1, 10)  # every sequence at positions >= 1
     assert positions(ref)[:3] == [0, 11, 15] and deltas(ref)[:3] == [0, 10, 10]
     assert ref.head == 0
-    ref.seq_add(1, 0, -1, -3)         # accumulates: 15 -> 12, delta 10 -> 7
+    ref.seq_add(1, 0, -1, -3)  # accumulates: 15 -> 12, delta 10 -> 7
     assert positions(ref)[2] == 12 and deltas(ref)[2] == 7
 
 
@@ -158,12 +158,12 @@ def test_seq_add_head_without_freeing_and_noops():
 
 def test_seq_div_records_the_change_and_keeps_head():
     ref = make(8, [(0, [0]), (5, [0]), (7, [0, 1]), (9, [1]), None, None, None, None], head=2)
-    ref.seq_div(0, 1, 8, 3)           # 5 -> 1 (delta -4), 7 -> 2 (delta -5); 0 is out of range
+    ref.seq_div(0, 1, 8, 3)  # 5 -> 1 (delta -4), 7 -> 2 (delta -5); 0 is out of range
     assert positions(ref)[:4] == [0, 1, 2, 9] and deltas(ref)[:4] == [0, -4, -5, 0]
     assert ref.head == 2
-    ref.seq_div(-1, 0, -1, 1)         # d == 1: no-op
+    ref.seq_div(-1, 0, -1, 1)  # d == 1: no-op
     assert positions(ref)[:4] == [0, 1, 2, 9]
-    ref.seq_div(-1, 2, -1, 4)         # 2 -> 0 (delta -5 - 2), 9 -> 2 (delta -7)
+    ref.seq_div(-1, 2, -1, 4)  # 2 -> 0 (delta -5 - 2), 9 -> 2 (delta -7)
     assert positions(ref)[:4] == [0, 1, 0, 2] and deltas(ref)[:4] == [0, -4, -7, -7]
     assert ref.used == 4 and ref.head == 2
 
@@ -180,7 +180,7 @@ def test_queries():
     empty = UnifiedRef(16, 2, 8)
     assert (empty.cell_max(), empty.n_kv(), empty.pos_max(), empty.seq_pos_min(-1)) == (0, 8, -1, -1)
     full = make(12, [(i, [0]) for i in range(12)], padding=8)
-    assert full.n_kv() == 12          # pad(12, 8) = 16, capped at the size
+    assert full.n_kv() == 12  # pad(12, 8) = 16, capped at the size
 
 
 # -- find_slot, contiguous ----------------------------------------------------------------------
@@ -199,10 +199,10 @@ def test_contiguous_wraps_around_the_end():
     ref = UnifiedRef(8, 3, 4)
     ref.find_slot(tokens([0, 1, 2], 1))
     ref.find_slot([(10, [0]), (11, [0]), (12, [0]), (0, [2]), (13, [0])])
-    assert ref.head == 3              # [0..4] blocked at 0, 1, 2 in turn; [3..7] is free
-    ref.seq_rm(1, -1, -1)             # frees 0..2: head moves back to 0
+    assert ref.head == 3  # [0..4] blocked at 0, 1, 2 in turn; [3..7] is free
+    ref.seq_rm(1, -1, -1)  # frees 0..2: head moves back to 0
     assert picture(ref) == "...00020" and ref.head == 0
-    ref.seq_add(2, 0, -1, -1)         # cell 6 falls below 0: freed, head goes there
+    ref.seq_add(2, 0, -1, -1)  # cell 6 falls below 0: freed, head goes there
     assert picture(ref) == "...000.0" and ref.head == 6 and ref.used == 4
     # n = 2 from 6: [6, 7] blocked at 7 -> head 8; 8 + 2 > 8 wraps to 0; [0, 1] is free
     wraps = ref.wraps
@@ -221,8 +221,8 @@ def test_contiguous_prefers_windows_after_head_and_fails_on_fragmentation():
     before = [(c.pos, set(c.seqs)) for c in ref.cells]
     slots, ok = ref.find_slot(tokens([9, 10, 11], 2))
     assert not ok and slots == []
-    assert ref.head == 6 and [(c.pos, c.seqs) for c in ref.cells] == before   # nothing changed
-    slots, ok = ref.find_slot(tokens([9, 10], 2))   # from 6: wraps to 0
+    assert ref.head == 6 and [(c.pos, c.seqs) for c in ref.cells] == before  # nothing changed
+    slots, ok = ref.find_slot(tokens([9, 10], 2))  # from 6: wraps to 0
     assert ok and slots == [0, 1] and ref.head == 0
 
 
@@ -232,7 +232,7 @@ def test_contiguous_reset_heuristic():
     for start in range(0, 40, 8):
         ref.find_slot([(p, [p % 2]) for p in range(start, start + 8)])
     assert ref.head == 32 and ref.used == 40
-    ref.seq_rm(1, -1, -1)             # frees every odd cell: head moves back to 1
+    ref.seq_rm(1, -1, -1)  # frees every odd cell: head moves back to 1
     assert ref.head == 1 and ref.used == 20
     # windows from 1 are blocked at every even cell, until [39, 46] (39 was freed)
     slots, ok = ref.find_slot(tokens(range(40, 48), 0))
@@ -243,21 +243,21 @@ def test_contiguous_reset_heuristic():
     assert ok and slots == [1] and ref.head == 1 and ref.resets == resets + 1
     # the boundary: the reset needs head > used + 2n, strictly
     ref2 = make(16, [(0, [0])] + [None] * 15, head=6)
-    slots, ok = ref2.find_slot(tokens([1, 2], 0))     # 6 > 1 + 4: reset, takes [1, 2]
+    slots, ok = ref2.find_slot(tokens([1, 2], 0))  # 6 > 1 + 4: reset, takes [1, 2]
     assert slots == [1, 2] and ref2.head == 1
     ref3 = make(16, [(0, [0])] + [None] * 15, head=5)
-    slots, ok = ref3.find_slot(tokens([1, 2], 0))     # 5 == 1 + 4: no reset, takes [5, 6]
+    slots, ok = ref3.find_slot(tokens([1, 2], 0))  # 5 == 1 + 4: no reset, takes [5, 6]
     assert slots == [5, 6] and ref3.head == 5
 
 
 def test_contiguous_edge_cases():
     ref = make(8, [(0, [0])] + [None] * 7, head=0)
-    assert ref.find_slot(tokens(range(9), 0)) == ([], False)     # more tokens than cells
+    assert ref.find_slot(tokens(range(9), 0)) == ([], False)  # more tokens than cells
     assert ref.head == 0 and ref.used == 1
-    slots, ok = ref.find_slot(tokens(range(7), 0))               # exactly the free tail
+    slots, ok = ref.find_slot(tokens(range(7), 0))  # exactly the free tail
     assert ok and slots == list(range(1, 8)) and ref.head == 1
-    assert ref.find_slot(tokens([9], 0)) == ([], False)          # full
-    assert ref.find_slot([]) == ([], True) and ref.head == 1     # nothing to place
+    assert ref.find_slot(tokens([9], 0)) == ([], False)  # full
+    assert ref.find_slot([]) == ([], True) and ref.head == 1  # nothing to place
     empty = make(8, [None] * 8, head=5)
     assert empty.find_slot([]) == ([], True) and empty.head == 0  # 5 > 0 + 0 resets
 
@@ -275,14 +275,14 @@ def test_placement_inserts_every_sequence_of_a_token():
 def test_scattered_takes_free_cells_in_cyclic_order():
     ref = make(8, [None, (0, [0]), None, (1, [0]), None, (2, [0]), None, (3, [0])], head=3)
     slots, ok = ref.find_slot(tokens([4, 5, 6], 1), contiguous=False)
-    assert ok and slots == [4, 6, 0] and ref.head == 1      # wraps; head one past cell 0
+    assert ok and slots == [4, 6, 0] and ref.head == 1  # wraps; head one past cell 0
     slots, ok = ref.find_slot(tokens([7], 1), contiguous=False)
     assert ok and slots == [2] and ref.head == 3
     assert ref.find_slot(tokens([8], 1), contiguous=False) == ([], False)
     assert ref.head == 3
-    ref.seq_rm(0, 3, 4)               # frees cell 7 (pos 3): after head, head stays 3
+    ref.seq_rm(0, 3, 4)  # frees cell 7 (pos 3): after head, head stays 3
     slots, ok = ref.find_slot(tokens([8], 1), contiguous=False)
-    assert ok and slots == [7] and ref.head == 0            # one past the last cell wraps to 0
+    assert ok and slots == [7] and ref.head == 0  # one past the last cell wraps to 0
 
 
 def test_scattered_fits_what_contiguous_refuses_and_resets_the_same_way():
@@ -292,7 +292,7 @@ def test_scattered_fits_what_contiguous_refuses_and_resets_the_same_way():
     slots, ok = ref.find_slot(tokens([20, 21], 1), contiguous=False)
     assert ok and slots == [1, 3] and ref.head == 4
     ref2 = make(16, [(0, [0])] + [None] * 15, head=9)
-    slots, ok = ref2.find_slot(tokens([1, 2], 0), contiguous=False)   # 9 > 1 + 4: from 0
+    slots, ok = ref2.find_slot(tokens([1, 2], 0), contiguous=False)  # 9 > 1 + 4: from 0
     assert slots == [1, 2] and ref2.head == 3
 
 

@@ -24,9 +24,26 @@ import collections
 import re
 
 #: The ``tokenizer.ggml.pre`` kinds the BPE fixtures cover.
-BPE_PRES = ("default", "llama-bpe", "qwen2", "gpt-2", "deepseek-llm", "deepseek-coder", "falcon", "starcoder",
-            "refact", "command-r", "smollm", "gpt-4o", "mpt", "stablelm2", "chatglm-bpe", "tekken", "poro-chat",
-            "viking")
+BPE_PRES = (
+    "default",
+    "llama-bpe",
+    "qwen2",
+    "gpt-2",
+    "deepseek-llm",
+    "deepseek-coder",
+    "falcon",
+    "starcoder",
+    "refact",
+    "command-r",
+    "smollm",
+    "gpt-4o",
+    "mpt",
+    "stablelm2",
+    "chatglm-bpe",
+    "tekken",
+    "poro-chat",
+    "viking",
+)
 
 CORPUS = """The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away.
 kvjax caches keys and values for every sequence, like llama.cpp's KV cache does.
@@ -45,48 +62,216 @@ Return a new list of items, sorted by key; the items are kept in order of insert
 #: Texts every fixture is checked on: prose, code, whitespace runs, digits, CJK, emoji, accents,
 #: special-token strings, and pieces the vocabularies have never seen.
 TEXTS = [
-    "", " ", "  ", "   ", "\t", "\n", "\n\n", " \n ", "\t\t x", "a", "A", " a", "a ", "  a  b   c    ",
-    "Hello world", "Hello, world!", " Hello world", "Hello  world", "hello\nworld", "hello\n\nworld\n",
-    "The quick brown fox jumps over the lazy dog.", "the lazy dog jumps", "THE QUICK BROWN FOX",
-    "kvjax caches keys and values", " kvjax", "kvjax", "llama.cpp's KV cache", "It's fine, we'll see.",
-    "they're here; I'm sure you've heard", "Don't worry!", "I 'm here ' and ' there", "x ' ' y", "a ' ' ' b", " ' ", "it 's we 're you 've I 'll 'd", "what ? yes . no , ok !",
-    "def forward(self, x):\n    return self.linear(x) + 1\n", "for i in range(10):\n\tprint(i)",
-    "if (a && b) { return c->d[0]; }", "x = {'k': [1, 2, 3]}  # comment", "<div class=\"x\">hi</div>",
-    "0", "7", "42", "123", "1234", "12345", "123456789", "3.14159", "2026-12-06", "1,000,000", "x1y22z333",
-    "Numbers: 12345 and 42.", "١٢٣ ٤٥٦", "①②③", "Café", "naïve café", "über straße", "crème brûlée",
-    "señor Ærø", "e\u0301", "Ångström", "日本語", "日本語のテキスト", "中文的句子。", "한국어 텍스트",
-    "Привет, мир!", "Γειά σου κόσμε", "مرحبا بالعالم", "שלום", "हिन्दी", "ภาษาไทย", "🙂", "🙂🙂",
-    "emoji 🙂 here", "👨‍👩‍👧 family", "🇫🇷 flag", "€100 and £5 and ¥3", "≤ ≥ ≠ ∑ ∫ √", "→ ← ↑ ↓",
-    "\u00a0non-breaking\u00a0space", "zero\u200bwidth", "tab\tseparated\tvalues", "line\r\nbreak",
-    "trailing spaces   ", "   leading spaces", "\n\n\nthree newlines", "mixed \t\n whitespace",
-    "<s>", "</s>", "<unk>", "<s>hello</s>", "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
-    "<start_of_turn>", "<end_of_turn>", "<mask>", "a<mask>b", "<unused0>", "<|im_end|>", "x<|im_end|>y",
-    "<|begin_of_text|>hello", "<|eot_id|>", "<|end_of_text|>", "<tool>call</tool>", "<tool><tool>",
-    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", "<bos>hi<eos>",
+    "",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    " \n ",
+    "\t\t x",
+    "a",
+    "A",
+    " a",
+    "a ",
+    "  a  b   c    ",
+    "Hello world",
+    "Hello, world!",
+    " Hello world",
+    "Hello  world",
+    "hello\nworld",
+    "hello\n\nworld\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "the lazy dog jumps",
+    "THE QUICK BROWN FOX",
+    "kvjax caches keys and values",
+    " kvjax",
+    "kvjax",
+    "llama.cpp's KV cache",
+    "It's fine, we'll see.",
+    "they're here; I'm sure you've heard",
+    "Don't worry!",
+    "I 'm here ' and ' there",
+    "x ' ' y",
+    "a ' ' ' b",
+    " ' ",
+    "it 's we 're you 've I 'll 'd",
+    "what ? yes . no , ok !",
+    "def forward(self, x):\n    return self.linear(x) + 1\n",
+    "for i in range(10):\n\tprint(i)",
+    "if (a && b) { return c->d[0]; }",
+    "x = {'k': [1, 2, 3]}  # comment",
+    "<div class=\"x\">hi</div>",
+    "0",
+    "7",
+    "42",
+    "123",
+    "1234",
+    "12345",
+    "123456789",
+    "3.14159",
+    "2026-12-06",
+    "1,000,000",
+    "x1y22z333",
+    "Numbers: 12345 and 42.",
+    "١٢٣ ٤٥٦",
+    "①②③",
+    "Café",
+    "naïve café",
+    "über straße",
+    "crème brûlée",
+    "señor Ærø",
+    "e\u0301",
+    "Ångström",
+    "日本語",
+    "日本語のテキスト",
+    "中文的句子。",
+    "한국어 텍스트",
+    "Привет, мир!",
+    "Γειά σου κόσμε",
+    "مرحبا بالعالم",
+    "שלום",
+    "हिन्दी",
+    "ภาษาไทย",
+    "🙂",
+    "🙂🙂",
+    "emoji 🙂 here",
+    "👨‍👩‍👧 family",
+    "🇫🇷 flag",
+    "€100 and £5 and ¥3",
+    "≤ ≥ ≠ ∑ ∫ √",
+    "→ ← ↑ ↓",
+    "\u00a0non-breaking\u00a0space",
+    "zero\u200bwidth",
+    "tab\tseparated\tvalues",
+    "line\r\nbreak",
+    "trailing spaces   ",
+    "   leading spaces",
+    "\n\n\nthree newlines",
+    "mixed \t\n whitespace",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<s>hello</s>",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<mask>",
+    "a<mask>b",
+    "<unused0>",
+    "<|im_end|>",
+    "x<|im_end|>y",
+    "<|begin_of_text|>hello",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<tool>call</tool>",
+    "<tool><tool>",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+    "<bos>hi<eos>",
     "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>",
-    "<<mask>>", "<start_of_turn", "end_of_turn>", "<|im_start|>system\nYou are kind.<|im_end|>",
-    "[multimodal]", "<pad><eos><bos>", "<0x41>", "<0xFF>", "\u2581", "\u2581\u2581x", "▁hello", "Ġhello",
-    "ü", "ÿ", "\x00", "\x7f", "a\x01b", "\ufeffbom", "�", "mañana", "ﬁ ligature", "Ⅻ", "ｆｕｌｌ",
-    "The dog sleeps; the fox runs away.", "Return a new list of items, sorted by key.",
-    "kv cache for every sequence", "values, keys, caches", "sequence sequences sequenced",
-    "aaaaaaaaaaaaaaaa", "abababababab", "the the the the", "..........", "!!!???", "----====",
-    "https://example.com/path?q=1&r=2", "user@example.com", "C:\\Users\\name", "snake_case_name",
-    "camelCaseName", "PascalCaseName", "SCREAMING_CASE", "kebab-case-name", "a.b.c.d", "#hashtag @mention",
-    "$100.00", "50%", "x^2 + y^2 = z^2", "f(x) = 3x + 2", "[1, 2, 3]", "(a, b)", "{\"key\": \"value\"}",
-    "'single' \"double\" `back`", "It’s curly ‘quotes’ “here”", "em—dash and en–dash", "ellipsis…",
-    "　ideographic space", "fox\u3000dog", "x" * 40, " " * 17 + "deep", "\n" * 5, "\t" * 6,
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12", "2+2=4", "1e-5", "0xFF", "v1.2.3", "3rd 2nd 1st",
+    "<<mask>>",
+    "<start_of_turn",
+    "end_of_turn>",
+    "<|im_start|>system\nYou are kind.<|im_end|>",
+    "[multimodal]",
+    "<pad><eos><bos>",
+    "<0x41>",
+    "<0xFF>",
+    "\u2581",
+    "\u2581\u2581x",
+    "▁hello",
+    "Ġhello",
+    "ü",
+    "ÿ",
+    "\x00",
+    "\x7f",
+    "a\x01b",
+    "\ufeffbom",
+    "�",
+    "mañana",
+    "ﬁ ligature",
+    "Ⅻ",
+    "ｆｕｌｌ",
+    "The dog sleeps; the fox runs away.",
+    "Return a new list of items, sorted by key.",
+    "kv cache for every sequence",
+    "values, keys, caches",
+    "sequence sequences sequenced",
+    "aaaaaaaaaaaaaaaa",
+    "abababababab",
+    "the the the the",
+    "..........",
+    "!!!???",
+    "----====",
+    "https://example.com/path?q=1&r=2",
+    "user@example.com",
+    "C:\\Users\\name",
+    "snake_case_name",
+    "camelCaseName",
+    "PascalCaseName",
+    "SCREAMING_CASE",
+    "kebab-case-name",
+    "a.b.c.d",
+    "#hashtag @mention",
+    "$100.00",
+    "50%",
+    "x^2 + y^2 = z^2",
+    "f(x) = 3x + 2",
+    "[1, 2, 3]",
+    "(a, b)",
+    "{\"key\": \"value\"}",
+    "'single' \"double\" `back`",
+    "It’s curly ‘quotes’ “here”",
+    "em—dash and en–dash",
+    "ellipsis…",
+    "　ideographic space",
+    "fox\u3000dog",
+    "x" * 40,
+    " " * 17 + "deep",
+    "\n" * 5,
+    "\t" * 6,
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12",
+    "2+2=4",
+    "1e-5",
+    "0xFF",
+    "v1.2.3",
+    "3rd 2nd 1st",
     "The Quick Brown Fox: a story.\n\nChapter 1\n\nOnce upon a time, there was a fox.",
 ]
-
 
 
 def _generated(n: int = 130):
     """``n`` texts mixed from word, space and special-token fragments by a fixed linear congruential
     generator (not ``random``: its sequence is not promised across Python versions)."""
     words = [w for line in CORPUS.split("\n") for w in line.split(" ") if w]
-    extra = ["  ", "   ", "\t", "\n", "\n\n", " \n", "<start_of_turn>", "<end_of_turn>", "<mask>", "<|im_end|>",
-             "<|eot_id|>", "<tool>", "<s>", "</s>", "🙂", "日本", "é", "123", "4567", "'s", "'ll", " ,", " .", " ?", "?!"]
+    extra = [
+        "  ",
+        "   ",
+        "\t",
+        "\n",
+        "\n\n",
+        " \n",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<mask>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<tool>",
+        "<s>",
+        "</s>",
+        "🙂",
+        "日本",
+        "é",
+        "123",
+        "4567",
+        "'s",
+        "'ll",
+        " ,",
+        " .",
+        " ?",
+        "?!",
+    ]
     state = 12345
     out = []
     for _ in range(n):
@@ -150,9 +335,18 @@ def _learn(words, n_merges):
 
 def spm_vocab(n_merges: int = 300):
     """``(tokens, scores, types)`` of the SentencePiece fixture vocabulary."""
-    head = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3), ("<start_of_turn>", 0.0, 3),
-            ("<end_of_turn>", 0.0, 3), ("<mask>", 0.0, 4), ("<unused0>", 0.0, 3), ("<|im_end|>", 0.0, 1),
-            ("<unused_t5>", 0.0, 5), ("\n\n", 0.0, 4)]
+    head = [
+        ("<unk>", 0.0, 2),
+        ("<s>", 0.0, 3),
+        ("</s>", 0.0, 3),
+        ("<start_of_turn>", 0.0, 3),
+        ("<end_of_turn>", 0.0, 3),
+        ("<mask>", 0.0, 4),
+        ("<unused0>", 0.0, 3),
+        ("<|im_end|>", 0.0, 1),
+        ("<unused_t5>", 0.0, 5),
+        ("\n\n", 0.0, 4),
+    ]
     tokens = [t for t, _, _ in head]
     scores = [s for _, s, _ in head]
     types = [ty for _, _, ty in head]
@@ -173,7 +367,7 @@ def spm_vocab(n_merges: int = 300):
             continue
         seen.add(a + b)
         tokens.append(a + b)
-        scores.append(-float(rank // 3))   # every third score ties: llama.cpp merges the leftmost first
+        scores.append(-float(rank // 3))  # every third score ties: llama.cpp merges the leftmost first
         types.append(1)
     return tokens, scores, types
 
@@ -192,8 +386,16 @@ def bpe_vocab(n_merges: int = 300):
             tokens.append(a + b)
     types = [1] * len(tokens)
     # a whole word that no merge builds: 'ignore_merges' kinds (llama3) take it as one token
-    for extra, ty in (("\u0120kvjax", 1), ("<|begin_of_text|>", 3), ("<|end_of_text|>", 3), ("<|eot_id|>", 3),
-                      ("<|im_end|>", 1), ("<tool>", 4), ("<|start_header_id|>", 3), ("<|end_header_id|>", 3)):
+    for extra, ty in (
+        ("\u0120kvjax", 1),
+        ("<|begin_of_text|>", 3),
+        ("<|end_of_text|>", 3),
+        ("<|eot_id|>", 3),
+        ("<|im_end|>", 1),
+        ("<tool>", 4),
+        ("<|start_header_id|>", 3),
+        ("<|end_header_id|>", 3),
+    ):
         tokens.append(extra)
         types.append(ty)
     return tokens, merges, types
@@ -241,10 +443,11 @@ def write_spm(path, *, add_space_prefix: bool = True, add_eos: bool = False):
     """Write the SentencePiece fixture vocabulary to ``path`` (a GGUF file without tensors)."""
     w = _writer(path)
     add_spm_vocab(w, add_eos=add_eos)
-    if not add_space_prefix:   # absent means True, as llama.cpp reads it
+    if not add_space_prefix:  # absent means True, as llama.cpp reads it
         w.add_add_space_prefix(False)
-    w.add_chat_template("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
-                        "<end_of_turn>\n{% endfor %}")
+    w.add_chat_template(
+        "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    )
     _close(w)
     return path
 

@@ -29,8 +29,10 @@ def checkout_root() -> pathlib.Path:
     """The source checkout holding ``benchmarks/`` (kvjax must be installed editable)."""
     root = pathlib.Path(__file__).resolve().parents[2]  # kvjax/app/_bench.py -> the checkout
     if not (root / "benchmarks").is_dir():
-        raise SystemExit("benchmarks/ not found next to the kvjax package: run `python -m kvjax bench` "
-                         "from a source checkout installed with `pip install -e .`")
+        raise SystemExit(
+            "benchmarks/ not found next to the kvjax package: run `python -m kvjax bench` "
+            "from a source checkout installed with `pip install -e .`"
+        )
     return root
 
 
@@ -48,26 +50,31 @@ def machine_header(command: str) -> str:
     preload = os.environ.get("LD_PRELOAD", "")
     allocator = "tcmalloc (LD_PRELOAD)" if "tcmalloc" in preload else "glibc malloc"
     devices = ", ".join(sorted({f"{d.platform}:{d.device_kind}" for d in jax.devices()}))
-    return "\n".join([
-        "# kvjax benchmarks",
-        "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- machine: {cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
-        f"- devices: {devices}",
-        f"- versions: python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-        f"flax {flax.__version__}, numpy {numpy.__version__}",
-        f"- allocator: {allocator}",
-        f"- command: `{command}`",
-        "",
-        "All times are medians over repeats; ratios compare numbers measured in the same run. "
-        "\"copy\" is a plain jitted copy of the same number of bytes (the memory-bandwidth yardstick); "
-        "\"floor\" is the dispatch cost of an empty jitted call. Compile times are listed separately.",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# kvjax benchmarks",
+            "",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+            f"- machine: {cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+            f"- devices: {devices}",
+            f"- versions: python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+            f"flax {flax.__version__}, numpy {numpy.__version__}",
+            f"- allocator: {allocator}",
+            f"- command: `{command}`",
+            "",
+            "All times are medians over repeats; ratios compare numbers measured in the same run. "
+            "\"copy\" is a plain jitted copy of the same number of bytes (the memory-bandwidth yardstick); "
+            "\"floor\" is the dispatch cost of an empty jitted call. Compile times are listed separately.",
+            "",
+        ]
+    )
 
 
-_TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-             "/usr/lib/libtcmalloc_minimal.so.4")
+_TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/libtcmalloc_minimal.so.4",
+)
 
 
 def _reexec_with_tcmalloc() -> None:
@@ -99,7 +106,7 @@ def main(quick: bool = False, only=None, out=None) -> int:
     _reexec_with_tcmalloc()
     root = checkout_root()
     sys.path.insert(0, str(root))
-    names = sorted(p.stem[len("bench_"):] for p in (root / "benchmarks").glob("bench_*.py"))
+    names = sorted(p.stem[len("bench_") :] for p in (root / "benchmarks").glob("bench_*.py"))
     if only:
         unknown = sorted(set(only) - set(names))
         if unknown:
@@ -113,10 +120,14 @@ def main(quick: bool = False, only=None, out=None) -> int:
         module = importlib.import_module(f"benchmarks.bench_{name}")
         body = module.run(quick=quick).rstrip()
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        sections[name] = f"{body}\n\n_(module took {time.perf_counter() - t0:.0f} s; run {stamp}" \
-                         f"{', quick sizes' if quick else ''})_"
-    text = machine_header(command) + "\n" + "\n".join(
-        f"<!-- bench:{name} -->\n{sections[name]}\n<!-- /bench:{name} -->\n" for name in sorted(sections))
+        sections[name] = (
+            f"{body}\n\n_(module took {time.perf_counter() - t0:.0f} s; run {stamp}{', quick sizes' if quick else ''})_"
+        )
+    text = (
+        machine_header(command)
+        + "\n"
+        + "\n".join(f"<!-- bench:{name} -->\n{sections[name]}\n<!-- /bench:{name} -->\n" for name in sorted(sections))
+    )
     path.write_text(text)
     print(text)
     print(f"\nwritten to {path}")

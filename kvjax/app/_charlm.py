@@ -68,9 +68,17 @@ class TrainResult:
     seconds: float
 
 
-def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 3e-3, seed: int = 0,
-          out: Optional[pathlib.Path] = WEIGHTS, progress: bool = True, config: Optional[LlamaConfig] = None
-          ) -> TrainResult:
+def train(
+    steps: int = 1500,
+    *,
+    seq_len: int = 96,
+    batch: int = 16,
+    lr: float = 3e-3,
+    seed: int = 0,
+    out: Optional[pathlib.Path] = WEIGHTS,
+    progress: bool = True,
+    config: Optional[LlamaConfig] = None,
+) -> TrainResult:
     """Train the demo model on the bundled corpus and save its weights.
 
     Args:
@@ -89,12 +97,12 @@ def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 
     data = tok.encode(text)
     config = model_config(tok.vocab_size) if config is None else config
     if config.vocab_size != tok.vocab_size:
-        raise ValueError(f"config.vocab_size={config.vocab_size} is out of range: allowed the corpus vocabulary "
-                         f"{tok.vocab_size}")
+        raise ValueError(
+            f"config.vocab_size={config.vocab_size} is out of range: allowed the corpus vocabulary {tok.vocab_size}"
+        )
     model = Llama(config, rngs=nnx.Rngs(seed))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10 + 1), steps, lr / 10)
-    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)),
-                              wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule)), wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, windows):
@@ -112,7 +120,7 @@ def train(steps: int = 1500, *, seq_len: int = 96, batch: int = 16, lr: float = 
     bar = tqdm(range(steps), desc="training the demo model", unit="step", disable=not progress)
     for i in bar:
         starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
-        windows = jnp.asarray(np.stack([data[s:s + seq_len + 1] for s in starts]))
+        windows = jnp.asarray(np.stack([data[s : s + seq_len + 1] for s in starts]))
         losses.append(float(step(model, optimizer, windows)))
         if i % 20 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
@@ -145,8 +153,10 @@ def load(path: pathlib.Path = WEIGHTS, *, verbose: bool = True) -> Tuple[Llama, 
     if not path.exists():
         tok = CharTokenizer(read_corpus())
         if verbose:
-            print(f"note: {path} not found, using random weights (text will be gibberish); "
-                  f"run `python -m kvjax train` to train the demo model")
+            print(
+                f"note: {path} not found, using random weights (text will be gibberish); "
+                f"run `python -m kvjax train` to train the demo model"
+            )
         return Llama(model_config(tok.vocab_size), rngs=nnx.Rngs(0)), tok, False
     with np.load(path) as f:
         arrays = dict(f)
@@ -157,8 +167,9 @@ def load(path: pathlib.Path = WEIGHTS, *, verbose: bool = True) -> Tuple[Llama, 
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = "/".join(map(str, key))
         if name not in arrays or arrays[name].shape != var.get_value().shape:
-            raise ValueError(f"weights file {path} does not match the model at {name}: retrain with "
-                             f"`python -m kvjax train`")
+            raise ValueError(
+                f"weights file {path} does not match the model at {name}: retrain with `python -m kvjax train`"
+            )
         var.set_value(jnp.asarray(arrays[name], jnp.float32))
     _all_loaded(model, path)
     return model, tok, True

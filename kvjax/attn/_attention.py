@@ -112,10 +112,10 @@ def blocks_fit(chunk: int, n_heads: int, n_rows: int, cell_bytes: int = 0) -> bo
 
 def _clean_pv(p, vc, pv_dims):
     """``p @ vc`` with V rows that are not finite zeroed, and NaN for the rows ``p`` that weigh one."""
-    finite = jnp.all(jnp.isfinite(vc), axis=-1)                      # [..., H, chunk]
+    finite = jnp.all(jnp.isfinite(vc), axis=-1)  # [..., H, chunk]
     clean = jnp.where(finite[..., None], vc, 0.0)
     pv = jax.lax.dot_general(p, clean, pv_dims, preferred_element_type=jnp.float32)
-    sees = jnp.any((p > 0) & ~finite[..., None, :], axis=-1)          # [..., H, R]
+    sees = jnp.any((p > 0) & ~finite[..., None, :], axis=-1)  # [..., H, R]
     return jnp.where(sees[..., None], jnp.nan, pv)
 
 
@@ -200,15 +200,15 @@ def _owned_step(qr, kc, vc, ac, bc, owner, group, softcap, carry):
     if bc is not None:
         bc = jnp.broadcast_to(bc, bc.shape[:-1] + ac.shape[-1:])
         heads = (n_heads, group) if bc.shape[0] > 1 else (1, 1)
-        b = bc.reshape(heads + bc.shape[1:])                        # [1 | H, 1 | G, 1 | T, chunk]
+        b = bc.reshape(heads + bc.shape[1:])  # [1 | H, 1 | G, 1 | T, chunk]
         s = s + (b[:, :, 0] if b.shape[2] == 1 else b[:, :, own, cols])
     s = jnp.where(seen, s, _NEG_INF)
     by_owner = functools.partial(jnp.zeros, (n_heads, group, n_tok), jnp.float32)
     m_old = m0.reshape(n_heads, group, n_tok)
     m1 = jnp.full((n_heads, group, n_tok), _NEG_INF, jnp.float32).at[:, :, own].max(s)
     m1 = jnp.maximum(m_old, m1)
-    m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)                   # all masked so far: no NaN
-    p = jnp.exp(s - m1_safe[:, :, own])                             # [H, G, chunk], 0 where unseen
+    m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)  # all masked so far: no NaN
+    p = jnp.exp(s - m1_safe[:, :, own])  # [H, G, chunk], 0 where unseen
     alpha = jnp.exp(m_old - m1_safe)
     l1 = l0.reshape(n_heads, group, n_tok) * alpha + by_owner().at[:, :, own].add(p)
 
@@ -221,7 +221,7 @@ def _owned_step(qr, kc, vc, ac, bc, owner, group, softcap, carry):
     pv = pv_of(vc)
 
     def cleaned():
-        finite = jnp.all(jnp.isfinite(vc), axis=-1)                 # [H, chunk]
+        finite = jnp.all(jnp.isfinite(vc), axis=-1)  # [H, chunk]
         sees = by_owner().at[:, :, own].max(((p > 0) & ~finite[:, None]).astype(jnp.float32)) > 0
         return jnp.where(sees[..., None], jnp.nan, pv_of(jnp.where(finite[..., None], vc, 0.0)))
 
@@ -230,8 +230,23 @@ def _owned_step(qr, kc, vc, ac, bc, owner, group, softcap, carry):
     return m1.reshape(n_heads, n_rows), l1.reshape(n_heads, n_rows), o1.reshape(n_heads, n_rows, dv)
 
 
-def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None, k_type="float32",
-            v_type="float32", n_live=None, skip_masked=False, owned=False):
+def _attend(
+    qr,
+    k_all,
+    v_all,
+    index,
+    n_kv,
+    add,
+    bias,
+    chunk,
+    group,
+    softcap=None,
+    k_type="float32",
+    v_type="float32",
+    n_live=None,
+    skip_masked=False,
+    owned=False,
+):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
     ``qr [H, R, D]`` with ``R = G * T`` rows ordered ``(g, t)``; ``add [T, N]`` the additive mask;
@@ -267,8 +282,11 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     nb = len(lead)
     n_heads, n_rows, _ = qr.shape[-3:]
     n_tok = n_rows // group
-    dv = v_all.shape[-1] if not _quant.is_quantized(v_type) else \
-        v_all.shape[-1] // _quant.QUANT_TYPES[v_type].type_size * _quant.QUANT_TYPES[v_type].block
+    dv = (
+        v_all.shape[-1]
+        if not _quant.is_quantized(v_type)
+        else v_all.shape[-1] // _quant.QUANT_TYPES[v_type].type_size * _quant.QUANT_TYPES[v_type].block
+    )
     n_steps = -(-n_kv // chunk)
     batch = tuple(range(nb + 1))
     qk_dims = (((nb + 2,), (nb + 2,)), (batch, batch))  # [.., H, R, D] x [.., H, C, D] -> [.., H, R, C]
@@ -287,6 +305,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         def one(i):
             lead = (i,) if n_lead == 1 else tuple(i[j] for j in range(n_lead))
             return jax.lax.dynamic_slice(x, lead + (0, start, 0), size).reshape(size[n_lead:])
+
         xc = jax.vmap(one)(index) if nb else one(index)
         return _quant.from_storage(xc, name)  # this chunk only, as float32
 
@@ -299,14 +318,14 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         m0, l0, o0 = carry
         start = jnp.minimum(i * chunk, n_kv - chunk)
         kc, vc = block(k_all, start, k_type), block(v_all, start, v_type)
-        ac = cells_of(add, start)                                   # [.., T, chunk]
+        ac = cells_of(add, start)  # [.., T, chunk]
         if n_kv % chunk:
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
             ac = jnp.where(fresh, ac, _NEG_INF)
         s = jax.lax.dot_general(qr, kc, qk_dims, preferred_element_type=jnp.float32)
         if softcap is not None:  # Gemma 2's logit soft-capping, on the scaled scores before the mask
             s = softcap * jnp.tanh(s / softcap)
-        visible = by_row(ac > _NEG_INF)                             # [.., 1, 1, T, chunk]
+        visible = by_row(ac > _NEG_INF)  # [.., 1, 1, T, chunk]
         s = s.reshape(lead + (n_heads, group, n_tok, chunk)) + by_row(ac)
         if bias is not None:
             s = s + by_row(cells_of(bias, start))
@@ -314,7 +333,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         # or inf (adding -inf to a NaN score would leave NaN)
         s = jnp.where(visible, s, _NEG_INF).reshape(lead + (n_heads, n_rows, chunk))
         m1 = jnp.maximum(m0, jnp.max(s, axis=-1))
-        m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)                # all masked so far: no NaN
+        m1_safe = jnp.where(m1 == _NEG_INF, 0.0, m1)  # all masked so far: no NaN
         p = jnp.exp(s - m1_safe[..., None])
         alpha = jnp.exp(m0 - m1_safe)
         pv = jax.lax.dot_general(p, vc, pv_dims, preferred_element_type=jnp.float32)
@@ -324,8 +343,11 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
         pv = jax.lax.cond(jnp.all(jnp.isfinite(pv)), lambda: pv, lambda: _clean_pv(p, vc, pv_dims))
         return m1, l0 * alpha + jnp.sum(p, axis=-1), o0 * alpha[..., None] + pv
 
-    init = (jnp.full(lead + (n_heads, n_rows), _NEG_INF, jnp.float32), jnp.zeros(lead + (n_heads, n_rows), jnp.float32),
-            jnp.zeros(lead + (n_heads, n_rows, dv), jnp.float32))
+    init = (
+        jnp.full(lead + (n_heads, n_rows), _NEG_INF, jnp.float32),
+        jnp.zeros(lead + (n_heads, n_rows), jnp.float32),
+        jnp.zeros(lead + (n_heads, n_rows, dv), jnp.float32),
+    )
     if n_live is not None:
         # a dynamic trip count: a stream's cost follows its own cells even when the shared window is
         # many chunks longer (a cond per chunk would run them all); reverse-mode autodiff does not
@@ -334,7 +356,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
     else:
         body = step
         if owned:
-            viewers = jnp.sum(add > _NEG_INF, axis=0, dtype=jnp.int32)       # [N] rows that see a cell
+            viewers = jnp.sum(add > _NEG_INF, axis=0, dtype=jnp.int32)  # [N] rows that see a cell
             t_ids = jnp.arange(n_tok, dtype=jnp.int32)[:, None]
 
             def owned_step(i, carry):
@@ -344,8 +366,9 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
                     ac = jnp.where(start + jnp.arange(chunk) >= i * chunk, ac, _NEG_INF)
                 owner = jnp.min(jnp.where(ac > _NEG_INF, t_ids, n_tok), axis=0)  # [chunk], n_tok: unseen
                 bc = None if bias is None else cells_of(bias, start)
-                return _owned_step(qr, block(k_all, start, k_type), block(v_all, start, v_type), ac, bc,
-                                   owner, group, softcap, carry)
+                return _owned_step(
+                    qr, block(k_all, start, k_type), block(v_all, start, v_type), ac, bc, owner, group, softcap, carry
+                )
 
             # per chunk, by the most tokens that see one of its columns: 0 skip, 1 owned, 2+ dense;
             # a fixed trip count, as below
@@ -364,6 +387,7 @@ def _attend(qr, k_all, v_all, index, n_kv, add, bias, chunk, group, softcap=None
             # as unbatched); a skipped chunk costs the cond, several times less than its dots
             def body(i, carry):
                 return jax.lax.cond((i >= first) & (i < stop), step, lambda i, carry: carry, i, carry)
+
         m, l, o = body(0, init) if n_steps == 1 else jax.lax.fori_loop(0, n_steps, body, init)
     seen = l != 0  # a fully masked row has l == 0; a NaN score (visible NaN K) keeps its NaN
     out = jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -393,8 +417,22 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, soft
         b = bias.astype(jnp.float32).reshape((1,) * (3 - bias.ndim) + tuple(bias.shape))
     # rows of distinct sequences may each see only their own cells (a batch decoding side by side)
     owned = OWNED_MIN_TOKENS <= t <= cache.config.n_seq_max
-    out, lse = _attend(qr, k_all, v_all, jnp.int32(index), n_kv, add, b, chunk, g, softcap,
-                       cache.config.k_dtype, cache.config.v_dtype, skip_masked=True, owned=owned)
+    out, lse = _attend(
+        qr,
+        k_all,
+        v_all,
+        jnp.int32(index),
+        n_kv,
+        add,
+        b,
+        chunk,
+        g,
+        softcap,
+        cache.config.k_dtype,
+        cache.config.v_dtype,
+        skip_masked=True,
+        owned=owned,
+    )
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:
@@ -423,8 +461,9 @@ def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, sof
     add = jnp.where(mask, 0.0, _NEG_INF) if mask.dtype == jnp.bool_ else mask
     # a backend without a Pallas compiler for this kernel (CPU) runs it in the interpreter
     interpret = jax.default_backend() not in _GPU_BACKENDS
-    out, lse = _pallas.attend(qr * scale, k_all, v_all, add.astype(jnp.float32), index=index, n_kv=n_kv,
-                              interpret=interpret, softcap=softcap)
+    out, lse = _pallas.attend(
+        qr * scale, k_all, v_all, add.astype(jnp.float32), index=index, n_kv=n_kv, interpret=interpret, softcap=softcap
+    )
     dv = out.shape[-1]
     out = out.reshape(n_heads, t, g, dv).transpose(1, 0, 2, 3).reshape(t, hq, dv).astype(q.dtype)
     if return_lse:
@@ -451,14 +490,17 @@ def pick_implementation(implementation: Optional[str], cache, layer: int, bias) 
     named = implementation if implementation is not None else os.environ.get(ENV_IMPLEMENTATION) or None
     if named is not None and named not in IMPLEMENTATIONS:
         source = "implementation" if implementation is not None else ENV_IMPLEMENTATION
-        raise ValueError(f"{source}={named!r} is not an attention implementation: allowed "
-                         f"{', '.join(map(repr, IMPLEMENTATIONS))} (or None: by backend)")
+        raise ValueError(
+            f"{source}={named!r} is not an attention implementation: allowed "
+            f"{', '.join(map(repr, IMPLEMENTATIONS))} (or None: by backend)"
+        )
     cfg = cache.config
     quantized = _quant.is_quantized(cfg.k_dtype) or _quant.is_quantized(cfg.v_dtype)
     reason = "quantized K/V" if quantized else "a bias" if bias is not None else None
     if named is None:
         return "pallas" if reason is None and jax.default_backend() in _GPU_BACKENDS else "xla"
     if named == "pallas" and reason is not None:
-        raise ValueError(f"implementation='pallas' does not support {reason}: allowed implementation='xla' "
-                         "(or None, which picks it)")
+        raise ValueError(
+            f"implementation='pallas' does not support {reason}: allowed implementation='xla' (or None, which picks it)"
+        )
     return named

@@ -68,8 +68,7 @@ T5_MAX_DISTANCE = 128
 # -- building blocks ----------------------------------------------------------------------------
 
 
-def is_masked_swa(p0: Int[Array, "..."], p1: Int[Array, "..."], swa_type: SwaType,
-                  n_swa: int) -> Bool[Array, "..."]:
+def is_masked_swa(p0: Int[Array, "..."], p1: Int[Array, "..."], swa_type: SwaType, n_swa: int) -> Bool[Array, "..."]:
     """The seed's ``is_masked_swa`` (plus the symmetric kind), elementwise on broadcast arrays.
 
     ``p0`` is the cell's position (``< 0`` for an empty cell: always masked), ``p1`` the token's.
@@ -99,8 +98,9 @@ def _member(cells: Cells, n_kv: int, seq0: Int[Array, " T"]) -> Bool[Array, "T N
     return holds(cells.seq[:n_kv].T, seq0)  # padding (-1) and ids >= 32 W: held by no cell
 
 
-def _visible(cells: Cells, ubatch: Ubatch, n_kv: int, causal: bool, swa_type: SwaType,
-             n_swa: int) -> Bool[Array, "T N"]:
+def _visible(
+    cells: Cells, ubatch: Ubatch, n_kv: int, causal: bool, swa_type: SwaType, n_swa: int
+) -> Bool[Array, "T N"]:
     p0 = cells.pos[:n_kv][None, :]
     p1 = jnp.asarray(ubatch.pos, jnp.int32)[:, None]
     seq0 = jnp.asarray(ubatch.seq0, jnp.int32)
@@ -126,8 +126,9 @@ def _mask_additive(cells, ubatch, n_kv, causal, alibi, swa_type, n_swa):
     return jnp.where(visible, value, -jnp.inf).astype(jnp.float32)
 
 
-def _relative_bucket(rel: Int[Array, "..."], n_buckets: int, bidirectional: bool,
-                     max_distance: int) -> Int[Array, "..."]:
+def _relative_bucket(
+    rel: Int[Array, "..."], n_buckets: int, bidirectional: bool, max_distance: int
+) -> Int[Array, "..."]:
     """T5's bucket of ``rel = memory_position - query_position``.
 
     Half of the (per-direction) buckets hold exact distances ``0 .. max_exact - 1``; the rest are
@@ -156,5 +157,3 @@ def _pos_bucket(cells, ubatch, n_kv, n_buckets, bidirectional, max_distance):
     # gives -2**31, whose distance does not fit int32: any distance that far shares the last bucket
     rel = jnp.maximum(rel, -jnp.iinfo(jnp.int32).max)
     return _relative_bucket(rel, n_buckets, bidirectional, max_distance)
-
-

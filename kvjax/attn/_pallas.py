@@ -66,7 +66,7 @@ def _kernel(*refs, group, block, n_kv, has_softcap):
         start = pl.multiple_of(i * block, block)
         kc = k_ref[pl.ds(start, block), :].astype(jnp.float32)
         vc = v_ref[pl.ds(start, block), :].astype(jnp.float32)
-        ac = m_ref[:, pl.ds(start, block)]                                    # [bt, block]
+        ac = m_ref[:, pl.ds(start, block)]  # [bt, block]
         s = jax.lax.dot_general(q, kc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
@@ -80,15 +80,18 @@ def _kernel(*refs, group, block, n_kv, has_softcap):
         alpha = jnp.exp(m0 - m1_safe)
         # a zero weight times a NaN V is NaN: such rows are zeroed for the product, and a row that
         # does weigh one becomes NaN, as in the XLA path
-        finite = jnp.all(jnp.isfinite(vc), axis=-1)                           # [block]
+        finite = jnp.all(jnp.isfinite(vc), axis=-1)  # [block]
         clean = jnp.where(finite[:, None], vc, 0.0)
         pv = jax.lax.dot_general(p, clean, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         sees = jnp.any((p > 0) & ~finite[None, :], axis=-1)
         pv = jnp.where(sees[:, None], jnp.nan, pv)
         return m1, l0 * alpha + jnp.sum(p, axis=-1), o0 * alpha[:, None] + pv
 
-    init = (jnp.full((n_rows,), _NEG_INF, jnp.float32), jnp.zeros((n_rows,), jnp.float32),
-            jnp.zeros((n_rows, dv), jnp.float32))
+    init = (
+        jnp.full((n_rows,), _NEG_INF, jnp.float32),
+        jnp.zeros((n_rows,), jnp.float32),
+        jnp.zeros((n_rows, dv), jnp.float32),
+    )
     m, l, o = jax.lax.fori_loop(0, n_kv // block, step, init)
     seen = l != 0
     o_ref[...] = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0)
@@ -96,8 +99,17 @@ def _kernel(*refs, group, block, n_kv, has_softcap):
 
 
 @functools.partial(jax.jit, static_argnames=("index", "n_kv", "interpret"))
-def attend(qr: Float[Array, "H R D"], k_all: Float[Array, "L H C D"], v_all: Float[Array, "L H C Dv"],
-           add: Float[Array, "T N"], *, index: int, n_kv: int, interpret: bool, softcap=None):
+def attend(
+    qr: Float[Array, "H R D"],
+    k_all: Float[Array, "L H C D"],
+    v_all: Float[Array, "L H C Dv"],
+    add: Float[Array, "T N"],
+    *,
+    index: int,
+    n_kv: int,
+    interpret: bool,
+    softcap=None,
+):
     """Online-softmax attention of ``qr`` over the first ``n_kv`` cells of layer ``index`` of a group.
 
     Args:
@@ -146,8 +158,10 @@ def attend(qr: Float[Array, "H R D"], k_all: Float[Array, "L H C D"], v_all: Flo
             pl.BlockSpec((None, br, dv), lambda h, r: (h, r, 0)),
             pl.BlockSpec((None, br), lambda h, r: (h, r)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((n_heads, t_pad * group, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((n_heads, t_pad * group), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((n_heads, t_pad * group, dv), jnp.float32),
+            jax.ShapeDtypeStruct((n_heads, t_pad * group), jnp.float32),
+        ],
         interpret=interpret,
     )(*operands)
-    return out[:, :n_tok * group], lse[:, :n_tok * group]
+    return out[:, : n_tok * group], lse[:, : n_tok * group]

@@ -64,8 +64,9 @@ from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 # -- the per-pair constants (host, float64) ------------------------------------------------------
 
 
-def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float,
-                   beta_slow: float) -> Tuple[float, float]:
+def yarn_corr_dims(
+    n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float
+) -> Tuple[float, float]:
     """ggml's ``rope_yarn_corr_dims``: the pair range over which YaRN ramps (start, end).
 
     Example:
@@ -138,7 +139,7 @@ def _rotate(x: Float[Array, "... D"], cos, sin, n_rot: int, mode: RopeMode) -> F
     """Rotate the first ``n_rot`` dims of ``x`` (float32) by broadcastable ``cos``/``sin``."""
     head = x[..., :n_rot]
     if mode == RopeMode.NEOX:
-        a, b = head[..., : n_rot // 2], head[..., n_rot // 2:]
+        a, b = head[..., : n_rot // 2], head[..., n_rot // 2 :]
         rotated = jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
     else:
         pairs = head.reshape(head.shape[:-1] + (n_rot // 2, 2))
@@ -164,23 +165,28 @@ def _check_rope_args(x, pos, rope_config):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x has dtype {x.dtype}: allowed a floating dtype")
     if rope_config.n_rot > x.shape[-1]:
-        raise ValueError(f"rope_config.n_rot={rope_config.n_rot} is out of range: allowed an even number "
-                         f"<= the head size D={x.shape[-1]}")
+        raise ValueError(
+            f"rope_config.n_rot={rope_config.n_rot} is out of range: allowed an even number "
+            f"<= the head size D={x.shape[-1]}"
+        )
     if not hasattr(pos, "shape") or not jnp.issubdtype(pos.dtype, jnp.integer):
-        raise ValueError(f"pos must be an integer array broadcastable to {tuple(x.shape[:-2])} (the "
-                         f"leading axes of x), got {getattr(pos, 'dtype', type(pos).__name__)}")
+        raise ValueError(
+            f"pos must be an integer array broadcastable to {tuple(x.shape[:-2])} (the "
+            f"leading axes of x), got {getattr(pos, 'dtype', type(pos).__name__)}"
+        )
     check_int_values("pos", pos, INT32_MIN, INT32_MAX)
     try:
         shape = np.broadcast_shapes(tuple(pos.shape), tuple(x.shape[:-2]))
     except ValueError:
         shape = None
     if shape != tuple(x.shape[:-2]):
-        raise ValueError(f"pos has shape {tuple(pos.shape)}: allowed a shape broadcastable to "
-                         f"{tuple(x.shape[:-2])} (the leading axes [..., T] of x)")
+        raise ValueError(
+            f"pos has shape {tuple(pos.shape)}: allowed a shape broadcastable to "
+            f"{tuple(x.shape[:-2])} (the leading axes [..., T] of x)"
+        )
 
 
-def rope(x: Float[Array, "... T H D"], pos: Int[Array, "... T"], rope_config: RopeConfig
-         ) -> Float[Array, "... T H D"]:
+def rope(x: Float[Array, "... T H D"], pos: Int[Array, "... T"], rope_config: RopeConfig) -> Float[Array, "... T H D"]:
     """Apply RoPE to the first ``n_rot`` dims of every head (ggml ``rope_ext``).
 
     Args:
@@ -242,8 +248,9 @@ def k_from_float(k: Float[Array, "... C D"], config: CacheConfig) -> Array:
 # -- K-shift ------------------------------------------------------------------------------------
 
 
-def _shift_group(stored, delta: Int[Array, " C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig,
-                 per_head: Optional[bool] = None):
+def _shift_group(
+    stored, delta: Int[Array, " C"], ropes: Tuple[RopeConfig, ...], config: CacheConfig, per_head: Optional[bool] = None
+):
     """Rotate one stacked group ``[L, H, C, D]`` by ``delta`` with each layer's RoPE parameters.
 
     One ``fori_loop`` per kind of rotation (``n_rot``, mode) walks the ``(layer, head)`` slices:
@@ -264,9 +271,9 @@ def _shift_group(stored, delta: Int[Array, " C"], ropes: Tuple[RopeConfig, ...],
         classes.setdefault((r.n_rot, r.mode), []).append(il)
     out = stored
     for (n_rot, mode), layers in classes.items():
-        distinct = list(dict.fromkeys(ropes[il] for il in layers))           # first-appearance order
-        freqs = np.stack([pair_frequencies(r) for r in distinct])           # [U, n_rot/2]
-        cos, sin = _cos_sin(delta, freqs, 1.0)                              # [U, C, n_rot/2]
+        distinct = list(dict.fromkeys(ropes[il] for il in layers))  # first-appearance order
+        freqs = np.stack([pair_frequencies(r) for r in distinct])  # [U, n_rot/2]
+        cos, sin = _cos_sin(delta, freqs, 1.0)  # [U, C, n_rot/2]
         table_of = jnp.asarray([distinct.index(ropes[il]) for il in layers], jnp.int32)
         layer_of = jnp.asarray(layers, jnp.int32)
 
@@ -275,16 +282,16 @@ def _shift_group(stored, delta: Int[Array, " C"], ropes: Tuple[RopeConfig, ...],
         def step(i, acc, n_rot=n_rot, mode=mode, cos=cos, sin=sin, table_of=table_of, layer_of=layer_of):
             j, h = (i // n_heads, i % n_heads) if per_head else (i, 0)
             l, u = layer_of[j], table_of[j]
-            block = jax.tree.map(lambda a: jax.lax.dynamic_slice(a, (l, h) + (0,) * (a.ndim - 2),
-                                                                 (1, heads) + a.shape[2:]), acc)
-            x = k_to_float(block, config)[0]                                # [heads, C, D] float32
+            block = jax.tree.map(
+                lambda a: jax.lax.dynamic_slice(a, (l, h) + (0,) * (a.ndim - 2), (1, heads) + a.shape[2:]), acc
+            )
+            x = k_to_float(block, config)[0]  # [heads, C, D] float32
             y = _rotate(x, cos[u], sin[u], n_rot, mode)
             new = k_from_float(y[None], config)
             if _quant.is_quantized(config.k_dtype):
                 # requantizing is not the identity: only cells with a pending shift are rewritten
                 new = jnp.where((delta != 0)[None, None, :, None], new, block)
-            return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice(a, b, (l, h) + (0,) * (a.ndim - 2)),
-                                acc, new)
+            return jax.tree.map(lambda a, b: jax.lax.dynamic_update_slice(a, b, (l, h) + (0,) * (a.ndim - 2)), acc, new)
 
         out = jax.lax.fori_loop(0, len(layers) * (n_heads // heads), step, out)
     return out
@@ -305,8 +312,10 @@ def _heads_split(stored) -> bool:
 def _shift_impl(ks, cells, config: CacheConfig):
     """(rotated K of every group, cells with the deltas cleared)."""
     delta = cells.delta
-    new_k = tuple(_shift_group(ks[g], delta, tuple(config.rope[il] for il in grp.layers), config)
-                  for g, grp in enumerate(config.groups))
+    new_k = tuple(
+        _shift_group(ks[g], delta, tuple(config.rope[il] for il in grp.layers), config)
+        for g, grp in enumerate(config.groups)
+    )
     return new_k, cells.replace(delta=jnp.zeros_like(delta))
 
 
@@ -317,5 +326,3 @@ def _k_shift(cache):
     """The K-shift as a function of the cache (traceable; used by ``update`` inside ``lax.cond``)."""
     ks, cells = _shift_impl(cache.k, cache.cells, cache.config)
     return cache.replace(k=ks, cells=cells)
-
-

@@ -143,8 +143,22 @@ def _window_ok(memory, extent, placement, windows) -> jax.Array:
     return ok
 
 
-def _loop(jitted_step, equal, contiguous, thold, sampling, window_form, state, rest, buffers, carry: Carry,
-          rows: Rows, *, windows, k):
+def _loop(
+    jitted_step,
+    equal,
+    contiguous,
+    thold,
+    sampling,
+    window_form,
+    state,
+    rest,
+    buffers,
+    carry: Carry,
+    rows: Rows,
+    *,
+    windows,
+    k,
+):
     t = rows.valid.shape[0]
     memory = rest.join(buffers)
     start = (carry.reason == RUN) | (carry.reason == CHUNK)
@@ -161,8 +175,15 @@ def _loop(jitted_step, equal, contiguous, thold, sampling, window_form, state, r
             # (compacted: the rest moves back and K is re-rotated here). Kept even when the step
             # below does not run: the carry's positions say where the next token goes, and the
             # host reads them back when the segment ends
-            memory, pos = evict_rows(memory, rows.seq_ids[:, 0], cur.pos, rows.valid, rows.n_sink, rows.n_recent,
-                                     compact=window_form == "compact")
+            memory, pos = evict_rows(
+                memory,
+                rows.seq_ids[:, 0],
+                cur.pos,
+                rows.valid,
+                rows.n_sink,
+                rows.n_recent,
+                compact=window_form == "compact",
+            )
             if window_form == "compact":
                 memory = memory.update()
             cur = cur.replace(pos=pos)
@@ -175,8 +196,7 @@ def _loop(jitted_step, equal, contiguous, thold, sampling, window_form, state, r
         # per token, measured in the compiled HLO); a wasted step once per dispatch is cheaper.
         placement = placed.mask_placement(placement, fits)
         buf, placed_rest = placed.split()
-        logits, new, stepped = jitted_step(state, placed_rest, buf, ub, cur.tokens, placement, None,
-                                           windows=windows)
+        logits, new, stepped = jitted_step(state, placed_rest, buf, ub, cur.tokens, placement, None, windows=windows)
         good = fits & stepped
         done = new.commit((ub,))
         if thold is not None:
@@ -194,13 +214,24 @@ def _loop(jitted_step, equal, contiguous, thold, sampling, window_form, state, r
         pos = cur.pos + rows.valid
         stopped = rows.valid & (jnp.isin(picked, rows.stops) | (counts >= rows.budgets))
         reason = jnp.select(
-            [~fits, ~stepped, jnp.any(stopped), jnp.any(rows.valid & (pos >= rows.n_ctx)), new.pending(),
-             n_done + 1 >= rows.limit],
-            [jnp.where(ok, WINDOW, FULL), REFUSED, STOPPED, SHIFT, PENDING, CHUNK], RUN).astype(jnp.int32)
+            [
+                ~fits,
+                ~stepped,
+                jnp.any(stopped),
+                jnp.any(rows.valid & (pos >= rows.n_ctx)),
+                new.pending(),
+                n_done + 1 >= rows.limit,
+            ],
+            [jnp.where(ok, WINDOW, FULL), REFUSED, STOPPED, SHIFT, PENDING, CHUNK],
+            RUN,
+        ).astype(jnp.int32)
         # a step that did not run keeps the carry too, so the host sees the state from before it
         # (a cond on these small values only: the key may be a typed PRNG key, which where refuses)
-        new_c = (Carry(tokens=picked, pos=pos, counts=counts, key=key, reason=reason), out.at[n_done].set(picked),
-                 n_done + 1)
+        new_c = (
+            Carry(tokens=picked, pos=pos, counts=counts, key=key, reason=reason),
+            out.at[n_done].set(picked),
+            n_done + 1,
+        )
         old_c = (cur.replace(reason=reason), out, n_done)
         return (new,) + jax.lax.cond(good, lambda: new_c, lambda: old_c)
 
@@ -214,8 +245,11 @@ def _jit_loop(jitted_step, equal, contiguous, thold, sampling, window_form):
     # one jitted loop per compiled step function (shared by engines of one model structure, as
     # the step is), placement kind, policy and window form: new prompts, keys, budgets, stops
     # and window sizes are traced
-    return jax.jit(functools.partial(_loop, jitted_step, equal, contiguous, thold, sampling, window_form),
-                   static_argnames=("windows", "k"), donate_argnames=("buffers",))
+    return jax.jit(
+        functools.partial(_loop, jitted_step, equal, contiguous, thold, sampling, window_form),
+        static_argnames=("windows", "k"),
+        donate_argnames=("buffers",),
+    )
 
 
 def check_sync_every(sync_every) -> int:
@@ -230,10 +264,22 @@ def stop_bucket(stop_tokens: Sequence[int]) -> np.ndarray:
     return out
 
 
-def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next_pos: List[int],
-                counts: List[int], budgets: List[int], stops: np.ndarray, n_ctx: Optional[int], key,
-                sampling: SamplingConfig, sync_every: int, info: dict, window: Optional[SinkWindow] = None
-                ) -> Iterator[Tuple[int, np.ndarray]]:
+def run_segment(
+    engine,
+    active: List[int],
+    sid: List[int],
+    feed: List[int],
+    next_pos: List[int],
+    counts: List[int],
+    budgets: List[int],
+    stops: np.ndarray,
+    n_ctx: Optional[int],
+    key,
+    sampling: SamplingConfig,
+    sync_every: int,
+    info: dict,
+    window: Optional[SinkWindow] = None,
+) -> Iterator[Tuple[int, np.ndarray]]:
     """Feed ``feed`` and keep generating on the device until the host must act.
 
     Args:
@@ -277,8 +323,10 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
     if not bool(ok):
         size = memory.size
         free = size - int(memory.used_cells())
-        raise CacheFullError(f"batch of {b} tokens does not fit ({free} free cells of {size}); nothing was "
-                             f"placed: free cells with seq_rm or shift the context")
+        raise CacheFullError(
+            f"batch of {b} tokens does not fit ({free} free cells of {size}); nothing was "
+            f"placed: free cells with seq_rm or shift the context"
+        )
     windows = memory.windows_for(placements, extent)[0]
     k = bucket_length(sync_every)
 
@@ -287,20 +335,28 @@ def run_segment(engine, active: List[int], sid: List[int], feed: List[int], next
         out[:b] = values
         return out
 
-    rows = Rows(seq_ids=pad([sid[s] for s in active], -1)[:, None], valid=np.arange(t) < b,
-                budgets=pad([budgets[s] for s in active], 0), stops=stops,
-                n_ctx=np.int32(NO_LIMIT if n_ctx is None else n_ctx), limit=np.int32(sync_every),
-                n_sink=np.int32(window.n_sink if window else 0), n_recent=np.int32(window.n_recent if window else 1))
-    carry = Carry(tokens=pad(feed, 0), pos=pad(pos, 0), counts=pad([counts[s] for s in active], 0), key=key,
-                  reason=np.int32(RUN))
+    rows = Rows(
+        seq_ids=pad([sid[s] for s in active], -1)[:, None],
+        valid=np.arange(t) < b,
+        budgets=pad([budgets[s] for s in active], 0),
+        stops=stops,
+        n_ctx=np.int32(NO_LIMIT if n_ctx is None else n_ctx),
+        limit=np.int32(sync_every),
+        n_sink=np.int32(window.n_sink if window else 0),
+        n_recent=np.int32(window.n_recent if window else 1),
+    )
+    carry = Carry(
+        tokens=pad(feed, 0), pos=pad(pos, 0), counts=pad([counts[s] for s in active], 0), key=key, reason=np.int32(RUN)
+    )
     form = None if window is None else "compact" if window.compact else "masked"
-    loop = _jit_loop(engine.step._jitted, memory.ubatch_split == "equal", engine.contiguous, engine.defrag_thold,
-                     sampling, form)
+    loop = _jit_loop(
+        engine.step._jitted, memory.ubatch_split == "equal", engine.contiguous, engine.defrag_thold, sampling, form
+    )
 
     def dispatch(carry):
         buffers, rest = engine.cache.split()
         rest, buffers, carry, out, n_done = loop(engine.state, rest, buffers, carry, rows, windows=windows, k=k)
-        engine.cache = rest.join(buffers)   # the previous buffers were donated: this is the live memory
+        engine.cache = rest.join(buffers)  # the previous buffers were donated: this is the live memory
         info["dispatches"] = info.get("dispatches", 0) + 1
         return carry, out, n_done
 

@@ -50,7 +50,6 @@ from kvjax.memory._ubatch import bucket_length, make_equal_ubatch, make_ubatch, 
 from kvjax.nn._step import make_step, output_bucket
 
 
-
 def _equal_ubatches(pos: np.ndarray, seq_ids, n_ubatch: int, n_seq_max: int):
     """A batch as equal-split ubatches (``kvjax.split_equal``), each slot length a power of two.
 
@@ -68,8 +67,8 @@ def _equal_ubatches(pos: np.ndarray, seq_ids, n_ubatch: int, n_seq_max: int):
             blocks[-1][1].append(int(i))
         t, off = len(blocks[0][1]), 0
         while off < t:
-            c = 1 << ((t - off).bit_length() - 1)          # the largest power of two that is left
-            rows = [b[off:off + c] for _, b in blocks]
+            c = 1 << ((t - off).bit_length() - 1)  # the largest power of two that is left
+            rows = [b[off : off + c] for _, b in blocks]
             slots = [(pos[r], [int(x) for x in seq_ids[r[0]]]) for r in rows]
             ubatches.append(make_equal_ubatch(slots, n_seq_max=n_seq_max))
             parts.append(np.concatenate([np.asarray(r) for r in rows]))
@@ -107,8 +106,9 @@ def _output_rows(outputs, seq_ids) -> Optional[np.ndarray]:
                 bad = int(rows.min()) if rows.min() < 0 else int(rows.max())
                 raise ValueError(f"outputs contains row {bad}: allowed batch rows in [0, {n})")
             return rows
-    raise ValueError(f"outputs={outputs!r} is out of range: allowed 'all', 'last' or a list of batch row indices "
-                     f"in [0, {n})")
+    raise ValueError(
+        f"outputs={outputs!r} is out of range: allowed 'all', 'last' or a list of batch row indices in [0, {n})"
+    )
 
 
 class Engine:
@@ -126,8 +126,16 @@ class Engine:
             (None: never, as the seed's default).
     """
 
-    def __init__(self, model, cache: Memory, *, state=None, n_ubatch: int = 64, contiguous: bool = True,
-                 defrag_thold: Optional[float] = None):
+    def __init__(
+        self,
+        model,
+        cache: Memory,
+        *,
+        state=None,
+        n_ubatch: int = 64,
+        contiguous: bool = True,
+        defrag_thold: Optional[float] = None,
+    ):
         require_memory(cache, "cache")
         check_count("n_ubatch", n_ubatch, 1)
         if defrag_thold is not None and not 0 <= defrag_thold < 1:
@@ -154,8 +162,9 @@ class Engine:
         _, rest = self.cache.split()
         return _plan(rest, ubatches, contiguous=self.contiguous)
 
-    def decode(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *,
-               outputs="all") -> jax.Array:
+    def decode(
+        self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, outputs="all"
+    ) -> jax.Array:
         """Evaluate a batch of tokens; return the logits of the rows asked for (default every token).
 
         Args:
@@ -185,13 +194,17 @@ class Engine:
         tokens = tokens.astype(np.int64).reshape(-1)
         pos = np.asarray(pos)
         if pos.ndim != 1 or (pos.size and not np.issubdtype(pos.dtype, np.integer)):
-            raise ValueError(f"pos has shape {pos.shape} and dtype {pos.dtype}: allowed a 1-d list of integer "
-                             f"positions, one per token")
+            raise ValueError(
+                f"pos has shape {pos.shape} and dtype {pos.dtype}: allowed a 1-d list of integer "
+                f"positions, one per token"
+            )
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
             raise ValueError(f"seq_ids={seq_ids!r} is out of range: allowed one list of sequence ids per token")
         if not (len(tokens) == len(pos) == len(seq_ids)) or len(tokens) == 0:
-            raise ValueError(f"tokens, pos and seq_ids have lengths {len(tokens)}, {len(pos)}, {len(seq_ids)}: "
-                             f"allowed one equal, positive length")
+            raise ValueError(
+                f"tokens, pos and seq_ids have lengths {len(tokens)}, {len(pos)}, {len(seq_ids)}: "
+                f"allowed one equal, positive length"
+            )
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
             bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
@@ -210,10 +223,12 @@ class Engine:
         if not bool(ok):
             size = self.cache.size
             free = size - int(self.cache.used_cells())
-            raise CacheFullError(f"batch of {len(tokens)} tokens does not fit ({free} free cells of "
-                                 f"{size}{', contiguous placement' if self.contiguous else ''}); "
-                                 f"nothing was placed (pending work was applied first, as "
-                                 f"llama_decode does): free cells with seq_rm or shift the context")
+            raise CacheFullError(
+                f"batch of {len(tokens)} tokens does not fit ({free} free cells of "
+                f"{size}{', contiguous placement' if self.contiguous else ''}); "
+                f"nothing was placed (pending work was applied first, as "
+                f"llama_decode does): free cells with seq_rm or shift the context"
+            )
         windows = self.cache.windows_for(placements, extent)
         if wanted is not None:
             return self._decode_rows(tokens, parts, ubatches, windows, wanted)
@@ -241,16 +256,15 @@ class Engine:
         for idx, ub, ub_windows in zip(parts, ubatches, windows):
             toks = np.zeros(ub.length, np.int32)
             toks[: len(idx)] = tokens[idx]
-            local = np.flatnonzero(np.isin(idx, wanted))           # ubatch rows whose batch row is wanted
+            local = np.flatnonzero(np.isin(idx, wanted))  # ubatch rows whose batch row is wanted
             if len(local) == len(idx):
                 # every valid row: the all-rows program (the one a decode step of n tokens uses anyway)
                 logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows)
             else:
                 rows = np.zeros(output_bucket(len(local)), np.int32)
                 rows[: len(local)] = local
-                rows[len(local):] = local[-1] if len(local) else 0   # bucket padding: a repeated row
-                logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows,
-                                                  outputs=rows)
+                rows[len(local) :] = local[-1] if len(local) else 0  # bucket padding: a repeated row
+                logits, self.cache, _ = self.step(self.state, self.cache, ub, toks, windows=ub_windows, outputs=rows)
             outputs.append(logits[: len(local)])
             got.append(np.asarray(idx)[local])
         self._finish(ubatches, len(tokens))
@@ -269,8 +283,10 @@ class Engine:
             return _equal_ubatches(np.asarray(pos), seq_ids, self.n_ubatch, memory.n_seq_max)
         parts = split_simple(seq_ids, self.n_ubatch)
         pos = np.asarray(pos)
-        return parts, tuple(make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)),
-                                        n_seq_max=memory.n_seq_max) for idx in parts)
+        return parts, tuple(
+            make_ubatch(pos[idx], [seq_ids[i] for i in idx], length=bucket_length(len(idx)), n_seq_max=memory.n_seq_max)
+            for idx in parts
+        )
 
     def fits(self, memory, spans) -> bool:
         """A dry run: would positions ``[start, end)`` of each ``(seq_id, start, end)`` be placed in
@@ -296,8 +312,10 @@ class Engine:
         """
         memory, ok = kvjax.seq_rm(self.cache, seq_id, pos, -1)
         if not bool(ok):
-            raise ValueError(f"pos={pos} is out of range for a rollback of sequence {seq_id}: the "
-                             f"{type(self.cache).__name__} refused to remove positions >= {pos}; nothing changed")
+            raise ValueError(
+                f"pos={pos} is out of range for a rollback of sequence {seq_id}: the "
+                f"{type(self.cache).__name__} refused to remove positions >= {pos}; nothing changed"
+            )
         self.cache = memory
 
     def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> int:
@@ -313,22 +331,30 @@ class Engine:
                 with other sequences (shifting them would move those sequences too).
         """
         if not self.cache.can_shift:
-            raise ValueError(f"context shift is not possible on this {type(self.cache).__name__} (it cannot shift "
-                             f"positions; kvjax.can_shift is False): nothing changed; give it more cells or a "
-                             f"larger n_ctx")
+            raise ValueError(
+                f"context shift is not possible on this {type(self.cache).__name__} (it cannot shift "
+                f"positions; kvjax.can_shift is False): nothing changed; give it more cells or a "
+                f"larger n_ctx"
+            )
         n_past = int(kvjax.seq_pos_max(self.cache, seq_id)) + 1
         if not (n_keep >= 0 and n_discard >= 1 and n_keep + n_discard <= n_past):
-            raise ValueError(f"n_keep={n_keep}, n_discard={n_discard} are out of range: allowed n_keep >= 0, "
-                             f"n_discard >= 1, n_keep + n_discard <= {n_past} (the sequence's length)")
+            raise ValueError(
+                f"n_keep={n_keep}, n_discard={n_discard} are out of range: allowed n_keep >= 0, "
+                f"n_discard >= 1, n_keep + n_discard <= {n_past} (the sequence's length)"
+            )
         if bool(self.cache.seq_shared(np.int32(seq_id), np.int32(n_keep + n_discard), np.int32(n_past))):
-            raise ValueError(f"context shift of sequence {seq_id} would move cells it shares with other "
-                             f"sequences (seq_add moves a cell for all of them): allowed when every shared "
-                             f"position is below n_keep + n_discard = {n_keep + n_discard}; raise n_keep")
+            raise ValueError(
+                f"context shift of sequence {seq_id} would move cells it shares with other "
+                f"sequences (seq_add moves a cell for all of them): allowed when every shared "
+                f"position is below n_keep + n_discard = {n_keep + n_discard}; raise n_keep"
+            )
         memory, ok = kvjax.seq_rm(self.cache, seq_id, n_keep, n_keep + n_discard)
         if not bool(ok):
-            raise ValueError(f"context shift of sequence {seq_id} is not possible on a "
-                             f"{type(self.cache).__name__}: it refused to remove positions [{n_keep}, "
-                             f"{n_keep + n_discard}); nothing changed")
+            raise ValueError(
+                f"context shift of sequence {seq_id} is not possible on a "
+                f"{type(self.cache).__name__}: it refused to remove positions [{n_keep}, "
+                f"{n_keep + n_discard}); nothing changed"
+            )
         self.cache = memory
         self.cache = kvjax.seq_add(self.cache, seq_id, n_keep + n_discard, n_past, -n_discard)
         return n_past - n_discard
@@ -338,8 +364,10 @@ class Engine:
     def _arch(self, arch: Optional[str]) -> str:
         found = getattr(self.model, "gguf_architecture", None)
         if arch is None and found is None:
-            raise ValueError("arch=None is out of range for a model that was not loaded from a GGUF file: allowed "
-                             "the llama.cpp architecture name the file must carry (e.g. 'llama', 'gemma3')")
+            raise ValueError(
+                "arch=None is out of range for a model that was not loaded from a GGUF file: allowed "
+                "the llama.cpp architecture name the file must carry (e.g. 'llama', 'gemma3')"
+            )
         return found if arch is None else arch
 
     def _settled(self):
@@ -348,8 +376,16 @@ class Engine:
             self.cache = self.cache.update(donate=True)
         return self.cache
 
-    def save_session(self, path, tokens: Sequence[int], *, arch: Optional[str] = None,
-                     version: Optional[int] = None, v_trans: Optional[bool] = None, attn_rot: bool = True) -> None:
+    def save_session(
+        self,
+        path,
+        tokens: Sequence[int],
+        *,
+        arch: Optional[str] = None,
+        version: Optional[int] = None,
+        v_trans: Optional[bool] = None,
+        attn_rot: bool = True,
+    ) -> None:
         """Write the whole memory as a llama.cpp session file (``llama_state_load_file`` reads it), atomically.
 
         A pending K-shift (after :meth:`context_shift`) is applied first: the file holds the
@@ -370,11 +406,19 @@ class Engine:
             OSError: the file cannot be written (nothing is left under ``path``).
         """
         options = {} if version is None else {"version": version}
-        kvjax.session_save_file(path, self._settled(), tokens, arch=self._arch(arch), v_trans=v_trans,
-                                attn_rot=attn_rot, **options)
+        kvjax.session_save_file(
+            path, self._settled(), tokens, arch=self._arch(arch), v_trans=v_trans, attn_rot=attn_rot, **options
+        )
 
-    def load_session(self, path, *, arch: Optional[str] = None, prompt_cache: Optional[PromptCache] = None,
-                     seq_id: int = 0, attn_rot: bool = True) -> np.ndarray:
+    def load_session(
+        self,
+        path,
+        *,
+        arch: Optional[str] = None,
+        prompt_cache: Optional[PromptCache] = None,
+        seq_id: int = 0,
+        attn_rot: bool = True,
+    ) -> np.ndarray:
         """Replace the memory with a llama.cpp session file's (``llama_state_save_file``'s) and return its tokens.
 
         The memory keeps its config (the file must fit it: same layers, heads, K/V types, no more
@@ -403,8 +447,16 @@ class Engine:
             prompt_cache.park(seq_id, session.tokens.tolist())
         return session.tokens
 
-    def save_sequence(self, path, seq_id: int, tokens: Sequence[int], *, version: Optional[int] = None,
-                      v_trans: Optional[bool] = None, attn_rot: bool = True) -> None:
+    def save_sequence(
+        self,
+        path,
+        seq_id: int,
+        tokens: Sequence[int],
+        *,
+        version: Optional[int] = None,
+        v_trans: Optional[bool] = None,
+        attn_rot: bool = True,
+    ) -> None:
         """Write one sequence as a llama.cpp sequence file (``llama_state_seq_load_file`` reads it), atomically.
 
         Args:
@@ -418,8 +470,9 @@ class Engine:
         options = {} if version is None else {"version": version}
         kvjax.seq_save_file(path, self._settled(), seq_id, tokens, v_trans=v_trans, attn_rot=attn_rot, **options)
 
-    def load_sequence(self, path, seq_id: int, *, prompt_cache: Optional[PromptCache] = None,
-                      attn_rot: bool = True) -> np.ndarray:
+    def load_sequence(
+        self, path, seq_id: int, *, prompt_cache: Optional[PromptCache] = None, attn_rot: bool = True
+    ) -> np.ndarray:
         """Read a llama.cpp sequence file into sequence ``seq_id`` (its cells replaced, the others kept).
 
         ``attn_rot``: as :meth:`load_session`.

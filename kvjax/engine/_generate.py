@@ -113,8 +113,9 @@ def _check_prompts(prompts, vocab_size: Optional[int], name: str = "prompts", al
     for i, p in enumerate(prompts):
         arr = np.asarray(p)
         if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise ValueError(f"{name}[{i}] has shape {arr.shape} and dtype {arr.dtype}: allowed a list of integer "
-                             f"token ids")
+            raise ValueError(
+                f"{name}[{i}] has shape {arr.shape} and dtype {arr.dtype}: allowed a list of integer token ids"
+            )
         if not arr.size and not allow_empty:
             raise ValueError(f"{name}[{i}] is empty: allowed non-empty token lists")
         if arr.size and vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -128,19 +129,39 @@ def _check_prompts(prompts, vocab_size: Optional[int], name: str = "prompts", al
 
 def _check_key(key) -> None:
     """A PRNG key: ``jax.random.PRNGKey(seed)`` (``u32[2]``) or ``jax.random.key(seed)``."""
-    ok = isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
-                                         or key.dtype == jnp.uint32 and key.shape == (2,))
+    ok = isinstance(key, jax.Array) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and key.shape == ()
+        or key.dtype == jnp.uint32
+        and key.shape == (2,)
+    )
     if not ok:
-        raise ValueError(f"key must be a jax PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got "
-                         f"{type(key).__name__} {getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}")
+        raise ValueError(
+            f"key must be a jax PRNG key (jax.random.PRNGKey(seed) or jax.random.key(seed)), got "
+            f"{type(key).__name__} {getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}"
+        )
 
 
-def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens,
-                    key: jax.Array, sampling: SamplingConfig = SamplingConfig(), n_parallel: int = 1,
-                    share_prefix: bool = True, stop_tokens: Sequence[int] = (), n_ctx: Optional[int] = None,
-                    n_keep: int = 0, draft: Optional["Engine"] = None, n_draft: int = 4,
-                    prompt_cache: Optional[PromptCache] = None, device_loop: bool = True, sync_every: int = 32,
-                    window: Optional[SinkWindow] = None, stats: Optional[dict] = None) -> Iterator[Tuple[int, int]]:
+def generate_stream(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens,
+    key: jax.Array,
+    sampling: SamplingConfig = SamplingConfig(),
+    n_parallel: int = 1,
+    share_prefix: bool = True,
+    stop_tokens: Sequence[int] = (),
+    n_ctx: Optional[int] = None,
+    n_keep: int = 0,
+    draft: Optional["Engine"] = None,
+    n_draft: int = 4,
+    prompt_cache: Optional[PromptCache] = None,
+    device_loop: bool = True,
+    sync_every: int = 32,
+    window: Optional[SinkWindow] = None,
+    stats: Optional[dict] = None,
+) -> Iterator[Tuple[int, int]]:
     """Generate for several sequences at once, yielding ``(sequence index, token)`` as tokens come.
 
     Args:
@@ -199,14 +220,28 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
         ``(i, token)`` for sequence ``i``.
     """
     stats = {} if stats is None else stats
-    req = _check_request(engine, prompts, max_new_tokens=max_new_tokens, key=key, sampling=sampling,
-                         n_parallel=n_parallel, share_prefix=share_prefix, stop_tokens=stop_tokens, n_ctx=n_ctx,
-                         n_keep=n_keep, draft=draft, n_draft=n_draft, prompt_cache=prompt_cache,
-                         device_loop=device_loop, sync_every=sync_every, window=window)
+    req = _check_request(
+        engine,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        key=key,
+        sampling=sampling,
+        n_parallel=n_parallel,
+        share_prefix=share_prefix,
+        stop_tokens=stop_tokens,
+        n_ctx=n_ctx,
+        n_keep=n_keep,
+        draft=draft,
+        n_draft=n_draft,
+        prompt_cache=prompt_cache,
+        device_loop=device_loop,
+        sync_every=sync_every,
+        window=window,
+    )
     if req.draft is not None:
         yield from _speculative(engine, req, key, stats)
         return
-    if req.prompt_cache is not None:   # free sequence ids, the longest parked prefixes lent to them
+    if req.prompt_cache is not None:  # free sequence ids, the longest parked prefixes lent to them
         sid, held = req.prompt_cache.attach(engine, req.prompts, req.max_new_tokens)
     else:
         sid, held = list(range(req.n_seq)), [0] * req.n_seq
@@ -215,9 +250,16 @@ def generate_stream(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new
     yield from _decode(engine, req, sid, rows, key, t0, stats)
 
 
-def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, key: jax.Array,
-             sampling: SamplingConfig = SamplingConfig(), on_token: Optional[Callable[[int, int], None]] = None,
-             **options) -> GenerationResult:
+def generate(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    key: jax.Array,
+    sampling: SamplingConfig = SamplingConfig(),
+    on_token: Optional[Callable[[int, int], None]] = None,
+    **options,
+) -> GenerationResult:
     """Run :func:`generate_stream` to the end and collect the tokens (see it for the options).
 
     Args:
@@ -236,15 +278,25 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], *, max_new_tokens
     out: List[List[int]] = [[] for _ in range(n_seq)]
     t0 = time.perf_counter()
     with CompileCounter() as compiles:
-        for s, tok in generate_stream(engine, prompts, max_new_tokens=max_new_tokens, key=key, sampling=sampling,
-                                      stats=stats, **options):
+        for s, tok in generate_stream(
+            engine, prompts, max_new_tokens=max_new_tokens, key=key, sampling=sampling, stats=stats, **options
+        ):
             out[s].append(tok)
             if on_token is not None:
                 on_token(s, tok)
-    return GenerationResult(out, stats.get("prompt_tokens", 0), stats.get("ttft", 0.0), time.perf_counter() - t0,
-                            stats.get("context_shifts", 0), compiles.count, compiles.seconds,
-                            total_compile_seconds() - stats.get("compile_at_ttft", total_compile_seconds()),
-                            stats.get("drafted", 0), stats.get("accepted", 0), stats.get("dispatches", 0))
+    return GenerationResult(
+        out,
+        stats.get("prompt_tokens", 0),
+        stats.get("ttft", 0.0),
+        time.perf_counter() - t0,
+        stats.get("context_shifts", 0),
+        compiles.count,
+        compiles.seconds,
+        total_compile_seconds() - stats.get("compile_at_ttft", total_compile_seconds()),
+        stats.get("drafted", 0),
+        stats.get("accepted", 0),
+        stats.get("dispatches", 0),
+    )
 
 
 # -- one request, in three steps ------------------------------------------------------------------
@@ -281,8 +333,25 @@ class _Request:
         return self.prompts * self.n_seq if self.n_parallel > 1 else self.prompts
 
 
-def _check_request(engine: Engine, prompts, *, max_new_tokens, key, sampling, n_parallel, share_prefix, stop_tokens,
-                   n_ctx, n_keep, draft, n_draft, prompt_cache, device_loop, sync_every, window) -> _Request:
+def _check_request(
+    engine: Engine,
+    prompts,
+    *,
+    max_new_tokens,
+    key,
+    sampling,
+    n_parallel,
+    share_prefix,
+    stop_tokens,
+    n_ctx,
+    n_keep,
+    draft,
+    n_draft,
+    prompt_cache,
+    device_loop,
+    sync_every,
+    window,
+) -> _Request:
     """Every argument of a request checked before anything is placed (``ValueError`` naming it)."""
     # the whole request is checked before anything is placed: a failed call changes nothing
     prompts = _check_prompts(prompts, engine.vocab_size)
@@ -300,8 +369,10 @@ def _check_request(engine: Engine, prompts, *, max_new_tokens, key, sampling, n_
         raise ValueError(f"sampling must be a kvjax.SamplingConfig, got {type(sampling).__name__}")
     _check_key(key)
     if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, (Sequence, np.ndarray, set, frozenset)):
-        raise ValueError(f"stop_tokens={stop_tokens!r} is out of range: allowed a sequence of token ids "
-                         f"(e.g. [eos_id], or () for none)")
+        raise ValueError(
+            f"stop_tokens={stop_tokens!r} is out of range: allowed a sequence of token ids "
+            f"(e.g. [eos_id], or () for none)"
+        )
     stop_tokens = _check_prompts([list(stop_tokens)], engine.vocab_size, name="stop_tokens", allow_empty=True)[0]
     if n_parallel > 1:
         if len(prompts) != 1:
@@ -309,30 +380,50 @@ def _check_request(engine: Engine, prompts, *, max_new_tokens, key, sampling, n_
     n_seq = n_parallel if n_parallel > 1 else len(prompts)
     if budgets is not None:
         if len(budgets) != n_seq:
-            raise ValueError(f"max_new_tokens has {len(budgets)} entries: allowed an int, or one int per sequence "
-                             f"({n_seq})")
+            raise ValueError(
+                f"max_new_tokens has {len(budgets)} entries: allowed an int, or one int per sequence ({n_seq})"
+            )
         if draft is not None:
-            raise ValueError("max_new_tokens as a list is out of range with draft=: allowed one int for every "
-                             "sequence")
-        max_new_tokens = max(budgets)      # the bound every check below needs
+            raise ValueError("max_new_tokens as a list is out of range with draft=: allowed one int for every sequence")
+        max_new_tokens = max(budgets)  # the bound every check below needs
     else:
         budgets = [max_new_tokens] * n_seq
     if window is not None:
         if not isinstance(window, SinkWindow):
             raise ValueError(f"window must be a kvjax.SinkWindow, got {type(window).__name__}")
         if n_ctx is not None or n_keep or prompt_cache is not None or draft is not None:
-            raise ValueError("window= is out of range with n_ctx, n_keep, prompt_cache or draft: a sink + window "
-                             "memory evicts a token per token instead of shifting the context")
+            raise ValueError(
+                "window= is out of range with n_ctx, n_keep, prompt_cache or draft: a sink + window "
+                "memory evicts a token per token instead of shifting the context"
+            )
         check_window_memory(engine.cache, window)
     if draft is not None:
         if n_parallel > 1 or n_ctx is not None or n_keep:
-            raise ValueError("draft= is out of range with n_parallel > 1, n_ctx or n_keep: speculative decoding "
-                             "evaluates each prompt in its own sequence and never shifts the context")
+            raise ValueError(
+                "draft= is out of range with n_parallel > 1, n_ctx or n_keep: speculative decoding "
+                "evaluates each prompt in its own sequence and never shifts the context"
+            )
         longest = max(len(p) for p in prompts)
         check_draft(engine, draft, n_draft, n_seq, longest, max_new_tokens)
         _check_prompts(prompts, draft.vocab_size)
-        return _Request(prompts, n_parallel, n_seq, budgets, max_new_tokens, set(stop_tokens), sampling, share_prefix,
-                        n_ctx, n_keep, device_loop, sync_every, window, prompt_cache, draft, int(n_draft))
+        return _Request(
+            prompts,
+            n_parallel,
+            n_seq,
+            budgets,
+            max_new_tokens,
+            set(stop_tokens),
+            sampling,
+            share_prefix,
+            n_ctx,
+            n_keep,
+            device_loop,
+            sync_every,
+            window,
+            prompt_cache,
+            draft,
+            int(n_draft),
+        )
     if n_seq > engine.cache.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
     limit = engine.cache.max_context
@@ -341,61 +432,102 @@ def _check_request(engine: Engine, prompts, *, max_new_tokens, key, sampling, n_
         if not isinstance(prompt_cache, PromptCache):
             raise ValueError(f"prompt_cache must be a kvjax.PromptCache, got {type(prompt_cache).__name__}")
         if n_parallel > 1 or n_ctx is not None or n_keep:
-            raise ValueError("prompt_cache= is out of range with n_parallel > 1, n_ctx or n_keep: a cached request "
-                             "never shifts its context (the cache evicts instead)")
+            raise ValueError(
+                "prompt_cache= is out of range with n_parallel > 1, n_ctx or n_keep: a cached request "
+                "never shifts its context (the cache evicts instead)"
+            )
         if limit is not None and longest + max_new_tokens > limit:
-            raise ValueError(f"max_new_tokens={max_new_tokens} is out of range: a prompt of {longest} tokens and "
-                             f"its continuation must fit in size={limit} cells (nothing is shifted with a prompt cache)")
-        limit, share_prefix = None, False   # the cache lends its own prefixes (attached after the checks)
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} is out of range: a prompt of {longest} tokens and "
+                f"its continuation must fit in size={limit} cells (nothing is shifted with a prompt cache)"
+            )
+        limit, share_prefix = None, False  # the cache lends its own prefixes (attached after the checks)
     if window is not None:
         top = engine.cache.context_per_sequence(n_seq) if limit is not None else 2**31 - 1
         if window.n_cells > top:
-            raise ValueError(f"window={window} is out of range: allowed n_sink + n_recent <= {top} (the cells per "
-                             f"sequence with {n_seq} sequence{'s' if n_seq != 1 else ''})")
+            raise ValueError(
+                f"window={window} is out of range: allowed n_sink + n_recent <= {top} (the cells per "
+                f"sequence with {n_seq} sequence{'s' if n_seq != 1 else ''})"
+            )
         if longest > window.n_cells:
-            raise ValueError(f"a prompt of {longest} tokens is out of range: allowed at most n_sink + n_recent = "
-                             f"{window.n_cells} tokens with window=")
+            raise ValueError(
+                f"a prompt of {longest} tokens is out of range: allowed at most n_sink + n_recent = "
+                f"{window.n_cells} tokens with window="
+            )
         memory = engine.cache
         one_per_stream = isinstance(memory, StreamCache) and memory.config.n_stream == memory.n_seq_max
         if n_seq > 1 and engine.contiguous and not one_per_stream:
-            raise ValueError(f"window= with {n_seq} sequences in one pool of cells is out of range with "
-                             f"Engine(contiguous=True): evictions leave single free cells between the sequences, "
-                             f"where a contiguous ubatch of {n_seq} tokens does not fit; allowed an "
-                             f"Engine(..., contiguous=False), or per-sequence streams (kvjax.StreamsConfig)")
+            raise ValueError(
+                f"window= with {n_seq} sequences in one pool of cells is out of range with "
+                f"Engine(contiguous=True): evictions leave single free cells between the sequences, "
+                f"where a contiguous ubatch of {n_seq} tokens does not fit; allowed an "
+                f"Engine(..., contiguous=False), or per-sequence streams (kvjax.StreamsConfig)"
+            )
         if window.compact and n_parallel > 1 and len(prompts[0]) > window.n_sink:
-            raise ValueError(f"n_parallel={n_parallel} is out of range with window=SinkWindow(compact=True) and a "
-                             f"prompt of {len(prompts[0])} tokens: the shared prompt would move for every "
-                             f"continuation; allowed a prompt of at most n_sink={window.n_sink} tokens, or "
-                             f"compact=False")
+            raise ValueError(
+                f"n_parallel={n_parallel} is out of range with window=SinkWindow(compact=True) and a "
+                f"prompt of {len(prompts[0])} tokens: the shared prompt would move for every "
+                f"continuation; allowed a prompt of at most n_sink={window.n_sink} tokens, or "
+                f"compact=False"
+            )
     elif limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
         n_ctx = None
     else:
         top = engine.cache.context_per_sequence(n_seq) if limit is not None else (2**31 - 1) // n_seq
         n_ctx = top if n_ctx is None else check_count("n_ctx", n_ctx, 1)
         if not n_keep + 2 <= n_ctx <= top:
-            raise ValueError(f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, cells per sequence = "
-                             f"{top}] (every sequence must be able to reach its limit)")
+            raise ValueError(
+                f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, cells per sequence = "
+                f"{top}] (every sequence must be able to reach its limit)"
+            )
         if longest >= n_ctx:
             raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
     if n_ctx is not None and max_new_tokens + longest > n_ctx and not engine.cache.can_shift:
-        raise ValueError(f"max_new_tokens={max_new_tokens} is out of range for this {type(engine.cache).__name__}: "
-                         f"a prompt of {longest} tokens would reach n_ctx={n_ctx} and need a context shift, which "
-                         f"this memory cannot do (kvjax.can_shift is False); allowed max_new_tokens <= "
-                         f"{n_ctx - longest}, or a memory with more cells")
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} is out of range for this {type(engine.cache).__name__}: "
+            f"a prompt of {longest} tokens would reach n_ctx={n_ctx} and need a context shift, which "
+            f"this memory cannot do (kvjax.can_shift is False); allowed max_new_tokens <= "
+            f"{n_ctx - longest}, or a memory with more cells"
+        )
     busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0] if prompt_cache is None else []
     if busy:
-        raise ValueError(f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "
-                         f"free them with kvjax.seq_rm(cache, s) (or use a fresh cache)")
-    return _Request(prompts, n_parallel, n_seq, budgets, max_new_tokens, set(int(t) for t in stop_tokens), sampling,
-                    share_prefix, n_ctx, n_keep, device_loop, sync_every, window, prompt_cache)
+        raise ValueError(
+            f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "
+            f"free them with kvjax.seq_rm(cache, s) (or use a fresh cache)"
+        )
+    return _Request(
+        prompts,
+        n_parallel,
+        n_seq,
+        budgets,
+        max_new_tokens,
+        set(int(t) for t in stop_tokens),
+        sampling,
+        share_prefix,
+        n_ctx,
+        n_keep,
+        device_loop,
+        sync_every,
+        window,
+        prompt_cache,
+    )
 
 
 def _speculative(engine: Engine, req: _Request, key, stats: dict) -> Iterator[Tuple[int, int]]:
     """A request with a draft model (``kvjax/engine/_speculative.py``)."""
     t0 = time.perf_counter()
     first = True
-    for item in speculative_stream(engine, req.draft, req.prompts, max_new_tokens=req.max_new_tokens, key=key,
-                                   sampling=req.sampling, n_draft=req.n_draft, stop=req.stop, stats=stats):
+    for item in speculative_stream(
+        engine,
+        req.draft,
+        req.prompts,
+        max_new_tokens=req.max_new_tokens,
+        key=key,
+        sampling=req.sampling,
+        n_draft=req.n_draft,
+        stop=req.stop,
+        stats=stats,
+    ):
         if first:
             stats["ttft"] = time.perf_counter() - t0
             stats["compile_at_ttft"] = total_compile_seconds()
@@ -416,7 +548,7 @@ def _prefill(engine: Engine, req: _Request, sid: List[int], held: List[int], sta
         shared, own = prompts[0], [[] for _ in range(n_seq)]  # the whole prompt, shared
     elif req.share_prefix and n_seq > 1:
         n_common = min(_common_prefix(prompts), min(len(p) for p in prompts) - 1)
-        if window is not None and window.compact:   # shared cells must never be shifted
+        if window is not None and window.compact:  # shared cells must never be shifted
             n_common = min(n_common, window.n_sink)
         shared, own = prompts[0][:n_common], [p[n_common:] for p in prompts]
     else:
@@ -424,19 +556,25 @@ def _prefill(engine: Engine, req: _Request, sid: List[int], held: List[int], sta
     prompt_tokens = 0
     first_discard = n_keep + (n_ctx - n_keep) // 2 if n_ctx is not None else len(shared)
     if n_ctx is not None and len(shared) > first_discard and max_new_tokens + longest > n_ctx:
-        raise ValueError(f"the shared prompt ({len(shared)} tokens) would be moved by a context shift, which "
-                         f"would shift it for every sequence: allowed at most n_keep + (n_ctx - n_keep) // 2 = "
-                         f"{first_discard} shared tokens; raise n_keep or n_ctx, or pass share_prefix=False")
+        raise ValueError(
+            f"the shared prompt ({len(shared)} tokens) would be moved by a context shift, which "
+            f"would shift it for every sequence: allowed at most n_keep + (n_ctx - n_keep) // 2 = "
+            f"{first_discard} shared tokens; raise n_keep or n_ctx, or pass share_prefix=False"
+        )
     if shared:
         # only n_parallel reads the shared prompt's logits (its last row); the rest needs its cells only
-        shared_logits = engine.decode(shared, list(range(len(shared))), [[sid[0]]] * len(shared),
-                                      outputs=[len(shared) - 1] if n_parallel > 1 else [])
+        shared_logits = engine.decode(
+            shared,
+            list(range(len(shared))),
+            [[sid[0]]] * len(shared),
+            outputs=[len(shared) - 1] if n_parallel > 1 else [],
+        )
         for s in range(1, n_seq):
             engine.cache = kvjax.seq_cp(engine.cache, sid[0], sid[s], -1, -1)
         prompt_tokens += len(shared)
     toks, pos, ids, last_row = [], [], [], {}
     for s, part in enumerate(own):
-        part = part[held[s]:]                     # a prompt cache already holds the first held[s] tokens
+        part = part[held[s] :]  # a prompt cache already holds the first held[s] tokens
         for j, t in enumerate(part):
             toks.append(t)
             pos.append(len(shared) + held[s] + j)
@@ -454,15 +592,16 @@ def _prefill(engine: Engine, req: _Request, sid: List[int], held: List[int], sta
     return rows
 
 
-def _decode(engine: Engine, req: _Request, sid: List[int], rows, key, t0: float,
-            stats: dict) -> Iterator[Tuple[int, int]]:
+def _decode(
+    engine: Engine, req: _Request, sid: List[int], rows, key, t0: float, stats: dict
+) -> Iterator[Tuple[int, int]]:
     """The decode loop from the prompts' logits ``rows``: on the device where it gives the host loop's
     tokens, else one step per dispatch; context shifts, window evictions and stops on the host."""
     n_seq, n_ctx, n_keep, window, stop = req.n_seq, req.n_ctx, req.n_keep, req.window, req.stop
     budgets, sampling, sync_every, prompt_cache = req.budgets, req.sampling, req.sync_every, req.prompt_cache
     next_pos = [len(p) for p in req.per_sequence]
     counts = [0] * n_seq
-    fed = [list(p) for p in req.per_sequence]   # the tokens each sequence holds
+    fed = [list(p) for p in req.per_sequence]  # the tokens each sequence holds
     shifts = 0
     # the device loop, where it gives the host loop's tokens (see kvjax/engine/_device_loop.py). A
     # prompt cache parks ``fed``, the tokens handed out and fed; a generator closed early may have
@@ -500,8 +639,22 @@ def _decode(engine: Engine, req: _Request, sid: List[int], rows, key, t0: float,
             if on_device and len(active) <= engine.n_ubatch:
                 # many steps per dispatch; it returns when a sequence stops, a shift is due, the
                 # window bucket changes or pending work must be applied (the next round does it)
-                for _, picked in run_segment(engine, active, sid, feed, next_pos, counts, budgets, stops, n_ctx,
-                                             key, sampling, sync_every, info, window):
+                for _, picked in run_segment(
+                    engine,
+                    active,
+                    sid,
+                    feed,
+                    next_pos,
+                    counts,
+                    budgets,
+                    stops,
+                    n_ctx,
+                    key,
+                    sampling,
+                    sync_every,
+                    info,
+                    window,
+                ):
                     for s, t in zip(active, feed):
                         fed[s].append(t)
                     feed = picked.tolist()
@@ -532,6 +685,6 @@ def _decode(engine: Engine, req: _Request, sid: List[int], rows, key, t0: float,
         if prompt_cache is not None:  # the sequences stay in the memory, parked for later requests
             for s in range(n_seq):
                 prompt_cache.park(sid[s], fed[s])
-            if prompt_cache.idle_to_host:   # ... or in host memory (and any brought back), cells freed at once
+            if prompt_cache.idle_to_host:  # ... or in host memory (and any brought back), cells freed at once
                 prompt_cache.to_host(engine)
     stats["context_shifts"] = shifts

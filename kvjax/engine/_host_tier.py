@@ -107,7 +107,7 @@ class HostTier:
         most recently used); ``(-1, 0)`` when none shares a first token."""
         prompt = np.asarray(list(prompt), np.int32)
         best, best_len = -1, 0
-        for key, entry in self._entries.items():     # least recently used first: a tie goes to the later
+        for key, entry in self._entries.items():  # least recently used first: a tie goes to the later
             n = min(len(prompt), len(entry.tokens))
             differ = np.flatnonzero(prompt[:n] != entry.tokens[:n])
             common = int(differ[0]) if len(differ) else n

@@ -87,8 +87,11 @@ def match_prefix(store: PromptStore, prompt: Int[Array, " L"], n: Int[Array, ""]
 
 @jax.jit
 def _set(store: PromptStore, seq, row, length, clock) -> PromptStore:
-    return PromptStore(tokens=store.tokens.at[seq].set(row), length=store.length.at[seq].set(length),
-                       last_used=store.last_used.at[seq].set(clock))
+    return PromptStore(
+        tokens=store.tokens.at[seq].set(row),
+        length=store.length.at[seq].set(length),
+        last_used=store.last_used.at[seq].set(clock),
+    )
 
 
 class PromptCache:
@@ -114,18 +117,22 @@ class PromptCache:
         host_bytes = check_count("host_bytes", host_bytes, 0)
         self.idle_to_host = check_flag("idle_to_host", idle_to_host)
         if idle_to_host and not host_bytes:
-            raise ValueError("idle_to_host=True is out of range with host_bytes=0: allowed with a host tier "
-                             "(host_bytes > 0), where the idle sequences go")
+            raise ValueError(
+                "idle_to_host=True is out of range with host_bytes=0: allowed with a host tier "
+                "(host_bytes > 0), where the idle sequences go"
+            )
         if n_seq_max * max_tokens > 2**28:
             raise ValueError(f"max_tokens={max_tokens} is out of range: allowed n_seq_max * max_tokens <= 2**28")
         self.n_seq_max, self.max_tokens = n_seq_max, max_tokens
-        self.store = PromptStore(tokens=jnp.zeros((n_seq_max, max_tokens), jnp.int32),
-                                 length=jnp.zeros((n_seq_max,), jnp.int32),
-                                 last_used=jnp.zeros((n_seq_max,), jnp.int32))
+        self.store = PromptStore(
+            tokens=jnp.zeros((n_seq_max, max_tokens), jnp.int32),
+            length=jnp.zeros((n_seq_max,), jnp.int32),
+            last_used=jnp.zeros((n_seq_max,), jnp.int32),
+        )
         self.clock = 0
-        self._lengths = np.zeros(n_seq_max, np.int64)   # host mirror of store.length (tiny)
+        self._lengths = np.zeros(n_seq_max, np.int64)  # host mirror of store.length (tiny)
         self._used = np.zeros(n_seq_max, np.int64)
-        self._tokens: List[List[int]] = [[] for _ in range(n_seq_max)]   # host mirror of store.tokens rows
+        self._tokens: List[List[int]] = [[] for _ in range(n_seq_max)]  # host mirror of store.tokens rows
         #: the host tier (None without ``host_bytes``)
         self.host: Optional[HostTier] = HostTier(host_bytes) if host_bytes else None
         #: tokens lent to new sequences, and parked sequences evicted from the device (dropped, or
@@ -200,14 +207,32 @@ class PromptCache:
         memory = engine.cache
         if memory.n_seq_max != self.n_seq_max:
             raise ValueError(f"prompt_cache has n_seq_max={self.n_seq_max}: allowed the memory's {memory.n_seq_max}")
-        saved = (self.store, self.clock, self._lengths.copy(), self._used.copy(), list(self._tokens),
-                 self.evictions, self.offloads, self.restores, self.host.snapshot() if self.host else None)
+        saved = (
+            self.store,
+            self.clock,
+            self._lengths.copy(),
+            self._used.copy(),
+            list(self._tokens),
+            self.evictions,
+            self.offloads,
+            self.restores,
+            self.host.snapshot() if self.host else None,
+        )
         try:
             memory = self._from_host(memory, prompts)
             return self._attach(engine, memory, prompts, max_new_tokens)
         except Exception:
-            (self.store, self.clock, self._lengths, self._used, self._tokens, self.evictions, self.offloads,
-             self.restores, host) = saved
+            (
+                self.store,
+                self.clock,
+                self._lengths,
+                self._used,
+                self._tokens,
+                self.evictions,
+                self.offloads,
+                self.restores,
+                host,
+            ) = saved
             if host is not None:
                 self.host.restore(host)
             raise
@@ -217,7 +242,7 @@ class PromptCache:
         matches = []
         for prompt in prompts:
             src, length = self.match(prompt)
-            matches.append((src, min(length, len(prompt) - 1)))   # the last prompt token is evaluated
+            matches.append((src, min(length, len(prompt) - 1)))  # the last prompt token is evaluated
         # a prompt that extends everything a parked sequence holds continues that sequence in place
         seq_ids = [None] * n
         for i, (src, m) in enumerate(matches):
@@ -227,7 +252,7 @@ class PromptCache:
                 # the prompt is exactly what the sequence holds (a session loaded from a file): its
                 # last token is evaluated again for the logits, so that position is removed first
                 cut, ok = memory.seq_rm(np.int32(src), np.int32(m), np.int32(-1))
-                if not bool(ok):     # a recurrent state that cannot step back: lend the prefix instead
+                if not bool(ok):  # a recurrent state that cannot step back: lend the prefix instead
                     continue
                 memory = cut
             elif m != self._lengths[src]:
@@ -242,12 +267,14 @@ class PromptCache:
             memory = self._evict(memory, evictable.pop(0))
             free.append(self._last_evicted)
         if len(free) < seq_ids.count(None):
-            raise ValueError(f"{n} prompts are out of range: allowed at most {len(free) + n - seq_ids.count(None)} "
-                             f"(free sequence ids of n_seq_max={self.n_seq_max}, every unmatched parked one evicted)")
+            raise ValueError(
+                f"{n} prompts are out of range: allowed at most {len(free) + n - seq_ids.count(None)} "
+                f"(free sequence ids of n_seq_max={self.n_seq_max}, every unmatched parked one evicted)"
+            )
         free = iter(sorted(free))
         held = []
         for i, (src, m) in enumerate(matches):
-            if seq_ids[i] is not None:                    # continues its own parked sequence
+            if seq_ids[i] is not None:  # continues its own parked sequence
                 self.forget(src)
                 held.append(m)
                 continue
@@ -264,8 +291,10 @@ class PromptCache:
         while not engine.fits(memory, [(s, h, len(p) + max_new_tokens) for s, h, p in zip(seq_ids, held, prompts)]):
             candidates = [s for s in self.lru() if s not in seq_ids]
             if not candidates:
-                raise CacheFullError(f"a request of {n} prompts and {max_new_tokens} new tokens each does not fit "
-                                     f"even with every parked sequence evicted; nothing changed")
+                raise CacheFullError(
+                    f"a request of {n} prompts and {max_new_tokens} new tokens each does not fit "
+                    f"even with every parked sequence evicted; nothing changed"
+                )
             memory = self._evict(memory, candidates[0])
         engine.cache = memory
         self.reused_tokens += sum(held)
@@ -274,7 +303,7 @@ class PromptCache:
     def _evict(self, memory, victim: int):
         """``victim`` leaves the device: to the host tier when there is one, else it is dropped."""
         if self.host is not None:
-            if bool(memory.pending()):     # a blob holds no pending shift: apply it first
+            if bool(memory.pending()):  # a blob holds no pending shift: apply it first
                 memory = memory.update()
             if self.host.put(self._tokens[victim], memory.state_write(victim)):
                 self.offloads += 1
@@ -338,10 +367,10 @@ class PromptCache:
                         self.restores += 1
                         break
                     except (StateError, CacheFullError):
-                        pass                  # not enough free cells: make room below, or give up
+                        pass  # not enough free cells: make room below, or give up
                 victims = [s for s in self.lru() if s not in protected]
                 if not victims:
-                    self.host.put(entry.tokens, entry.blob)   # it stays on the host
+                    self.host.put(entry.tokens, entry.blob)  # it stays on the host
                     break
                 memory = self._evict(memory, victims[0])
         return memory

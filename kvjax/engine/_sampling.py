@@ -50,8 +50,9 @@ class SamplingConfig:
         object.__setattr__(self, "top_k", check_count("top_k", given["top_k"], 0))
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
             # logits divided by a tiny temperature overflow to inf, and inf - inf is NaN
-            raise ValueError(f"temperature={given['temperature']} is out of range: allowed 0 (greedy) or "
-                             f">= {MIN_TEMPERATURE}")
+            raise ValueError(
+                f"temperature={given['temperature']} is out of range: allowed 0 (greedy) or >= {MIN_TEMPERATURE}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={given['top_p']} is out of range: allowed (0, 1] (1 = off)")
 
@@ -88,8 +89,7 @@ def _greedy(logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: Float[Array, "B V"], key: jax.Array, config: SamplingConfig = SamplingConfig()
-           ) -> Int[Array, " B"]:
+def sample(logits: Float[Array, "B V"], key: jax.Array, config: SamplingConfig = SamplingConfig()) -> Int[Array, " B"]:
     """Draw one token per row.
 
     Args:
@@ -104,8 +104,10 @@ def sample(logits: Float[Array, "B V"], key: jax.Array, config: SamplingConfig =
         ValueError: ``config`` is not a :class:`SamplingConfig`.
     """
     if not isinstance(config, SamplingConfig):
-        raise ValueError(f"config must be a kvjax.SamplingConfig, got {type(config).__name__}: make one with "
-                         f"kvjax.SamplingConfig(temperature=..., top_k=..., top_p=...)")
+        raise ValueError(
+            f"config must be a kvjax.SamplingConfig, got {type(config).__name__}: make one with "
+            f"kvjax.SamplingConfig(temperature=..., top_k=..., top_p=...)"
+        )
     if config.greedy:
         return _greedy(logits)
     return _sample(logits, key, config)

@@ -45,9 +45,13 @@ __all__ = ["accept_drafts", "speculative_stream"]
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def accept_drafts(target_logits: Float[Array, "B K1 V"], draft_logits: Float[Array, "B K V"],
-                  drafts: Int[Array, "B K"], key: jax.Array, config: SamplingConfig
-                  ) -> Tuple[Int[Array, " B"], Int[Array, " B"]]:
+def accept_drafts(
+    target_logits: Float[Array, "B K1 V"],
+    draft_logits: Float[Array, "B K V"],
+    drafts: Int[Array, "B K"],
+    key: jax.Array,
+    config: SamplingConfig,
+) -> Tuple[Int[Array, " B"], Int[Array, " B"]]:
     """The acceptance rule for ``B`` sequences of ``K`` drafts each.
 
     Args:
@@ -63,7 +67,7 @@ def accept_drafts(target_logits: Float[Array, "B K1 V"], draft_logits: Float[Arr
     """
     K = drafts.shape[1]
     if config.greedy:
-        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)            # [B, K + 1]
+        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K + 1]
         match = best[:, :K] == drafts
         n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
         return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]
@@ -75,9 +79,9 @@ def accept_drafts(target_logits: Float[Array, "B K1 V"], draft_logits: Float[Arr
     p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(k_accept, drafts.shape)
-    keep = u * q_d < p_d                                                     # u < p / q, without dividing
+    keep = u * q_d < p_d  # u < p / q, without dividing
     n = jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
-    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]            # [B, V]
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, V]
     q_n = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1), n[:, None, None], axis=1)[:, 0]
     residual = jnp.maximum(p_n - q_n, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
@@ -95,8 +99,18 @@ def _last_rows(counts: Sequence[int], rows_each: int) -> np.ndarray:
     return np.concatenate([np.arange(e - rows_each, e) for e in ends])
 
 
-def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_tokens: int, key: jax.Array,
-                       sampling: SamplingConfig, n_draft: int, stop: set, stats: dict) -> Iterator[Tuple[int, int]]:
+def speculative_stream(
+    target,
+    draft,
+    prompts: List[List[int]],
+    *,
+    max_new_tokens: int,
+    key: jax.Array,
+    sampling: SamplingConfig,
+    n_draft: int,
+    stop: set,
+    stats: dict,
+) -> Iterator[Tuple[int, int]]:
     """The speculative loop behind :func:`kvjax.generate` with ``draft=`` (arguments checked there).
 
     Sequence ``s`` of both engines holds prompt ``s``; every position after the kept tokens is
@@ -109,11 +123,11 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
     rows = [[s] for s, p in enumerate(prompts) for _ in p]
     last = np.cumsum([len(p) for p in prompts]) - 1
     logits = target.decode(toks, pos, rows, outputs=last)
-    draft.decode(toks, pos, rows, outputs=[])       # the draft only needs the prompts' cells
+    draft.decode(toks, pos, rows, outputs=[])  # the draft only needs the prompts' cells
     key, sub = jax.random.split(key)
     first = np.asarray(sample(logits, sub, sampling)).tolist()
-    history = [list(p) + [t] for p, t in zip(prompts, first)]   # every token, the last one not yet fed
-    fed_target = [len(p) for p in prompts]                        # positions each memory holds
+    history = [list(p) + [t] for p, t in zip(prompts, first)]  # every token, the last one not yet fed
+    fed_target = [len(p) for p in prompts]  # positions each memory holds
     fed_draft = list(fed_target)
     counts = [0] * n_seq
     active = []
@@ -125,7 +139,7 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
     drafted = accepted = 0
     while active:
         # 1. the draft proposes n_draft tokens per active sequence
-        pending = [history[s][fed_draft[s]:] for s in active]
+        pending = [history[s][fed_draft[s] :] for s in active]
         d_toks, d_pos, d_ids = [], [], []
         for s, part in zip(active, pending):
             d_toks += part
@@ -137,14 +151,17 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
             key, sub = jax.random.split(key)
             proposals.append(np.asarray(sample(q_rows[-1], sub, sampling)))
             if j + 1 < n_draft:
-                q_rows.append(draft.decode(proposals[-1].tolist(), [len(history[s]) + j for s in active],
-                                           [ids[s] for s in active]))
+                q_rows.append(
+                    draft.decode(
+                        proposals[-1].tolist(), [len(history[s]) + j for s in active], [ids[s] for s in active]
+                    )
+                )
         for s in active:
             fed_draft[s] = len(history[s]) + n_draft - 1
-        drafts = np.stack(proposals, axis=1)                                  # [B, k]
-        q_all = jnp.stack(q_rows, axis=1)                                     # [B, k, V]
+        drafts = np.stack(proposals, axis=1)  # [B, k]
+        q_all = jnp.stack(q_rows, axis=1)  # [B, k, V]
         # 2. the target checks the pending tokens and the drafts in one batch
-        t_parts = [history[s][fed_target[s]:] + drafts[i].tolist() for i, s in enumerate(active)]
+        t_parts = [history[s][fed_target[s] :] + drafts[i].tolist() for i, s in enumerate(active)]
         t_toks, t_pos, t_ids = [], [], []
         for s, part in zip(active, t_parts):
             t_toks += part
@@ -163,7 +180,7 @@ def speculative_stream(target, draft, prompts: List[List[int]], *, max_new_token
             n = int(n_ok[i])
             drafted += n_draft
             accepted += n
-            kept_pos = len(history[s]) + n                  # positions < kept_pos stay in the memories
+            kept_pos = len(history[s]) + n  # positions < kept_pos stay in the memories
             for memory_engine, fed in ((target, fed_target), (draft, fed_draft)):
                 if fed[s] > kept_pos:
                     memory_engine.rollback(s, kept_pos)
@@ -197,19 +214,24 @@ def check_draft(target, draft, n_draft: int, n_seq: int, longest: int, max_new_t
     for name, engine, depth in (("target", target, n_draft), ("draft", draft, n_draft - 1)):
         have = engine.cache.rollback_depth
         if have is not None and have < depth:
-            raise ValueError(f"{name} memory can roll back {have} positions: allowed n_draft={n_draft} needs "
-                             f"{depth} (a recurrent part needs n_states >= {depth + 1}; an iSWA pair needs "
-                             f"swa_full=True, since a pruned window cache cannot go back)")
+            raise ValueError(
+                f"{name} memory can roll back {have} positions: allowed n_draft={n_draft} needs "
+                f"{depth} (a recurrent part needs n_states >= {depth + 1}; an iSWA pair needs "
+                f"swa_full=True, since a pruned window cache cannot go back)"
+            )
         if n_seq > engine.cache.n_seq_max:
-            raise ValueError(f"{n_seq} sequences are out of range for the {name}: allowed n_seq_max="
-                             f"{engine.cache.n_seq_max}")
+            raise ValueError(
+                f"{n_seq} sequences are out of range for the {name}: allowed n_seq_max={engine.cache.n_seq_max}"
+            )
         limit = engine.cache.max_context
         need = longest + max_new_tokens + n_draft
         each = None if limit is None else engine.cache.context_per_sequence(n_seq)
         if each is not None and need > each:
-            raise ValueError(f"max_new_tokens={max_new_tokens} is out of range for the {name}: speculative decoding "
-                             f"does not shift the context, and {n_seq} sequences of up to {need} positions do not "
-                             f"fit in size // n_seq = {each} cells each")
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} is out of range for the {name}: speculative decoding "
+                f"does not shift the context, and {n_seq} sequences of up to {need} positions do not "
+                f"fit in size // n_seq = {each} cells each"
+            )
         busy = [s for s in range(n_seq) if int(kvjax.seq_pos_max(engine.cache, s)) >= 0]
         if busy:
             raise ValueError(f"sequences {busy} already hold cells in the {name}: free them with kvjax.seq_rm")

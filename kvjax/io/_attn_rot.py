@@ -102,20 +102,22 @@ def _rotate_data(data: memoryview, n_cells: int, n_k: int, n_v: int) -> bytes:
         k_type, k_row = struct.unpack_from("<iQ", data, off)
         off += 12
         if _rotatable(k_type, k_row, n_k):
-            out[off:off + k_row * n_cells] = _rotate_rows(data[off:off + k_row * n_cells], n_cells,
-                                                          _QUANT_BY_ID[k_type], n_k)
+            out[off : off + k_row * n_cells] = _rotate_rows(
+                data[off : off + k_row * n_cells], n_cells, _QUANT_BY_ID[k_type], n_k
+            )
         off += k_row * n_cells
     for il in range(n_layer):
         v_type = struct.unpack_from("<i", data, off)[0]
-        if v_trans:   # a transposed V is never block-quantized (ggml's blocks run along a row)
+        if v_trans:  # a transposed V is never block-quantized (ggml's blocks run along a row)
             el, width = struct.unpack_from("<II", data, off + 4)
             off += 12 + el * width * n_cells
             continue
         v_row = struct.unpack_from("<Q", data, off + 4)[0]
         off += 12
         if _rotatable(v_type, v_row, n_v):
-            out[off:off + v_row * n_cells] = _rotate_rows(data[off:off + v_row * n_cells], n_cells,
-                                                          _QUANT_BY_ID[v_type], n_v)
+            out[off : off + v_row * n_cells] = _rotate_rows(
+                data[off : off + v_row * n_cells], n_cells, _QUANT_BY_ID[v_type], n_v
+            )
         off += v_row * n_cells
     return bytes(out)
 
@@ -139,9 +141,9 @@ def rotate_section(blob, config: CacheConfig) -> bytes:
         return bytes(blob)
     r = Cursor(blob)
     streams = parse_streams(r, single=False)
-    out = bytearray(r.buf[:r.off])
+    out = bytearray(r.buf[: r.off])
     starts = [st.offset for st in streams]
     rotate_streams(streams, config)
     for start, st in zip(starts, streams):
-        out[start:start + len(st.data)] = st.data
+        out[start : start + len(st.data)] = st.data
     return bytes(out)

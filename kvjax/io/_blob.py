@@ -22,8 +22,18 @@ from kvjax.memory import _seqbits as seqbits
 from kvjax.memory._config import GGML_TYPE_IDS
 from jax.experimental import multihost_utils
 
-__all__ = ["QUANTIZED_TYPE_IDS", "Cursor", "as_view", "check_type", "check_equal", "check_positions",
-           "parse_meta_seq", "parse_meta_whole", "encode_meta", "host_array"]
+__all__ = [
+    "QUANTIZED_TYPE_IDS",
+    "Cursor",
+    "as_view",
+    "check_type",
+    "check_equal",
+    "check_positions",
+    "parse_meta_seq",
+    "parse_meta_whole",
+    "encode_meta",
+    "host_array",
+]
 
 
 #: ggml type ids of the block types llama.cpp accepts for K/V (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
@@ -32,6 +42,7 @@ __all__ = ["QUANTIZED_TYPE_IDS", "Cursor", "as_view", "check_type", "check_equal
 QUANTIZED_TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
 
 _GGML_NAMES = {0: "F32", 1: "F16", 30: "BF16", **QUANTIZED_TYPE_IDS}
+
 
 class Cursor:
     """Reads fields off a byte view; a short read raises :class:`StateError` naming the field."""
@@ -46,9 +57,10 @@ class Cursor:
 
     def take(self, nbytes: int, field: str) -> memoryview:
         if nbytes < 0 or nbytes > self.left:
-            raise StateError(f"{field}: expected {nbytes} bytes at offset {self.off}, found "
-                             f"{self.left} (truncated blob)")
-        view = self.buf[self.off:self.off + nbytes]
+            raise StateError(
+                f"{field}: expected {nbytes} bytes at offset {self.off}, found {self.left} (truncated blob)"
+            )
+        view = self.buf[self.off : self.off + nbytes]
         self.off += nbytes
         return view
 
@@ -70,16 +82,19 @@ class Cursor:
     def words(self) -> Tuple[np.ndarray, memoryview]:
         """Every whole i32 word left, as numpy and as a memoryview (neither advances)."""
         n = self.left // 4
-        view = self.buf[self.off:self.off + 4 * n]
+        view = self.buf[self.off : self.off + 4 * n]
         return np.frombuffer(view, "<i4"), view.cast("i")
 
     def finish(self, what: str = "blob") -> None:
         if self.left:
-            raise StateError(f"{what} length: expected {self.off} bytes, found {len(self.buf)} "
-                             f"({self.left} trailing bytes)")
+            raise StateError(
+                f"{what} length: expected {self.off} bytes, found {len(self.buf)} ({self.left} trailing bytes)"
+            )
+
 
 def _type_name(type_id: int) -> str:
     return _GGML_NAMES.get(type_id, "unknown ggml type")
+
 
 def check_type(field: str, expected: int, found: int) -> None:
     if found == expected:
@@ -87,16 +102,21 @@ def check_type(field: str, expected: int, found: int) -> None:
     msg = f"{field}: expected {expected} ({_type_name(expected)}), found {found} ({_type_name(found)})"
     names = {i: n for n, i in GGML_TYPE_IDS.items()}
     if found in QUANTIZED_TYPE_IDS:
-        fix = (f"make the cache with that {field.split()[-2].lower()}_dtype={names[found]!r}" if found in names
-               else "kvjax has no storage of that type")
+        fix = (
+            f"make the cache with that {field.split()[-2].lower()}_dtype={names[found]!r}"
+            if found in names
+            else "kvjax has no storage of that type"
+        )
         msg += f": quantized K/V state is not supported by a cache of another storage type ({fix})"
     elif expected in QUANTIZED_TYPE_IDS:
         msg += ": the cache stores block-quantized K/V and the blob does not (make the cache with its float dtype)"
     raise StateError(msg)
 
+
 def check_equal(field: str, expected: int, found: int, why: str = "") -> None:
     if found != expected:
         raise StateError(f"{field}: expected {expected}{why}, found {found}")
+
 
 def parse_meta_seq(cur: Cursor, n: int) -> np.ndarray:
     """Cells of a single-sequence blob: ``n`` records of (pos, n_seq_id = 0)."""
@@ -106,20 +126,25 @@ def parse_meta_seq(cur: Cursor, n: int) -> np.ndarray:
     named = np.flatnonzero(counts)
     if named.size:  # the records before it are all two words, so its index is exact
         i = int(named[0])
-        raise StateError(f"cell {i} n_seq_id: expected 0 (a single-sequence blob names no "
-                         f"sequence), found {int(counts[i]) & 0xFFFFFFFF}; a whole-cache blob is "
-                         f"read with seq_id=-1")
+        raise StateError(
+            f"cell {i} n_seq_id: expected 0 (a single-sequence blob names no "
+            f"sequence), found {int(counts[i]) & 0xFFFFFFFF}; a whole-cache blob is "
+            f"read with seq_id=-1"
+        )
     words = cur.array(np.dtype("<i4"), 2 * n, f"cell metadata of {n} cells")
     pos = words[0::2]
     check_positions(pos)
     return pos
 
+
 def check_positions(pos: np.ndarray) -> None:
     bad = np.flatnonzero((pos < 0) | (pos >= POS_END))
     if bad.size:
         i = int(bad[0])
-        raise StateError(f"cell {i} pos: expected in [0, {POS_END}) (2**31 - 1 is the seed's 'to infinity'), "
-                         f"found {int(pos[i])}")
+        raise StateError(
+            f"cell {i} pos: expected in [0, {POS_END}) (2**31 - 1 is the seed's 'to infinity'), found {int(pos[i])}"
+        )
+
 
 def _record_offsets(cur: Cursor, n: int, n_seq_max: int) -> np.ndarray:
     """Word offset of each cell record of a whole-cache blob (records have variable length)."""
@@ -128,7 +153,7 @@ def _record_offsets(cur: Cursor, n: int, n_seq_max: int) -> np.ndarray:
         k0 = int(words[1])
         r = 2 + k0
         # fast path: every cell has the same number of sequences (the common case)
-        if 1 <= k0 <= n_seq_max and n * r <= words.size and np.all(words[1:n * r:r] == k0):
+        if 1 <= k0 <= n_seq_max and n * r <= words.size and np.all(words[1 : n * r : r] == k0):
             return np.arange(n, dtype=np.int64) * r
     # general case: one cheap step per cell over the metadata words (about 16 ms at 32768 cells
     # on the 2-core CPU this was written on); K/V bytes are never looped over
@@ -136,19 +161,26 @@ def _record_offsets(cur: Cursor, n: int, n_seq_max: int) -> np.ndarray:
     off, m = 0, words.size
     for i in range(n):
         if off + 2 > m:
-            raise StateError(f"cell {i} pos and n_seq_id: expected 8 bytes at offset "
-                             f"{cur.off + 4 * off}, found {cur.left - 4 * off} (truncated blob)")
+            raise StateError(
+                f"cell {i} pos and n_seq_id: expected 8 bytes at offset "
+                f"{cur.off + 4 * off}, found {cur.left - 4 * off} (truncated blob)"
+            )
         k = ints[off + 1]
         if not 1 <= k <= n_seq_max:
-            raise StateError(f"cell {i} n_seq_id: expected 1 to n_seq_max={n_seq_max} (every cell of "
-                             f"a whole-cache blob names its sequences), found {k & 0xFFFFFFFF}"
-                             + ("; a single-sequence blob is read with seq_id >= 0" if k == 0 else ""))
+            raise StateError(
+                f"cell {i} n_seq_id: expected 1 to n_seq_max={n_seq_max} (every cell of "
+                f"a whole-cache blob names its sequences), found {k & 0xFFFFFFFF}"
+                + ("; a single-sequence blob is read with seq_id >= 0" if k == 0 else "")
+            )
         offsets[i] = off
         off += 2 + k
     if off > m:
-        raise StateError(f"cell {n - 1} seq ids: expected {4 * (off - offsets[-1] - 2)} bytes, found "
-                         f"{cur.left - 4 * (offsets[-1] + 2)} (truncated blob)")
+        raise StateError(
+            f"cell {n - 1} seq ids: expected {4 * (off - offsets[-1] - 2)} bytes, found "
+            f"{cur.left - 4 * (offsets[-1] + 2)} (truncated blob)"
+        )
     return np.asarray(offsets, np.int64)
+
 
 def parse_meta_whole(cur: Cursor, n: int, n_seq_max: int, n_words: int):
     """Cells of a whole-cache blob: positions ``i32[n]`` and sequence bitmasks ``u32[n, W]``."""
@@ -172,10 +204,12 @@ def parse_meta_whole(cur: Cursor, n: int, n_seq_max: int, n_words: int):
     dup = np.flatnonzero(distinct != counts)
     if dup.size:
         i = int(dup[0])
-        raise StateError(f"cell {i} seq ids: expected {int(counts[i])} distinct ids, found "
-                         f"{sorted(ids[cell == i].tolist())}")
+        raise StateError(
+            f"cell {i} seq ids: expected {int(counts[i])} distinct ids, found {sorted(ids[cell == i].tolist())}"
+        )
     cur.take(4 * int(offsets[-1] + 2 + counts[-1]), "cell metadata")
     return pos, masks
+
 
 def encode_meta(pos: np.ndarray, masks: Optional[np.ndarray], n_seq_max: int) -> bytes:
     """Cell records for ``pos i32[n]`` and ``masks u32[n, W]`` (None: single-sequence records)."""
@@ -198,6 +232,7 @@ def encode_meta(pos: np.ndarray, masks: Optional[np.ndarray], n_seq_max: int) ->
     out[start[cell] + 2 + np.arange(ids.size) - first[cell]] = ids
     return out.tobytes()
 
+
 def host_array(x) -> np.ndarray:
     """``x`` as a numpy array, gathered from every process when it spans other processes' devices.
 
@@ -209,6 +244,7 @@ def host_array(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
 
 def as_view(data) -> memoryview:
     try:

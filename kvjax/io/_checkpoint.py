@@ -50,8 +50,10 @@ def _orbax():
     try:
         import orbax.checkpoint as ocp
     except ImportError as exc:
-        raise ImportError("kvjax checkpoints need orbax-checkpoint, which is not installed: "
-                          "pip install 'kvjax[orbax]' (or pip install orbax-checkpoint)") from exc
+        raise ImportError(
+            "kvjax checkpoints need orbax-checkpoint, which is not installed: "
+            "pip install 'kvjax[orbax]' (or pip install orbax-checkpoint)"
+        ) from exc
     return ocp
 
 
@@ -79,8 +81,11 @@ def config_record(config: CacheConfig) -> dict:
 
 def _tree(cache: KVCache) -> dict:
     cells = {name: getattr(cache.cells, name) for name in _CELL_FIELDS}
-    return {"cells": cells, "k": {str(g): x for g, x in enumerate(cache.k)},
-            "v": {str(g): x for g, x in enumerate(cache.v)}}
+    return {
+        "cells": cells,
+        "k": {str(g): x for g, x in enumerate(cache.k)},
+        "v": {str(g): x for g, x in enumerate(cache.v)},
+    }
 
 
 def _check_path(path) -> str:
@@ -108,8 +113,11 @@ def checkpoint_save(path, cache: KVCache, *, force: bool = False) -> None:
     ocp = _orbax()
     meta = {"format": FORMAT, "version": VERSION, "config": config_record(cache.config)}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-        ckptr.save(path, ocp.args.Composite(state=ocp.args.StandardSave(_tree(cache)),
-                                            meta=ocp.args.JsonSave(meta)), force=bool(force))
+        ckptr.save(
+            path,
+            ocp.args.Composite(state=ocp.args.StandardSave(_tree(cache)), meta=ocp.args.JsonSave(meta)),
+            force=bool(force),
+        )
 
 
 def _check_cells(cells: dict, config: CacheConfig) -> None:
@@ -118,14 +126,17 @@ def _check_cells(cells: dict, config: CacheConfig) -> None:
     if not 0 <= head < config.size:
         raise StateError(f"cells.head: expected a cell in [0, {config.size}), found {head}")
     members = seqbits.unpack(seq, seqbits.BITS * seq.shape[1])
-    if members[:, config.n_seq_max:].any():
-        cell = int(np.nonzero(members[:, config.n_seq_max:].any(axis=1))[0][0])
-        raise StateError(f"cells.seq: expected sequence ids in [0, {config.n_seq_max}), found a higher one in "
-                         f"cell {cell}")
+    if members[:, config.n_seq_max :].any():
+        cell = int(np.nonzero(members[:, config.n_seq_max :].any(axis=1))[0][0])
+        raise StateError(
+            f"cells.seq: expected sequence ids in [0, {config.n_seq_max}), found a higher one in cell {cell}"
+        )
     used = members.any(axis=1)
-    for name, bad, allowed in (("pos", used & ((pos < 0) | (pos >= INT32_MAX)), f"[0, {INT32_MAX}) in a used cell"),
-                               ("pos", ~used & (pos != -1), "-1 in an empty cell (a position without a sequence)"),
-                               ("delta", ~used & (delta != 0), "0 in an empty cell")):
+    for name, bad, allowed in (
+        ("pos", used & ((pos < 0) | (pos >= INT32_MAX)), f"[0, {INT32_MAX}) in a used cell"),
+        ("pos", ~used & (pos != -1), "-1 in an empty cell (a position without a sequence)"),
+        ("delta", ~used & (delta != 0), "0 in an empty cell"),
+    ):
         if bad.any():
             cell = int(np.nonzero(bad)[0][0])
             value = (pos if name == "pos" else delta)[cell]
@@ -153,8 +164,9 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
     """
     config = config_or_cache.config if isinstance(config_or_cache, KVCache) else config_or_cache
     if not isinstance(config, CacheConfig):
-        raise ValueError(f"config_or_cache must be a kvjax.CacheConfig or KVCache, got "
-                         f"{type(config_or_cache).__name__}")
+        raise ValueError(
+            f"config_or_cache must be a kvjax.CacheConfig or KVCache, got {type(config_or_cache).__name__}"
+        )
     path = _check_path(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -178,13 +190,19 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
             state = ckptr.restore(path, ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
         except Exception as exc:  # noqa: BLE001 - orbax / tensorstore raise a bare Exception for unreadable arrays
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise StateError(f"state: the arrays of the checkpoint at {path} cannot be read ({first[:200]}): it is "
-                             f"damaged or incomplete; restore another checkpoint or write it again") from exc
+            raise StateError(
+                f"state: the arrays of the checkpoint at {path} cannot be read ({first[:200]}): it is "
+                f"damaged or incomplete; restore another checkpoint or write it again"
+            ) from exc
     groups = range(len(config.groups))
     _check_cells({name: np.asarray(state["cells"][name]) for name in _CELL_FIELDS}, config)
     cells = Cells(**{name: state["cells"][name] for name in _CELL_FIELDS}, n_seq_max=config.n_seq_max)
-    return KVCache(cells=cells, k=tuple(state["k"][str(g)] for g in groups),
-                   v=tuple(state["v"][str(g)] for g in groups), config=config)
+    return KVCache(
+        cells=cells,
+        k=tuple(state["k"][str(g)] for g in groups),
+        v=tuple(state["v"][str(g)] for g in groups),
+        config=config,
+    )
 
 
 __all__ = ["checkpoint_save", "checkpoint_restore", "config_record"]

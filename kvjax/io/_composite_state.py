@@ -38,8 +38,9 @@ def composite_blob_size(memory: Composite, data, seq_id: int = -1) -> int:
     return end
 
 
-def read_composite(memory: Composite, data, seq_id: int = -1, *, contiguous: bool = True,
-                   donate: bool = False) -> Composite:
+def read_composite(
+    memory: Composite, data, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False
+) -> Composite:
     """A composite restored from :func:`write_composite`'s blob (``memory`` itself unchanged)."""
     del donate  # every member is read before any is kept: nothing may be given up early
     view, start = as_view(data), 0

@@ -97,22 +97,39 @@ from kvjax.memory._iswa import IswaCache
 from kvjax.memory._streams import StreamCache
 from kvjax.memory._unified import KVCache
 
-__all__ = ["stream_state_write", "stream_state_read", "memory_state_write", "memory_state_read", "session_write",
-           "session_read", "seq_file_write", "seq_file_read", "session_save_file", "seq_save_file", "LlamaSession", "SESSION_MAGIC", "SESSION_VERSION",
-           "SESSION_VERSIONS", "SEQ_MAGIC", "SEQ_VERSION", "SEQ_VERSIONS"]
+__all__ = [
+    "stream_state_write",
+    "stream_state_read",
+    "memory_state_write",
+    "memory_state_read",
+    "session_write",
+    "session_read",
+    "seq_file_write",
+    "seq_file_read",
+    "session_save_file",
+    "seq_save_file",
+    "LlamaSession",
+    "SESSION_MAGIC",
+    "SESSION_VERSION",
+    "SESSION_VERSIONS",
+    "SEQ_MAGIC",
+    "SEQ_VERSION",
+    "SEQ_VERSIONS",
+]
 
-SESSION_MAGIC = 0x6767736E   # 'ggsn'
-SESSION_VERSION = 10         # what is written by default: today's llama.cpp
-SESSION_VERSIONS = (9, 10)   # what is read and can be written
-SEQ_MAGIC = 0x67677371       # 'ggsq'
+SESSION_MAGIC = 0x6767736E  # 'ggsn'
+SESSION_VERSION = 10  # what is written by default: today's llama.cpp
+SESSION_VERSIONS = (9, 10)  # what is read and can be written
+SEQ_MAGIC = 0x67677371  # 'ggsq'
 SEQ_VERSION = 3
 SEQ_VERSIONS = (2, 3)
 
 
 def _require_cache(cache) -> KVCache:
     if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a kvjax.KVCache (one unified cache: llama.cpp's llama_kv_cache), got "
-                         f"{type(cache).__name__}")
+        raise ValueError(
+            f"cache must be a kvjax.KVCache (one unified cache: llama.cpp's llama_kv_cache), got {type(cache).__name__}"
+        )
     return cache
 
 
@@ -124,8 +141,12 @@ def _seq_arg(seq_id, memory) -> int:
 
 
 def _attn_rot_arg(attn_rot) -> bool:
-    require(isinstance(attn_rot, (bool, np.bool_)), "attn_rot", attn_rot, "True (llama.cpp's rotated quantized "
-            "K/V: its default) or False (bytes as they are: LLAMA_ATTN_ROT_DISABLE=1)")
+    require(
+        isinstance(attn_rot, (bool, np.bool_)),
+        "attn_rot",
+        attn_rot,
+        "True (llama.cpp's rotated quantized K/V: its default) or False (bytes as they are: LLAMA_ATTN_ROT_DISABLE=1)",
+    )
     return bool(attn_rot)
 
 
@@ -186,8 +207,10 @@ def stream_state_read(cache, data, seq_id: int = -1, **options) -> KVCache:
 def _require_kv_memory(memory):
     """The memory, if llama.cpp writes its state as K/V cells (a unified cache, the iSWA pair, streams)."""
     if not isinstance(memory, (KVCache, IswaCache, StreamCache)):
-        raise ValueError(f"memory must be a kvjax.KVCache, IswaCache or StreamCache (the memories llama.cpp saves "
-                         f"as K/V cells: llama_kv_cache, llama_kv_cache_iswa), got {type(memory).__name__}")
+        raise ValueError(
+            f"memory must be a kvjax.KVCache, IswaCache or StreamCache (the memories llama.cpp saves "
+            f"as K/V cells: llama_kv_cache, llama_kv_cache_iswa), got {type(memory).__name__}"
+        )
     return memory
 
 
@@ -213,19 +236,28 @@ def _with_v_trans(memory, v_trans, like=None):
         return cache if cfg is cache.config else cache.replace(config=cfg)
 
     if isinstance(memory, IswaCache):
-        return memory.replace(base=one(memory.base, None if like is None else like.base),
-                              swa=one(memory.swa, None if like is None else like.swa))
+        return memory.replace(
+            base=one(memory.base, None if like is None else like.base),
+            swa=one(memory.swa, None if like is None else like.swa),
+        )
     if isinstance(memory, StreamCache):
         inner = one(memory.cache, None if like is None else like.cache)
-        return memory.replace(cache=inner, config=like.config if like is not None
-                              else dataclasses.replace(memory.config, base=inner.config))
+        return memory.replace(
+            cache=inner,
+            config=like.config if like is not None else dataclasses.replace(memory.config, base=inner.config),
+        )
     return one(memory, like)
 
 
 def _v_trans_arg(v_trans):
-    require(v_trans is None or isinstance(v_trans, (bool, np.bool_)), "v_trans", v_trans, "None (the memory's "
-            "config.v_trans), True (V transposed: llama.cpp without flash attention) or False (V rows: with flash "
-            "attention)")
+    require(
+        v_trans is None or isinstance(v_trans, (bool, np.bool_)),
+        "v_trans",
+        v_trans,
+        "None (the memory's "
+        "config.v_trans), True (V transposed: llama.cpp without flash attention) or False (V rows: with flash "
+        "attention)",
+    )
     return None if v_trans is None else bool(v_trans)
 
 
@@ -262,7 +294,9 @@ def memory_state_write(memory, seq_id: int = -1, *, v_trans=None, attn_rot: bool
         # sees (a whole-memory section keeps them): the same bytes as llama.cpp, read back or not
         last = int(parts[1].seq_pos_max(np.int32(seq_id)))
         if last >= 0:
-            parts[1], _ = parts[1].seq_rm(np.int32(seq_id), np.int32(0), np.int32(max(0, memory.config.first_visible(last))))
+            parts[1], _ = parts[1].seq_rm(
+                np.int32(seq_id), np.int32(0), np.int32(max(0, memory.config.first_visible(last)))
+            )
     return b"".join(stream_state_write(part, seq_id, attn_rot=attn_rot) for part in parts)
 
 
@@ -307,8 +341,12 @@ def _read_memory_section(memory, r: Cursor, seq_id: int, options):
             rest = rotate_section(rest, memory.config.base)
         streams = parse_streams(Cursor(rest), single=seq_id >= 0)
         flag = _blob_v_trans(streams)
-        out = read_streams(_with_v_trans(memory, None if flag is None else bool(flag)), rest, seq_id,
-                           **{k: v for k, v in options.items() if k == "contiguous"})
+        out = read_streams(
+            _with_v_trans(memory, None if flag is None else bool(flag)),
+            rest,
+            seq_id,
+            **{k: v for k, v in options.items() if k == "contiguous"},
+        )
         return _with_v_trans(out, None, like=memory)
     if isinstance(memory, IswaCache):
         base = _read_unified_part(memory.base, r, seq_id, "base cache (full layers): ", attn_rot)
@@ -368,28 +406,32 @@ def _tokens_arg(tokens) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise ValueError(f"tokens has shape {arr.shape} and dtype {arr.dtype}: allowed a 1-d list of integer token ids")
-    if arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
         raise ValueError("tokens contains ids outside int32: allowed llama_token values")
     return arr.astype("<i4")
 
 
 def _version_arg(version, allowed: Tuple[int, ...], what: str) -> int:
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or int(version) not in allowed:
-        raise ValueError(f"version={version!r} is out of range for a {what}: allowed one of {list(allowed)} (the "
-                         f"version the llama.cpp that reads it knows: llama.h's LLAMA_"
-                         f"{'SESSION' if what == 'session file' else 'STATE_SEQ'}_VERSION)")
+        raise ValueError(
+            f"version={version!r} is out of range for a {what}: allowed one of {list(allowed)} (the "
+            f"version the llama.cpp that reads it knows: llama.h's LLAMA_"
+            f"{'SESSION' if what == 'session file' else 'STATE_SEQ'}_VERSION)"
+        )
     return int(version)
 
 
 def _header(r: Cursor, magic: int, versions: Tuple[int, ...], what: str) -> Tuple[int, np.ndarray]:
     found_magic = r.u32(f"{what} magic")
     if found_magic != magic:
-        raise StateError(f"{what} magic: expected {magic:#010x} ({struct.pack('>I', magic).decode()!r}), found "
-                         f"{found_magic:#010x}")
+        raise StateError(
+            f"{what} magic: expected {magic:#010x} ({struct.pack('>I', magic).decode()!r}), found {found_magic:#010x}"
+        )
     version = r.u32(f"{what} version")
     if version not in versions:
-        raise StateError(f"{what} version: expected one of {list(versions)} (the layouts this reader knows), found "
-                         f"{version}")
+        raise StateError(
+            f"{what} version: expected one of {list(versions)} (the layouts this reader knows), found {version}"
+        )
     n = r.u32("n_token_count")
     return version, np.frombuffer(r.take(4 * n, "tokens"), "<i4").copy()
 
@@ -403,8 +445,17 @@ def _bytes_of(data_or_path) -> bytes:
     raise ValueError(f"data must be bytes or a file path, got {type(data_or_path).__name__}")
 
 
-def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SESSION_VERSION, v_trans=None,
-                  attn_rot: bool = True, logits=None, output_rows=None) -> bytes:
+def session_write(
+    cache,
+    tokens: Sequence[int],
+    *,
+    arch: str,
+    version: int = SESSION_VERSION,
+    v_trans=None,
+    attn_rot: bool = True,
+    logits=None,
+    output_rows=None,
+) -> bytes:
     """A llama.cpp session file (``'ggsn'``, what ``llama_state_save_file`` writes) of the whole memory.
 
     Args:
@@ -433,8 +484,10 @@ def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SES
     if not isinstance(arch, str) or not arch or len(arch.encode()) > 256:
         raise ValueError(f"arch={arch!r} is out of range: allowed a non-empty architecture name such as 'llama'")
     if version >= 10 and (logits is not None or output_rows is not None):
-        raise ValueError("logits / output_rows are out of range for session version 10 (it has no output buffers): "
-                         "allowed None, or version=9")
+        raise ValueError(
+            "logits / output_rows are out of range for session version 10 (it has no output buffers): "
+            "allowed None, or version=9"
+        )
     lg = np.zeros((0, 0), "<f4") if logits is None else np.asarray(logits, "<f4")
     if lg.ndim != 2:
         raise ValueError(f"logits has shape {lg.shape}: allowed [R, V]")
@@ -444,8 +497,13 @@ def session_write(cache, tokens: Sequence[int], *, arch: str, version: int = SES
     name = arch.encode()
     head = struct.pack("<III", SESSION_MAGIC, version, len(toks)) + toks.tobytes() + struct.pack("<I", len(name)) + name
     if version == 9:
-        head += (struct.pack("<i", len(rows)) + rows.tobytes() + struct.pack("<Q", lg.size) + lg.tobytes()
-                 + struct.pack("<Q", 0))
+        head += (
+            struct.pack("<i", len(rows))
+            + rows.tobytes()
+            + struct.pack("<Q", lg.size)
+            + lg.tobytes()
+            + struct.pack("<Q", 0)
+        )
     return head + memory_state_write(cache, -1, v_trans=v_trans, attn_rot=attn_rot)
 
 
@@ -476,8 +534,10 @@ def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
         raise StateError(f"arch name length: expected at most 256, found {n_name}")
     found = bytes(r.take(n_name, "arch name")).decode("utf-8", "replace")
     if arch is not None and found != arch:
-        raise StateError(f"session file arch: expected {arch!r} (this model's), found {found!r}: the session of "
-                         f"another model (llama.cpp refuses it too)")
+        raise StateError(
+            f"session file arch: expected {arch!r} (this model's), found {found!r}: the session of "
+            f"another model (llama.cpp refuses it too)"
+        )
     rows, logits, embd = np.zeros(0, "<i4"), np.zeros((0, 0), "<f4"), np.zeros(0, "<f4")
     if version == 9:
         n_out = r.i32("n_outputs")
@@ -496,8 +556,9 @@ def session_read(cache, data, *, arch=None, **options) -> LlamaSession:
     return LlamaSession(restored, tokens, found, rows, logits, embd, version)
 
 
-def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = SEQ_VERSION, v_trans=None,
-                   attn_rot: bool = True) -> bytes:
+def seq_file_write(
+    cache, seq_id: int, tokens: Sequence[int], *, version: int = SEQ_VERSION, v_trans=None, attn_rot: bool = True
+) -> bytes:
     """A llama.cpp sequence file (``'ggsq'``, what ``llama_state_seq_save_file`` writes) of one sequence.
 
     Args:
@@ -518,8 +579,11 @@ def seq_file_write(cache, seq_id: int, tokens: Sequence[int], *, version: int = 
         raise ValueError("seq_id=-1 is out of range for a sequence file: allowed [0, n_seq_max)")
     toks = _tokens_arg(tokens)
     version = _version_arg(version, SEQ_VERSIONS, "sequence file")
-    return (struct.pack("<III", SEQ_MAGIC, version, len(toks)) + toks.tobytes()
-            + memory_state_write(cache, seq_id, v_trans=v_trans, attn_rot=attn_rot))
+    return (
+        struct.pack("<III", SEQ_MAGIC, version, len(toks))
+        + toks.tobytes()
+        + memory_state_write(cache, seq_id, v_trans=v_trans, attn_rot=attn_rot)
+    )
 
 
 def seq_file_read(cache, data, seq_id: int, **options) -> Tuple[object, np.ndarray]:

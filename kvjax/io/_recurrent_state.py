@@ -39,8 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax._errors import StateError
-from kvjax.io._blob import (Cursor, as_view, check_equal, check_type, encode_meta, host_array, parse_meta_seq,
-                            parse_meta_whole)
+from kvjax.io._blob import (
+    Cursor,
+    as_view,
+    check_equal,
+    check_type,
+    encode_meta,
+    host_array,
+    parse_meta_seq,
+    parse_meta_whole,
+)
 from kvjax.memory._protocol import register_state_format
 from kvjax.memory import _seqbits
 from kvjax.memory._config import GGML_TYPE_IDS
@@ -75,9 +83,11 @@ def write_recurrent(memory: RecurrentCache, seq_id: int = -1) -> bytes:
         cells = np.flatnonzero(masks.any(axis=1))
     else:
         cells = np.flatnonzero(_seqbits.host_holds(masks, seq_id))
-    pieces = [struct.pack("<I", len(cells)),
-              encode_meta(pos[cells], masks[cells] if seq_id < 0 else None, cfg.n_seq_max),
-              struct.pack("<II", 0, cfg.n_layer)]
+    pieces = [
+        struct.pack("<I", len(cells)),
+        encode_meta(pos[cells], masks[cells] if seq_id < 0 else None, cfg.n_seq_max),
+        struct.pack("<II", 0, cfg.n_layer),
+    ]
     rows = cells * cfg.n_states + roll[cells]
     for buffers, shapes, dtype in ((memory.k, cfg.k_shape, cfg.k_dtype), (memory.v, cfg.v_shape, cfg.v_dtype)):
         host = [host_array(b[:, rows]) for b in buffers] if len(cells) else None
@@ -93,15 +103,20 @@ def _parse_rows(cur: Cursor, cfg: RecurrentConfig, n: int, which: str) -> List[n
     out = []
     for il in range(cfg.n_layer):
         check_type(f"layer {il} {which} type", GGML_TYPE_IDS[dtype], cur.scalar("<i", f"layer {il} {which} type"))
-        check_equal(f"layer {il} {which} row size", _row_bytes(shapes[il], dtype),
-                     cur.scalar("<Q", f"layer {il} {which} row size"), f" bytes ({dtype} {list(shapes[il])})")
+        check_equal(
+            f"layer {il} {which} row size",
+            _row_bytes(shapes[il], dtype),
+            cur.scalar("<Q", f"layer {il} {which} row size"),
+            f" bytes ({dtype} {list(shapes[il])})",
+        )
         raw = cur.array(np.dtype(jnp.dtype(dtype)), n * int(np.prod(shapes[il])), f"layer {il} {which} rows")
         out.append(raw.reshape((n,) + shapes[il]))
     return out
 
 
-def read_recurrent(memory: RecurrentCache, data, seq_id: int = -1, *, contiguous: bool = True,
-                   donate: bool = False) -> RecurrentCache:
+def read_recurrent(
+    memory: RecurrentCache, data, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False
+) -> RecurrentCache:
     """The recurrent memory's :func:`kvjax.state_read` (see the module docstring for the rules).
 
     With ``seq_id = -1`` the memory is emptied and blob cell ``i`` goes to cell ``i``; with
@@ -136,8 +151,10 @@ def _parse(cfg: RecurrentConfig, view, seq_id: int, trailing: bool):
         members = _seqbits.unpack(masks, cfg.n_seq_max) if n else np.zeros((0, cfg.n_seq_max), bool)
         twice = np.flatnonzero(members.sum(axis=0) > 1)
         if twice.size:
-            raise StateError(f"seq id {int(twice[0])}: expected in one cell (a sequence has one state), found in "
-                             f"{int(members[:, twice[0]].sum())} cells")
+            raise StateError(
+                f"seq id {int(twice[0])}: expected in one cell (a sequence has one state), found in "
+                f"{int(members[:, twice[0]].sum())} cells"
+            )
     else:
         if n > 1:
             raise StateError(f"cell_count: expected 0 or 1 (a sequence has one state), found {n}")
@@ -171,9 +188,12 @@ def _read_whole(memory: RecurrentCache, pos, masks, k_rows, v_rows) -> Recurrent
     tail = np.full(cfg.n_seq_max, -1, np.int32)
     for i in range(n):
         tail[members[i]] = i
-    cells = cells.replace(pos=cells.pos.at[:n].set(jnp.asarray(pos, jnp.int32)),
-                          seq=cells.seq.at[:n].set(jnp.asarray(masks, jnp.uint32)),
-                          hist=cells.hist.at[:n].set(1), tail=jnp.asarray(tail))
+    cells = cells.replace(
+        pos=cells.pos.at[:n].set(jnp.asarray(pos, jnp.int32)),
+        seq=cells.seq.at[:n].set(jnp.asarray(masks, jnp.uint32)),
+        hist=cells.hist.at[:n].set(1),
+        tail=jnp.asarray(tail),
+    )
     rows = jnp.arange(n) * cfg.n_states
     ks, vs = [], []
     for g in range(len(cfg.groups)):
@@ -195,11 +215,13 @@ def _read_seq(memory: RecurrentCache, seq_id: int, pos, k_rows, v_rows) -> Recur
     ub = make_equal_ubatch([([int(pos[0])], [seq_id])], n_slots=1)
     placed, placement, ok = emptied.find_slot(ub)
     if not bool(ok):
-        raise StateError(f"cell_count: expected a free cell for sequence {seq_id}, found none of size={cfg.size} "
-                         f"free (remove a sequence first)")
+        raise StateError(
+            f"cell_count: expected a free cell for sequence {seq_id}, found none of size={cfg.size} "
+            f"free (remove a sequence first)"
+        )
     placed = placed.copy_rows(placement, n_slots=1)
     for g in range(len(cfg.groups)):
-        k_new = _stack(k_rows, cfg, g)[:, :, None]          # [Lg, 1 slot, 1 state, *shape]
+        k_new = _stack(k_rows, cfg, g)[:, :, None]  # [Lg, 1 slot, 1 state, *shape]
         v_new = _stack(v_rows, cfg, g)[:, :, None]
         placed = placed.write_states(placement, k_new, v_new, group=g)
     return placed

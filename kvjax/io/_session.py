@@ -64,8 +64,10 @@ def _tokens_array(tokens) -> np.ndarray:
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"tokens must be a 1-D sequence of integers, got shape {arr.shape} and dtype {arr.dtype}")
     if int(arr.min()) < INT32_MIN or int(arr.max()) > INT32_MAX:
-        raise ValueError(f"tokens contain {int(arr.min()) if int(arr.min()) < INT32_MIN else int(arr.max())}: "
-                         f"allowed int32 values [{INT32_MIN}, {INT32_MAX}]")
+        raise ValueError(
+            f"tokens contain {int(arr.min()) if int(arr.min()) < INT32_MIN else int(arr.max())}: "
+            f"allowed int32 values [{INT32_MIN}, {INT32_MAX}]"
+        )
     return arr.astype("<i4")
 
 
@@ -132,8 +134,9 @@ def write_atomic(path, pieces: Sequence[bytes]) -> None:
     _fsync_dir(folder)
 
 
-def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True,
-         donate: bool = False) -> Tuple[KVCache, np.ndarray]:
+def load(
+    path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False
+) -> Tuple[KVCache, np.ndarray]:
     """Read a file written by :func:`save` into ``cache``.
 
     Args:
@@ -165,23 +168,31 @@ def load(path, cache: KVCache, seq_id: int = -1, *, contiguous: bool = True,
         if version != FORMAT_VERSION:
             raise StateError(f"format version: expected {FORMAT_VERSION}, found {version}")
         if fingerprint != layout_fingerprint(cfg):
-            raise StateError(f"config fingerprint: expected {layout_fingerprint(cfg).hex()[:16]}..., found "
-                             f"{fingerprint.hex()[:16]}... (the file was saved from a cache with other "
-                             f"layers, heads, head sizes, dtypes or v_trans)")
+            raise StateError(
+                f"config fingerprint: expected {layout_fingerprint(cfg).hex()[:16]}..., found "
+                f"{fingerprint.hex()[:16]}... (the file was saved from a cache with other "
+                f"layers, heads, head sizes, dtypes or v_trans)"
+            )
         if (saved_seq < 0) != (seq_id < 0):
-            raise StateError(f"seq_id: the file holds {'the whole cache' if saved_seq < 0 else 'one sequence'} "
-                             f"(saved with seq_id={saved_seq}): expected seq_id "
-                             f"{'-1' if saved_seq < 0 else '>= 0'}, found {seq_id}")
+            raise StateError(
+                f"seq_id: the file holds {'the whole cache' if saved_seq < 0 else 'one sequence'} "
+                f"(saved with seq_id={saved_seq}): expected seq_id "
+                f"{'-1' if saved_seq < 0 else '>= 0'}, found {seq_id}"
+            )
         left = os.fstat(f.fileno()).st_size - _HEAD.size
         if n_tokens * 4 + _LEN.size > left:
-            raise StateError(f"tokens: expected {n_tokens} tokens ({n_tokens * 4} bytes) and a blob length, "
-                             f"found {max(left, 0)} bytes (truncated file)")
+            raise StateError(
+                f"tokens: expected {n_tokens} tokens ({n_tokens * 4} bytes) and a blob length, "
+                f"found {max(left, 0)} bytes (truncated file)"
+            )
         tokens = np.frombuffer(f.read(4 * n_tokens), "<i4").astype(np.int32)
         (n_blob,) = _LEN.unpack(f.read(_LEN.size))
         left -= 4 * n_tokens + _LEN.size
         if n_blob != left:
-            raise StateError(f"blob length: expected {n_blob} bytes, found {left} "
-                             f"({'truncated file' if n_blob > left else 'trailing bytes'})")
+            raise StateError(
+                f"blob length: expected {n_blob} bytes, found {left} "
+                f"({'truncated file' if n_blob > left else 'trailing bytes'})"
+            )
         view = memoryview(f.read(n_blob))
     off = 0
     restored = state_read(cache, view[off:], seq_id, contiguous=contiguous, donate=donate)

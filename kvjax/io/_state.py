@@ -79,8 +79,17 @@ from kvjax.memory._protocol import register_state_format
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax.memory._config import GGML_TYPE_IDS, CacheConfig
 from kvjax._errors import StateError
-from kvjax.io._blob import (QUANTIZED_TYPE_IDS, Cursor, as_view, check_equal, check_type, encode_meta,
-                            host_array, parse_meta_seq, parse_meta_whole)
+from kvjax.io._blob import (
+    QUANTIZED_TYPE_IDS,
+    Cursor,
+    as_view,
+    check_equal,
+    check_type,
+    encode_meta,
+    host_array,
+    parse_meta_seq,
+    parse_meta_whole,
+)
 from kvjax.memory._ubatch import Ubatch, bucket_length
 from kvjax._jit import JitTwins
 from kvjax._validate import check_flag, is_traced, check_state_seq
@@ -158,11 +167,22 @@ def layer_layouts(config: CacheConfig) -> Tuple[LayerLayout, ...]:
     out = []
     for il in config.cached_layers:
         g, i = config.locate(il)
-        out.append(LayerLayout(il, g, i, config.n_kv_heads[il], config.head_dim[il],
-                               config.head_dim_v[il], GGML_TYPE_IDS[config.k_dtype], k_size,
-                               GGML_TYPE_IDS[config.v_dtype], v_size,
-                               _quant.stored_width(config.k_dtype, config.head_dim[il]),
-                               _quant.stored_width(config.v_dtype, config.head_dim_v[il])))
+        out.append(
+            LayerLayout(
+                il,
+                g,
+                i,
+                config.n_kv_heads[il],
+                config.head_dim[il],
+                config.head_dim_v[il],
+                GGML_TYPE_IDS[config.k_dtype],
+                k_size,
+                GGML_TYPE_IDS[config.v_dtype],
+                v_size,
+                _quant.stored_width(config.k_dtype, config.head_dim[il]),
+                _quant.stored_width(config.v_dtype, config.head_dim_v[il]),
+            )
+        )
     return tuple(out)
 
 
@@ -182,8 +202,7 @@ def layout_fingerprint(config: CacheConfig) -> bytes:
     desc = {
         "format": "llama_kv_cache_unified state",
         "n_layer": config.n_layer,
-        "layers": [[lay.layer, lay.n_kv_heads, lay.head_dim, lay.head_dim_v]
-                   for lay in layer_layouts(config)],
+        "layers": [[lay.layer, lay.n_kv_heads, lay.head_dim, lay.head_dim_v] for lay in layer_layouts(config)],
         "k_dtype": config.k_dtype,
         "v_dtype": config.v_dtype,
         "v_trans": config.v_trans,
@@ -198,11 +217,11 @@ class _Parsed(NamedTuple):
     """A validated blob: host views into its bytes (nothing copied yet)."""
 
     n: int
-    pos: np.ndarray                 # i32[n]
-    seq: Optional[np.ndarray]       # u32[n, W] (whole-cache blobs), None (single sequence)
-    k: List[np.ndarray]             # per cached layer: uint [n, H, D]
-    v: List[np.ndarray]             # per cached layer: uint [n, H, Dv], or [H*Dv, n] (v_trans)
-    size: int                       # bytes of the blob
+    pos: np.ndarray  # i32[n]
+    seq: Optional[np.ndarray]  # u32[n, W] (whole-cache blobs), None (single sequence)
+    k: List[np.ndarray]  # per cached layer: uint [n, H, D]
+    v: List[np.ndarray]  # per cached layer: uint [n, H, Dv], or [H*Dv, n] (v_trans)
+    size: int  # bytes of the blob
 
 
 def _row_why(n_heads: int, head_dim: int, width: int, size: int) -> str:
@@ -222,8 +241,9 @@ def blob_size(cache: KVCache, data, seq_id: int = -1) -> int:
     return _parse(cfg, as_view(data), check_seq(seq_id, cfg), cfg.size, "the cache size", trailing=True).size
 
 
-def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str,
-           trailing: bool = False) -> _Parsed:
+def _parse(
+    config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why: str, trailing: bool = False
+) -> _Parsed:
     """Check every field of ``buf`` against ``config``; return host views of its contents.
 
     With ``trailing`` the blob may be followed by more bytes (another part's blob).
@@ -245,22 +265,34 @@ def _parse(config: CacheConfig, buf: memoryview, seq_id: int, capacity: int, why
     for lay in layouts:
         name = f"layer {lay.layer}"
         check_type(f"{name} K type", lay.k_type, cur.scalar("<i", f"{name} K type"))
-        check_equal(f"{name} K row size", lay.k_row, cur.scalar("<Q", f"{name} K row size"),
-                     _row_why(lay.n_kv_heads, lay.head_dim, lay.k_width, lay.k_size))
+        check_equal(
+            f"{name} K row size",
+            lay.k_row,
+            cur.scalar("<Q", f"{name} K row size"),
+            _row_why(lay.n_kv_heads, lay.head_dim, lay.k_width, lay.k_size),
+        )
         rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.k_width, f"{name} K rows")
         ks.append(rows.reshape(n, lay.n_kv_heads, lay.k_width))
     for lay in layouts:
         name = f"layer {lay.layer}"
         check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
         if not config.v_trans:
-            check_equal(f"{name} V row size", lay.v_row, cur.scalar("<Q", f"{name} V row size"),
-                         _row_why(lay.n_kv_heads, lay.head_dim_v, lay.v_width, lay.v_size))
+            check_equal(
+                f"{name} V row size",
+                lay.v_row,
+                cur.scalar("<Q", f"{name} V row size"),
+                _row_why(lay.n_kv_heads, lay.head_dim_v, lay.v_width, lay.v_size),
+            )
             rows = cur.array(_UINT[lay.v_size], n * lay.n_kv_heads * lay.v_width, f"{name} V rows")
             vs.append(rows.reshape(n, lay.n_kv_heads, lay.v_width))
         else:
             check_equal(f"{name} V element size", lay.v_size, cur.scalar("<I", f"{name} V element size"))
-            check_equal(f"{name} V n_embd_v_gqa", lay.n_embd_v, cur.scalar("<I", f"{name} V n_embd_v_gqa"),
-                         f" ({lay.n_kv_heads} heads x head size {lay.head_dim_v})")
+            check_equal(
+                f"{name} V n_embd_v_gqa",
+                lay.n_embd_v,
+                cur.scalar("<I", f"{name} V n_embd_v_gqa"),
+                f" ({lay.n_kv_heads} heads x head size {lay.head_dim_v})",
+            )
             rows = cur.array(_UINT[lay.v_size], n * lay.n_embd_v, f"{name} V rows (transposed)")
             vs.append(rows.reshape(lay.n_embd_v, n))
     if not trailing:
@@ -290,6 +322,7 @@ def _gather(k, v, idx, *, full: bool, v_trans: bool):
     Returns per layer group ``K [L, T, H, D]`` and ``V [L, T, H, Dv]`` (``[L, H*Dv, T]`` when
     ``v_trans``). ``full``: ``idx`` is every cell in order, so no gather is needed.
     """
+
     def take(x):
         x = x if full else x.at[:, :, idx].get(mode="promise_in_bounds")  # [L, H, T, D]
         return jax.lax.bitcast_convert_type(x, jnp.dtype(_uint_of(x.dtype)))
@@ -313,24 +346,30 @@ def _to_storage(rows, like, trans: bool):
 
 def _assemble_impl(k_old, v_old, k_rows, v_rows, *, v_trans: bool):
     """K/V of a whole read: the rows in cells ``[0, T)``, zeros after (those cells are empty)."""
+
     def one(old, rows, trans):
         new = _to_storage(rows, old, trans)
         if new.shape[2] == old.shape[2]:
             return new
-        return jnp.zeros_like(old).at[:, :, :new.shape[2]].set(new)
+        return jnp.zeros_like(old).at[:, :, : new.shape[2]].set(new)
 
-    return (tuple(one(o, r, False) for o, r in zip(k_old, k_rows)),
-            tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)))
+    return (
+        tuple(one(o, r, False) for o, r in zip(k_old, k_rows)),
+        tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)),
+    )
 
 
 def _place_impl(k_old, v_old, slot, k_rows, v_rows, *, v_trans: bool):
     """K/V with the rows scattered into the cells ``slot i32[T]`` (-1: padding, dropped)."""
+
     def one(old, rows, trans):
         target = jnp.where(slot >= 0, slot, old.shape[2])
         return old.at[:, :, target].set(_to_storage(rows, old, trans), mode="drop")
 
-    return (tuple(one(o, r, False) for o, r in zip(k_old, k_rows)),
-            tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)))
+    return (
+        tuple(one(o, r, False) for o, r in zip(k_old, k_rows)),
+        tuple(one(o, r, v_trans) for o, r in zip(v_old, v_rows)),
+    )
 
 
 _assemble = JitTwins(_assemble_impl, static_argnames="v_trans", donate_argnums=(0, 1))
@@ -352,7 +391,7 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
-    return raw[off:off + nbytes].view(dtype).reshape(shape)
+    return raw[off : off + nbytes].view(dtype).reshape(shape)
 
 
 def _to_device(x: np.ndarray) -> jax.Array:
@@ -392,10 +431,16 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
     k_bufs, v_bufs = [], []
     for grp in config.groups:
         n_l = len(grp.layers)
-        k_bufs.append(_aligned_empty((n_l, rows, grp.n_kv_heads, _quant.stored_width(config.k_dtype, grp.head_dim)),
-                                     _uint_of(config.k_dtype)))
-        v_shape = ((n_l, grp.n_kv_heads * grp.head_dim_v, rows) if config.v_trans
-                   else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v)))
+        k_bufs.append(
+            _aligned_empty(
+                (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.k_dtype, grp.head_dim)), _uint_of(config.k_dtype)
+            )
+        )
+        v_shape = (
+            (n_l, grp.n_kv_heads * grp.head_dim_v, rows)
+            if config.v_trans
+            else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v))
+        )
         v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
     for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
         kb = k_bufs[lay.group][lay.index]
@@ -408,8 +453,10 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
         else:
             vb[:n] = v
             vb[n:] = 0
-    return (tuple(_rows_on(b, like, False) for b, like in zip(k_bufs, cache.k)),
-            tuple(_rows_on(b, like, config.v_trans) for b, like in zip(v_bufs, cache.v)))
+    return (
+        tuple(_rows_on(b, like, False) for b, like in zip(k_bufs, cache.k)),
+        tuple(_rows_on(b, like, config.v_trans) for b, like in zip(v_bufs, cache.v)),
+    )
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -468,12 +515,17 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
     n = idx.size
     shifted = np.flatnonzero(delta[idx] != 0)
     if shifted.size:
-        raise ValueError(f"cell {int(idx[shifted[0]])} has a pending K-shift (delta "
-                         f"{int(delta[idx[shifted[0]]])}): the state format cannot carry it; apply "
-                         f"it first (kvjax.update)")
+        raise ValueError(
+            f"cell {int(idx[shifted[0]])} has a pending K-shift (delta "
+            f"{int(delta[idx[shifted[0]]])}): the state format cannot carry it; apply "
+            f"it first (kvjax.update)"
+        )
     layouts = layer_layouts(cfg)
-    pieces = [struct.pack("<I", n), encode_meta(pos[idx], None if seq_id >= 0 else masks[idx], cfg.n_seq_max),
-              struct.pack("<II", int(cfg.v_trans), len(layouts))]
+    pieces = [
+        struct.pack("<I", n),
+        encode_meta(pos[idx], None if seq_id >= 0 else masks[idx], cfg.n_seq_max),
+        struct.pack("<II", int(cfg.v_trans), len(layouts)),
+    ]
     k_host = v_host = None
     rows = _bucket(n, cfg.size)
     if n:
@@ -500,8 +552,7 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
     return b"".join(pieces)
 
 
-def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True,
-                 donate: bool = False) -> KVCache:
+def read_unified(cache: KVCache, data, seq_id: int = -1, *, contiguous: bool = True, donate: bool = False) -> KVCache:
     """The unified cache's :func:`state_read`: restore a blob written by :func:`state_write` (or by the seed) into a cache.
 
     With ``seq_id = -1`` the blob must be a whole-cache blob: the cache is emptied and cell ``i``
@@ -567,8 +618,12 @@ def _read_whole(cache: KVCache, parsed: _Parsed, donate: bool) -> KVCache:
     seq = np.zeros((cfg.size, cfg.n_words), np.uint32)
     seq[:n] = parsed.seq
     cells = cache.cells.replace(
-        pos=jnp.asarray(pos), seq=jnp.asarray(seq), delta=jnp.asarray(np.zeros(cfg.size, np.int32)),
-        head=jnp.asarray(np.int32(0)), defrag=jnp.asarray(np.bool_(False)))
+        pos=jnp.asarray(pos),
+        seq=jnp.asarray(seq),
+        delta=jnp.asarray(np.zeros(cfg.size, np.int32)),
+        head=jnp.asarray(np.int32(0)),
+        defrag=jnp.asarray(np.bool_(False)),
+    )
     if n == 0:
         return cache.replace(cells=cells)
     k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size), cache)
@@ -582,8 +637,9 @@ def _largest_free_run(free: np.ndarray) -> int:
     return int((ends - starts).max()) if starts.size else 0
 
 
-def _read_seq(cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, donate: bool,
-              kept: np.ndarray) -> KVCache:
+def _read_seq(
+    cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, donate: bool, kept: np.ndarray
+) -> KVCache:
     cfg, n = cache.config, parsed.n
     cleared, _ = ops.seq_rm(cache, seq_id, -1, -1)
     if n == 0:
@@ -597,16 +653,17 @@ def _read_seq(cache: KVCache, parsed: _Parsed, seq_id: int, contiguous: bool, do
     placed, slot, ok = ops.find_slot(cleared, ub, contiguous=contiguous)
     if not bool(ok):
         run = _largest_free_run(~kept.any(axis=1))
-        raise StateError(f"cell_count: expected at most {run} (the largest contiguous run of free "
-                         f"cells once sequence {seq_id} is removed), found {n}; pass "
-                         f"contiguous=False to place the cells in any free cells")
+        raise StateError(
+            f"cell_count: expected at most {run} (the largest contiguous run of free "
+            f"cells once sequence {seq_id} is removed), found {n}; pass "
+            f"contiguous=False to place the cells in any free cells"
+        )
     k_rows, v_rows = _host_rows(cfg, parsed, rows, cache)
     k, v = _place(cache.k, cache.v, slot, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
     return placed.replace(k=k, v=v)
 
 
-__all__ = ["state_write", "state_read", "layer_layouts", "layout_fingerprint", "LayerLayout",
-           "QUANTIZED_TYPE_IDS"]
+__all__ = ["state_write", "state_read", "layer_layouts", "layout_fingerprint", "LayerLayout", "QUANTIZED_TYPE_IDS"]
 
 
 def state_write(memory, seq_id: int = -1) -> bytes:
@@ -634,8 +691,9 @@ def state_read(memory, data, seq_id: int = -1, **options):
     # placement first, a donated memory's buffers are gone after the read): a mesh, or one device
     # other than the default one (new host arrays land on the default device)
     default = {jax.devices()[0]}
-    placed = any(isinstance(x, jax.Array) and not is_traced(x) and x.devices() != default
-                 for x in jax.tree.leaves(memory))
+    placed = any(
+        isinstance(x, jax.Array) and not is_traced(x) and x.devices() != default for x in jax.tree.leaves(memory)
+    )
     layout = shardings_of(memory) if placed else None
     restored = memory.state_read(data, seq_id, **options)
     return restored if layout is None else jax.device_put(restored, layout)

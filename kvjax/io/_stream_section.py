@@ -30,16 +30,16 @@ def split_seed(blob: bytes, seq_id: int) -> Tuple[int, np.ndarray, bytes, bytes]
     """A seed blob of ours as ``(n, pos, meta bytes, data bytes)`` (its cells are well formed)."""
     n = struct.unpack_from("<I", blob)[0]
     if seq_id >= 0:  # every record is (pos, 0)
-        meta = blob[4:4 + 8 * n]
+        meta = blob[4 : 4 + 8 * n]
         pos = np.frombuffer(meta, "<i4")[0::2].copy()
-    else:            # (pos, k, k ids): walk the records
+    else:  # (pos, k, k ids): walk the records
         off = 4
         pos = np.empty(n, np.int32)
         for i in range(n):
             pos[i], k = struct.unpack_from("<iI", blob, off)
             off += 8 + 4 * k
         meta = blob[4:off]
-    return n, pos, meta, blob[4 + len(meta):]
+    return n, pos, meta, blob[4 + len(meta) :]
 
 
 def stream_blob(cache: KVCache, seq_id: int) -> bytes:
@@ -79,7 +79,7 @@ def walk_data(r: Cursor, n: int, s: int) -> memoryview:
         else:
             row = r.u64(f"stream {s} layer {il} V row size")
             r.take(row * n, f"stream {s} layer {il} V rows")
-    return r.buf[start:r.off]
+    return r.buf[start : r.off]
 
 
 def parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[Stream]:
@@ -101,8 +101,10 @@ def parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[Str
             pos[i] = r.i32(f"stream {s} cell {i} pos")
             k = r.u32(f"stream {s} cell {i} n_seq_id")
             if single and k != 1:
-                raise StateError(f"stream {s} cell {i} n_seq_id: expected 1 in a single-sequence blob "
-                                 f"(today's llama.cpp names the sequence), found {k}")
+                raise StateError(
+                    f"stream {s} cell {i} n_seq_id: expected 1 in a single-sequence blob "
+                    f"(today's llama.cpp names the sequence), found {k}"
+                )
             if k > 4096:
                 raise StateError(f"stream {s} cell {i} n_seq_id: expected at most 4096, found {k}")
             ids.append(np.frombuffer(r.take(4 * k, f"stream {s} cell {i} seq ids"), "<i4"))
@@ -123,8 +125,9 @@ def merge_data(streams: List[Stream]) -> bytes:
         if heads is None:
             heads = (v_trans, n_layer)
         elif heads != (v_trans, n_layer):
-            raise StateError(f"stream {s} v_trans, n_layer: expected {heads} as in stream 0, found "
-                             f"{(v_trans, n_layer)}")
+            raise StateError(
+                f"stream {s} v_trans, n_layer: expected {heads} as in stream 0, found {(v_trans, n_layer)}"
+            )
         ks = []
         for il in range(n_layer):
             t, row = r.i32("K type"), r.u64("K row size")
@@ -134,8 +137,9 @@ def merge_data(streams: List[Stream]) -> bytes:
             t = r.i32("V type")
             if v_trans == 1:
                 el, width = r.u32("V element size"), r.u32("V width")
-                vs.append((t, el, width, np.frombuffer(r.take(el * width * st.n, "V"), np.uint8)
-                           .reshape(width, st.n * el)))
+                vs.append(
+                    (t, el, width, np.frombuffer(r.take(el * width * st.n, "V"), np.uint8).reshape(width, st.n * el))
+                )
             else:
                 row = r.u64("V row size")
                 vs.append((t, row, bytes(r.take(row * st.n, "V rows"))))
@@ -160,7 +164,9 @@ def merge_data(streams: List[Stream]) -> bytes:
         else:
             heads_v = {vs[il][:2] for _, vs in layers}
             if len(heads_v) != 1:
-                raise StateError(f"layer {il} V type / row size: expected one for every stream, found {sorted(heads_v)}")
+                raise StateError(
+                    f"layer {il} V type / row size: expected one for every stream, found {sorted(heads_v)}"
+                )
             t, row = heads_v.pop()
             parts.append(struct.pack("<iQ", t, row) + b"".join(vs[il][2] for _, vs in layers))
     return b"".join(parts)
@@ -173,8 +179,9 @@ def to_seed(streams: List[Stream], seq_id: int, cache: KVCache) -> bytes:
         return state_write(clear(cache), -1)
     if seq_id >= 0:
         if len(streams) > 1:
-            raise StateError(f"single-sequence blob: expected cells in one stream, found {len(streams)} streams "
-                             f"with cells")
+            raise StateError(
+                f"single-sequence blob: expected cells in one stream, found {len(streams)} streams with cells"
+            )
         st = streams[0]
         rec = np.zeros((st.n, 2), "<i4")
         rec[:, 0] = st.pos

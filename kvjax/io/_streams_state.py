@@ -55,7 +55,9 @@ def _parse(memory, data, seq_id: int) -> List[Optional[Stream]]:
     if seq_id >= 0:
         held = [st for st in streams if st is not None]
         if len(held) > 1:
-            raise StateError(f"single-sequence blob: expected cells in one stream, found {len(held)} streams with cells")
+            raise StateError(
+                f"single-sequence blob: expected cells in one stream, found {len(held)} streams with cells"
+            )
         out: List[Optional[Stream]] = [None] * memory.n_stream
         if held:
             out[memory.stream_of(seq_id)] = held[0]
@@ -78,8 +80,9 @@ def read_streams(memory, data, seq_id: int = -1, *, contiguous: bool = True, don
     if seq_id >= 0:
         s = memory.stream_of(seq_id)
         one = memory.stream(s)
-        read = state_read(one, to_seed([sections[s]] if sections[s] else [], seq_id, one), seq_id,
-                          contiguous=contiguous)
+        read = state_read(
+            one, to_seed([sections[s]] if sections[s] else [], seq_id, one), seq_id, contiguous=contiguous
+        )
         cache = jax.tree.map(lambda all_, x: all_.at[s].set(x), memory.cache, read)
         return memory.replace(cache=cache)
     reads = []

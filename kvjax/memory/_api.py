@@ -33,8 +33,17 @@ from kvjax.memory._protocol import Memory, Placement, on_metadata
 from kvjax.memory._unified import KVCache, require_cache
 from kvjax._errors import ErrorFlag, decode_error_bits
 from kvjax.memory._ubatch import Ubatch, equal_slots
-from kvjax._validate import (INT32_MAX, INT32_MIN, as_int32, check_flag, check_int_values, check_position,
-                             check_seq_id, concrete_int, is_traced)
+from kvjax._validate import (
+    INT32_MAX,
+    INT32_MIN,
+    as_int32,
+    check_flag,
+    check_int_values,
+    check_position,
+    check_seq_id,
+    concrete_int,
+    is_traced,
+)
 
 
 def _check_memory(memory) -> int:
@@ -81,8 +90,7 @@ def seq_rm(memory: Memory, seq_id: IntLike, p0: IntLike = -1, p1: IntLike = -1) 
     return memory.seq_rm(as_int32(seq_id), p0, p1)
 
 
-def seq_cp(memory: Memory, seq_id_src: IntLike, seq_id_dst: IntLike, p0: IntLike = -1,
-           p1: IntLike = -1) -> Memory:
+def seq_cp(memory: Memory, seq_id_src: IntLike, seq_id_dst: IntLike, p0: IntLike = -1, p1: IntLike = -1) -> Memory:
     """Make ``seq_id_dst`` share the cells of ``seq_id_src`` with ``p0 <= pos < p1``.
 
     Args:
@@ -136,8 +144,10 @@ def seq_add(memory: Memory, seq_id: IntLike, p0: IntLike, p1: IntLike, delta: In
     out, refused = _seq_add_checked(memory, *args)
     refused = int(refused)
     if refused:
-        raise ValueError(f"seq_add(seq_id={seq_id}, p0={p0}, p1={p1}, delta={delta}) was refused, the memory is "
-                         f"unchanged: " + "; ".join(decode_error_bits(refused)))
+        raise ValueError(
+            f"seq_add(seq_id={seq_id}, p0={p0}, p1={p1}, delta={delta}) was refused, the memory is "
+            f"unchanged: " + "; ".join(decode_error_bits(refused))
+        )
     return out
 
 
@@ -210,11 +220,13 @@ def _cache_query(cell_fn, doc: str):
 
 pos_max = _memory_query("pos_max", "Largest position in the memory (``i32[]``), -1 when empty.")
 used_cells = _memory_query("used_cells", "Number of non-empty cells (``i32[]``).")
-n_tokens = _memory_query("n_tokens", "Sum of the sequence-set sizes over all cells (``i32[]``; a shared "
-                                     "cell counts once per sequence).")
+n_tokens = _memory_query(
+    "n_tokens", "Sum of the sequence-set sizes over all cells (``i32[]``; a shared cell counts once per sequence)."
+)
 cell_max = _cache_query(_cells.cell_max, "One past the last non-empty cell (``i32[]``).")
-has_shift = _cache_query(_cells.has_shift, "Whether a K-shift is pending (``bool[]``: some cell has a "
-                                           "non-zero ``delta``).")
+has_shift = _cache_query(
+    _cells.has_shift, "Whether a K-shift is pending (``bool[]``: some cell has a non-zero ``delta``)."
+)
 
 
 def n_kv(cache: KVCache) -> Int[Array, ""]:
@@ -229,20 +241,30 @@ def n_kv(cache: KVCache) -> Int[Array, ""]:
 def _check_ubatch(cache: Memory, ubatch: Ubatch):
     if not isinstance(ubatch, Ubatch):
         raise ValueError(f"ubatch must be a kvjax.Ubatch (see kvjax.make_ubatch), got {type(ubatch).__name__}")
-    for name, kind, allowed in (("pos", np.integer, "integers"), ("seq_ids", np.integer, "integers"),
-                                ("valid", np.bool_, "bool")):
+    for name, kind, allowed in (
+        ("pos", np.integer, "integers"),
+        ("seq_ids", np.integer, "integers"),
+        ("valid", np.bool_, "bool"),
+    ):
         x = getattr(ubatch, name)
-        if not isinstance(x, (np.ndarray, jax.Array)):   # a list would be read one way here, another in jit
-            raise ValueError(f"ubatch.{name} is a {type(x).__name__}: allowed an array (build the ubatch with "
-                             f"kvjax.make_ubatch)")
+        if not isinstance(x, (np.ndarray, jax.Array)):  # a list would be read one way here, another in jit
+            raise ValueError(
+                f"ubatch.{name} is a {type(x).__name__}: allowed an array (build the ubatch with kvjax.make_ubatch)"
+            )
         # an array's own dtype: jnp.result_type costs ~15 us a call, a third of this check
         if not np.issubdtype(x.dtype, kind):
             raise ValueError(f"ubatch.{name} has dtype {x.dtype}: allowed {allowed}")
     t = np.shape(ubatch.pos)
-    if len(t) != 1 or np.shape(ubatch.valid) != t or len(np.shape(ubatch.seq_ids)) != 2 or \
-            np.shape(ubatch.seq_ids)[0] != t[0]:
-        raise ValueError(f"ubatch has pos {np.shape(ubatch.pos)}, seq_ids {np.shape(ubatch.seq_ids)}, valid "
-                         f"{np.shape(ubatch.valid)}: allowed [T], [T, M], [T] (build it with kvjax.make_ubatch)")
+    if (
+        len(t) != 1
+        or np.shape(ubatch.valid) != t
+        or len(np.shape(ubatch.seq_ids)) != 2
+        or np.shape(ubatch.seq_ids)[0] != t[0]
+    ):
+        raise ValueError(
+            f"ubatch has pos {np.shape(ubatch.pos)}, seq_ids {np.shape(ubatch.seq_ids)}, valid "
+            f"{np.shape(ubatch.valid)}: allowed [T], [T, M], [T] (build it with kvjax.make_ubatch)"
+        )
     if any(is_traced(x) for x in (ubatch.pos, ubatch.seq_ids, ubatch.valid)):
         return
     check_int_values("ubatch.pos", ubatch.pos, INT32_MIN, INT32_MAX - 1)
@@ -274,16 +296,20 @@ def _check_equal_ubatch(memory: Memory, ubatch: Ubatch) -> None:
     valid = np.asarray(ubatch.valid).reshape(n_slots, t)
     on = valid[:, 0]
     if (valid != on[:, None]).any() or (np.diff(on.astype(int)) > 0).any() or not on.any():
-        raise ValueError("ubatch has partly valid slots: allowed whole slots, the used ones first "
-                         "(build it with kvjax.make_equal_ubatch)")
+        raise ValueError(
+            "ubatch has partly valid slots: allowed whole slots, the used ones first "
+            "(build it with kvjax.make_equal_ubatch)"
+        )
     n_seqs = int(on.sum())
     cells = getattr(memory, "max_slots", memory.size)
     if n_seqs > cells:
         raise ValueError(f"ubatch has {n_seqs} sequences: allowed at most size={cells} (one state cell each)")
     ids = np.asarray(ubatch.seq_ids).reshape(n_slots, t, -1)[:n_seqs]
     if (ids != ids[:, :1]).any():
-        raise ValueError("ubatch has a slot whose tokens belong to different sequences: allowed one "
-                         "sequence set per slot (build it with kvjax.make_equal_ubatch)")
+        raise ValueError(
+            "ubatch has a slot whose tokens belong to different sequences: allowed one "
+            "sequence set per slot (build it with kvjax.make_equal_ubatch)"
+        )
     first = ids[:, 0]
     real = first[first >= 0]
     if len(real) != len(set(real.tolist())):
@@ -292,14 +318,14 @@ def _check_equal_ubatch(memory: Memory, ubatch: Ubatch) -> None:
 
 def _check_ubatches(memory: Memory, ubatches) -> None:
     if not isinstance(ubatches, (list, tuple)):
-        raise ValueError(f"ubatches must be a list of kvjax.Ubatch (the ubatches of one batch), got "
-                         f"{type(ubatches).__name__}")
+        raise ValueError(
+            f"ubatches must be a list of kvjax.Ubatch (the ubatches of one batch), got {type(ubatches).__name__}"
+        )
     for ub in ubatches:
         _check_ubatch(memory, ub)
 
 
-def find_slot(memory: Memory, ubatch: Ubatch, *, contiguous: bool = True
-              ) -> Tuple[Memory, Placement, Bool[Array, ""]]:
+def find_slot(memory: Memory, ubatch: Ubatch, *, contiguous: bool = True) -> Tuple[Memory, Placement, Bool[Array, ""]]:
     """Place a ubatch: the seed's contiguous search, or scattered over free cells.
 
     Args:
@@ -322,8 +348,9 @@ def find_slot(memory: Memory, ubatch: Ubatch, *, contiguous: bool = True
     return memory.find_slot(ubatch, contiguous=bool(contiguous))
 
 
-def prepare(memory: Memory, ubatches: Sequence[Ubatch], *, contiguous: bool = True
-            ) -> Tuple[Bool[Array, ""], Tuple[Placement, ...]]:
+def prepare(
+    memory: Memory, ubatches: Sequence[Ubatch], *, contiguous: bool = True
+) -> Tuple[Bool[Array, ""], Tuple[Placement, ...]]:
     """Dry-run the placement of all ubatches of a batch, in order; keep nothing.
 
     Returns:

@@ -72,8 +72,14 @@ class Cells:
 
     def logical_axes(self) -> "Cells":
         """The logical axes of every field (``PartitionSpec`` leaves; see :meth:`kvjax.Memory.logical_axes`)."""
-        return self.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), delta=P(CELLS), head=scalar_axes(),
-                            error=scalar_axes(), defrag=scalar_axes())
+        return self.replace(
+            pos=P(CELLS),
+            seq=P(CELLS, SEQ_WORDS),
+            delta=P(CELLS),
+            head=scalar_axes(),
+            error=scalar_axes(),
+            defrag=scalar_axes(),
+        )
 
 
 def empty_cells(size: int, n_seq_max: int) -> Cells:
@@ -202,8 +208,7 @@ def _member(cells: Cells, seq_id) -> Bool[Array, " C"]:
     if w == 1:
         word = cells.seq[:, 0]
     else:
-        word = jax.lax.dynamic_index_in_dim(cells.seq, jnp.clip(seq_id // BITS, 0, w - 1), axis=1,
-                                            keepdims=False)
+        word = jax.lax.dynamic_index_in_dim(cells.seq, jnp.clip(seq_id // BITS, 0, w - 1), axis=1, keepdims=False)
     valid = (seq_id >= 0) & (seq_id < w * BITS)
     bit = jnp.where(valid, jnp.left_shift(jnp.uint32(1), (seq_id % BITS).astype(jnp.uint32)), jnp.uint32(0))
     return jnp.where(seq_id == -1, cells.pos >= 0, (word & bit) != 0)
@@ -353,8 +358,7 @@ def seq_div(cells: Cells, seq_id, p0, p1, d) -> Cells:
     safe_d = jnp.where(d > 0, d, 1)
     pos = jnp.where(target, cells.pos // safe_d, cells.pos)
     new = cells.replace(pos=pos, delta=cells.delta + (pos - cells.pos))
-    return guard(cells, new, (d > 0, ErrorFlag.DIVISOR),
-                 (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
+    return guard(cells, new, (d > 0, ErrorFlag.DIVISOR), (_valid_seq(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 
 # -- queries ------------------------------------------------------------------------------------

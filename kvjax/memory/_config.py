@@ -44,8 +44,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 QUANT_DTYPES = tuple(QUANT_TYPES)
 
 #: ggml type ids of the dtypes (used by the state format).
-GGML_TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30,
-                 **{name: qt.ggml_id for name, qt in QUANT_TYPES.items()}}
+GGML_TYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 30, **{name: qt.ggml_id for name, qt in QUANT_TYPES.items()}}
 
 
 class SwaType(str, enum.Enum):
@@ -110,8 +109,12 @@ class RopeConfig:
     freq_factors: Optional[Tuple[float, ...]] = None
 
     def __post_init__(self):
-        require(is_int(self.n_rot) and self.n_rot > 0 and self.n_rot % 2 == 0,
-                 "n_rot", self.n_rot, "a positive even integer (rotated dims come in pairs)")
+        require(
+            is_int(self.n_rot) and self.n_rot > 0 and self.n_rot % 2 == 0,
+            "n_rot",
+            self.n_rot,
+            "a positive even integer (rotated dims come in pairs)",
+        )
         object.__setattr__(self, "n_rot", int(self.n_rot))
         try:
             mode = RopeMode(self.mode)
@@ -122,8 +125,7 @@ class RopeConfig:
             object.__setattr__(self, name, check_real(name, getattr(self, name), above=0))
         for name in ("ext_factor", "beta_fast", "beta_slow"):
             object.__setattr__(self, name, check_real(name, getattr(self, name)))
-        require(is_int(self.n_ctx_orig) and self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig,
-                 "an integer >= 0")
+        require(is_int(self.n_ctx_orig) and self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig, "an integer >= 0")
         if self.ext_factor != 0:
             # YaRN's correction dims take log(n_ctx_orig / (2 pi beta)): all three must be positive
             require(self.n_ctx_orig > 0, "n_ctx_orig", self.n_ctx_orig, "> 0 when ext_factor != 0 (YaRN)")
@@ -136,12 +138,21 @@ class RopeConfig:
             try:
                 ff = tuple(check_real("freq_factors", f) for f in np.asarray(given, dtype=object).reshape(-1))
             except ValueError:
-                require(False, "freq_factors", given, "finite numbers > 0 (each pair's frequency is divided by "
-                         "its factor)")
-            require(len(ff) == self.n_rot // 2, "freq_factors", f"{len(ff)} values",
-                     f"exactly n_rot // 2 = {self.n_rot // 2} values")
-            require(all(math.isfinite(f) and f > 0 for f in ff), "freq_factors", ff,
-                     "finite values > 0 (each pair's frequency is divided by its factor)")
+                require(
+                    False, "freq_factors", given, "finite numbers > 0 (each pair's frequency is divided by its factor)"
+                )
+            require(
+                len(ff) == self.n_rot // 2,
+                "freq_factors",
+                f"{len(ff)} values",
+                f"exactly n_rot // 2 = {self.n_rot // 2} values",
+            )
+            require(
+                all(math.isfinite(f) and f > 0 for f in ff),
+                "freq_factors",
+                ff,
+                "finite values > 0 (each pair's frequency is divided by its factor)",
+            )
             object.__setattr__(self, "freq_factors", ff)
 
 
@@ -212,14 +223,23 @@ class CacheConfig:
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         require(is_int(self.padding) and self.padding > 0, "padding", self.padding, "a positive integer")
-        require(is_int(self.size) and self.size > 0 and self.size % self.padding == 0, "size", self.size,
-                 f"a positive multiple of padding={self.padding}")
+        require(
+            is_int(self.size) and self.size > 0 and self.size % self.padding == 0,
+            "size",
+            self.size,
+            f"a positive multiple of padding={self.padding}",
+        )
         require(self.size <= 2**30, "size", self.size, "at most 2**30 cells")
-        require(is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
-                 f"[1, {MAX_SEQ}]")
+        require(
+            is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max, f"[1, {MAX_SEQ}]"
+        )
         # bounds that keep a typo (n_layer=10**9) from hanging the process instead of being refused
-        require(is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
-                 f"an integer in [1, {MAX_LAYERS}]")
+        require(
+            is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS,
+            "n_layer",
+            self.n_layer,
+            f"an integer in [1, {MAX_LAYERS}]",
+        )
         set_("n_kv_heads", self._per_layer("n_kv_heads", self.n_kv_heads))
         set_("head_dim", self._per_layer("head_dim", self.head_dim))
         hv = self.head_dim if self.head_dim_v is None else self.head_dim_v
@@ -231,15 +251,20 @@ class CacheConfig:
             if getattr(self, name) in QUANT_TYPES:
                 for il in self.cached_layers:
                     d = getattr(self, dims)[il]
-                    require(d % BLOCK == 0, dims, d, f"a multiple of {BLOCK} (the block size of "
-                             f"{name}={getattr(self, name)!r}; layer {il}), or a float {name}")
+                    require(
+                        d % BLOCK == 0,
+                        dims,
+                        d,
+                        f"a multiple of {BLOCK} (the block size of "
+                        f"{name}={getattr(self, name)!r}; layer {il}), or a float {name}",
+                    )
         try:
             set_("swa_type", SwaType(self.swa_type))
         except ValueError:
-            raise ValueError(f"swa_type={self.swa_type!r} is not a sliding-window kind: allowed "
-                             f"{[s.value for s in SwaType]}") from None
-        require(is_int(self.n_swa) and 0 <= self.n_swa < POS_END, "n_swa", self.n_swa,
-                 f"an integer in [0, {POS_END})")
+            raise ValueError(
+                f"swa_type={self.swa_type!r} is not a sliding-window kind: allowed {[s.value for s in SwaType]}"
+            ) from None
+        require(is_int(self.n_swa) and 0 <= self.n_swa < POS_END, "n_swa", self.n_swa, f"an integer in [0, {POS_END})")
         if self.swa_type != SwaType.NONE:
             require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
         check_flag("v_trans", self.v_trans)
@@ -247,8 +272,10 @@ class CacheConfig:
         if self.v_trans and self.v_dtype in QUANT_TYPES:
             # a transposed V has one value per element of a row across cells: it has no blocks (the
             # seed needs flash attention, hence v_trans = false, for a quantized V cache)
-            raise ValueError(f"v_trans=True is out of range with v_dtype={self.v_dtype!r}: allowed "
-                             f"v_trans=False for a block-quantized V (blocks run along the head, not the cells)")
+            raise ValueError(
+                f"v_trans=True is out of range with v_dtype={self.v_dtype!r}: allowed "
+                f"v_trans=False for a block-quantized V (blocks run along the head, not the cells)"
+            )
         set_("rope", self._normalize_rope(self.rope))
 
     # -- normalization helpers -------------------------------------------------------------
@@ -259,8 +286,9 @@ class CacheConfig:
         if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, np.ndarray)):
             require(False, name, value, f"an integer in [1, {MAX_WIDTH}], or one per layer (n_layer={self.n_layer})")
         value = tuple(value)
-        require(len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer "
-                 f"(n_layer={self.n_layer})")
+        require(
+            len(value) == self.n_layer, name, f"{len(value)} values", f"one value per layer (n_layer={self.n_layer})"
+        )
         for v in value:
             require(is_int(v) and 1 <= v <= MAX_WIDTH, name, v, f"integers in [1, {MAX_WIDTH}]")
         return tuple(int(v) for v in value)
@@ -284,11 +312,19 @@ class CacheConfig:
         if isinstance(rope, RopeConfig):
             rope = (rope,) * self.n_layer
         rope = tuple(rope)
-        require(len(rope) == self.n_layer and all(isinstance(r, RopeConfig) for r in rope), "rope",
-                 f"{len(rope)} entries", f"a RopeConfig or one per layer (n_layer={self.n_layer})")
+        require(
+            len(rope) == self.n_layer and all(isinstance(r, RopeConfig) for r in rope),
+            "rope",
+            f"{len(rope)} entries",
+            f"a RopeConfig or one per layer (n_layer={self.n_layer})",
+        )
         for il, r in enumerate(rope):
-            require(r.n_rot <= self.head_dim[il], "rope.n_rot", r.n_rot,
-                     f"an even number <= head_dim={self.head_dim[il]} of layer {il}")
+            require(
+                r.n_rot <= self.head_dim[il],
+                "rope.n_rot",
+                r.n_rot,
+                f"an even number <= head_dim={self.head_dim[il]} of layer {il}",
+            )
         return rope
 
     # -- derived ---------------------------------------------------------------------------
@@ -345,6 +381,7 @@ def _dtype_name(field, dtype) -> str:
         except TypeError:
             name = str(dtype)
     if name not in FLOAT_DTYPES and name not in QUANT_TYPES:
-        raise ValueError(f"{field}={dtype!r} is not a supported storage dtype: allowed "
-                         f"{list(FLOAT_DTYPES) + list(QUANT_TYPES)}")
+        raise ValueError(
+            f"{field}={dtype!r} is not a supported storage dtype: allowed {list(FLOAT_DTYPES) + list(QUANT_TYPES)}"
+        )
     return name

@@ -95,12 +95,35 @@ import numpy as np
 
 from kvjax._typing import Array, Float, IntLike
 from kvjax._validate import as_int32, check_real, check_seq_id, is_traced
-from kvjax.memory._defrag_moves import (CHUNK, MIN_WINDOW, DefragPlan, run_pending, schedule_defrag, donating_cache,
-                                        cells_fragmentation, max_moves_arg, make_plan, run_plan)
+from kvjax.memory._defrag_moves import (
+    CHUNK,
+    MIN_WINDOW,
+    DefragPlan,
+    run_pending,
+    schedule_defrag,
+    donating_cache,
+    cells_fragmentation,
+    max_moves_arg,
+    make_plan,
+    run_plan,
+)
 from kvjax.memory._unified import KVCache, require_cache
 
-__all__ = ["CHUNK", "MIN_WINDOW", "DefragPlan", "fragmentation", "defrag_sched", "defrag_plan", "compact_plan",
-           "compact_seq_plan", "defrag", "compact", "compact_seq", "apply_pending"]
+__all__ = [
+    "CHUNK",
+    "MIN_WINDOW",
+    "DefragPlan",
+    "fragmentation",
+    "defrag_sched",
+    "defrag_plan",
+    "compact_plan",
+    "compact_seq_plan",
+    "defrag",
+    "compact",
+    "compact_seq",
+    "apply_pending",
+]
+
 
 def fragmentation(cache: KVCache) -> Float[Array, ""]:
     """The seed's fragmentation measure of the attention window.

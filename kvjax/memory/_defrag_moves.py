@@ -122,8 +122,8 @@ def _seed_plan(cells: Cells, max_moves) -> DefragPlan:
     rank = prefix_sum(hole) - 1
     first = hole & ~_shift_down(hole, False)
     last = hole & ~_shift_up(hole, False)
-    run_lo = jax.lax.cummax(jnp.where(first, rank, -1))                       # rank of the hole's first cell
-    run_hi = jax.lax.cummin(jnp.where(last, rank, _I32_MAX), reverse=True)    # ... and of its last cell
+    run_lo = jax.lax.cummax(jnp.where(first, rank, -1))  # rank of the hole's first cell
+    run_hi = jax.lax.cummin(jnp.where(last, rank, _I32_MAX), reverse=True)  # ... and of its last cell
     # Sources: exactly the used cells at or above n_used (there are as many as holes). The seed
     # takes them from the end of the cache: a source's order is the number of used cells after it.
     # A hole takes the next run of them in that order and lays them out in increasing cell order,
@@ -151,18 +151,17 @@ def _partition_plan(cells: Cells, key: Int[Array, " C"]) -> DefragPlan:
     size = cells.size
     idx = jnp.arange(size, dtype=jnp.int32)
     n_keys = 3
-    onehot = key[:, None] == jnp.arange(n_keys, dtype=jnp.int32)               # [C, 3]
+    onehot = key[:, None] == jnp.arange(n_keys, dtype=jnp.int32)  # [C, 3]
     counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
-    offset = jnp.cumsum(counts) - counts                                       # first new cell per key
-    rank = jnp.cumsum(onehot, axis=0, dtype=jnp.int32) - 1                     # rank within its key
+    offset = jnp.cumsum(counts) - counts  # first new cell per key
+    rank = jnp.cumsum(onehot, axis=0, dtype=jnp.int32) - 1  # rank within its key
     dest = offset[key] + jnp.take_along_axis(rank, key[:, None], axis=1)[:, 0]
     src = jnp.zeros(size, jnp.int32).at[dest].set(idx, unique_indices=True)
     used = is_used(cells)
     moved = (src != idx) & used.at[src].get(mode="promise_in_bounds")
     n_used = jnp.sum(used, dtype=jnp.int32)
     head = jnp.where(jnp.any(moved), n_used, cells.head)
-    return DefragPlan(src=src, moved=moved, n_moves=jnp.sum(_run_starts(moved, src), dtype=jnp.int32),
-                      head=head)
+    return DefragPlan(src=src, moved=moved, n_moves=jnp.sum(_run_starts(moved, src), dtype=jnp.int32), head=head)
 
 
 def _compact_plan(cells: Cells) -> DefragPlan:
@@ -196,8 +195,12 @@ def make_plan(cells: Cells, arg, kind: str) -> DefragPlan:
     plan = _PLANNERS[kind](cells, jnp.where(valid, arg, 0))
     idx = jnp.arange(cells.size, dtype=jnp.int32)
     # An invalid traced argument plans nothing (applied, it only raises an error bit).
-    return DefragPlan(src=jnp.where(valid, plan.src, idx), moved=plan.moved & valid,
-                      n_moves=jnp.where(valid, plan.n_moves, 0), head=jnp.where(valid, plan.head, cells.head))
+    return DefragPlan(
+        src=jnp.where(valid, plan.src, idx),
+        moved=plan.moved & valid,
+        n_moves=jnp.where(valid, plan.n_moves, 0),
+        head=jnp.where(valid, plan.head, cells.head),
+    )
 
 
 # -- applying a plan ----------------------------------------------------------------------------
@@ -247,7 +250,7 @@ def _move_staged(bufs, plan: DefragPlan, size: int):
         def layer_step(layer, buf):
             def gather(i, stage):
                 s = jax.lax.dynamic_slice_in_dim(src, i * chunk, chunk)
-                rows = buf.at[layer, :, s, :].get(mode="promise_in_bounds")       # [chunk, H, D]
+                rows = buf.at[layer, :, s, :].get(mode="promise_in_bounds")  # [chunk, H, D]
                 return jax.lax.dynamic_update_slice_in_dim(stage, rows, i * chunk, axis=0)
 
             stage = jnp.zeros((dst.shape[0], n_heads, dim), buf.dtype)
@@ -298,9 +301,9 @@ def donating_cache(cache, donate: bool) -> bool:
 
 
 def _apply_pending_impl(cache):
-    return jax.lax.cond(cache.cells.defrag,
-                        lambda c: run_plan(c, jnp.int32(_I32_MAX), kind="defrag"),
-                        lambda c: c, cache)
+    return jax.lax.cond(
+        cache.cells.defrag, lambda c: run_plan(c, jnp.int32(_I32_MAX), kind="defrag"), lambda c: c, cache
+    )
 
 
 run_pending = JitTwins(_apply_pending_impl, donate_argnums=0)

@@ -69,31 +69,41 @@ class HybridConfig:
 
     def __post_init__(self):
         if not isinstance(self.attention, (CacheConfig, IswaConfig)):
-            raise ValueError(f"attention must be a kvjax.CacheConfig or kvjax.IswaConfig, got "
-                             f"{type(self.attention).__name__}")
+            raise ValueError(
+                f"attention must be a kvjax.CacheConfig or kvjax.IswaConfig, got {type(self.attention).__name__}"
+            )
         if not isinstance(self.recurrent, RecurrentConfig):
             raise ValueError(f"recurrent must be a kvjax.RecurrentConfig, got {type(self.recurrent).__name__}")
         base = self.attention.base if isinstance(self.attention, IswaConfig) else self.attention
         try:
             layers = tuple(int(il) for il in self.recurrent_layers)
         except (TypeError, ValueError):
-            raise ValueError(f"recurrent_layers={self.recurrent_layers!r} is out of range: allowed a tuple of "
-                             f"layer ids") from None
+            raise ValueError(
+                f"recurrent_layers={self.recurrent_layers!r} is out of range: allowed a tuple of layer ids"
+            ) from None
         object.__setattr__(self, "recurrent_layers", layers)
         n_layer = base.n_layer
         if list(layers) != sorted(set(layers)) or any(not 0 <= il < n_layer for il in layers) or not layers:
-            raise ValueError(f"recurrent_layers={layers!r} is out of range: allowed distinct ascending layer ids "
-                             f"in [0, {n_layer}), at least one")
+            raise ValueError(
+                f"recurrent_layers={layers!r} is out of range: allowed distinct ascending layer ids "
+                f"in [0, {n_layer}), at least one"
+            )
         attn_layers = tuple(il for il in range(n_layer) if il not in layers)
         if tuple(base.cached_layers) != attn_layers:
-            raise ValueError(f"attention caches layers {list(base.cached_layers)}: allowed exactly the attention "
-                             f"layers {list(attn_layers)} (set its layer_filter)")
+            raise ValueError(
+                f"attention caches layers {list(base.cached_layers)}: allowed exactly the attention "
+                f"layers {list(attn_layers)} (set its layer_filter)"
+            )
         if self.recurrent.n_layer != len(layers):
-            raise ValueError(f"recurrent has n_layer={self.recurrent.n_layer}: allowed one state layer per "
-                             f"recurrent layer ({len(layers)})")
+            raise ValueError(
+                f"recurrent has n_layer={self.recurrent.n_layer}: allowed one state layer per "
+                f"recurrent layer ({len(layers)})"
+            )
         if self.recurrent.n_seq_max != base.n_seq_max:
-            raise ValueError(f"recurrent has n_seq_max={self.recurrent.n_seq_max}: allowed the attention "
-                             f"part's n_seq_max={base.n_seq_max}")
+            raise ValueError(
+                f"recurrent has n_seq_max={self.recurrent.n_seq_max}: allowed the attention "
+                f"part's n_seq_max={base.n_seq_max}"
+            )
 
     @property
     def n_seq_max(self) -> int:
@@ -106,7 +116,9 @@ class HybridConfig:
     def recurrent_index(self, layer: int) -> int:
         """The recurrent part's layer index of model layer ``layer`` (a recurrent layer)."""
         if layer not in self.recurrent_layers:
-            raise ValueError(f"layer={layer!r} is out of range: allowed a recurrent layer {list(self.recurrent_layers)}")
+            raise ValueError(
+                f"layer={layer!r} is out of range: allowed a recurrent layer {list(self.recurrent_layers)}"
+            )
         return self.recurrent_layers.index(layer)
 
 
@@ -147,8 +159,9 @@ class HybridCache(Composite):
 
     def layer_part(self, layer: int) -> int:
         if layer in self.config.recurrent_layers:
-            raise not_defined(self, f"layer_part({layer})", "it is a recurrent layer (its states are in "
-                                                            "memory.recurrent)")
+            raise not_defined(
+                self, f"layer_part({layer})", "it is a recurrent layer (its states are in memory.recurrent)"
+            )
         return self.attention.layer_part(layer)
 
 

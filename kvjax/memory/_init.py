@@ -34,8 +34,13 @@ from kvjax.memory._unified import init_unified
 from kvjax._mesh import Rules, freeze_rules, check_mesh, check_rules, to_mesh_spec
 
 #: config type -> the function that makes an empty memory of it
-MAKERS = {CacheConfig: init_unified, IswaConfig: init_iswa, RecurrentConfig: init_recurrent,
-          HybridConfig: init_hybrid, StreamsConfig: init_streams}
+MAKERS = {
+    CacheConfig: init_unified,
+    IswaConfig: init_iswa,
+    RecurrentConfig: init_recurrent,
+    HybridConfig: init_hybrid,
+    StreamsConfig: init_streams,
+}
 
 
 def _maker(config):
@@ -66,8 +71,9 @@ def init(config, *, mesh=None, rules=None) -> Memory:
     maker = _maker(config)
     if mesh is None:
         if rules is not None:
-            raise ValueError(f"rules={rules!r} is out of range without mesh=: allowed None (rules place a memory "
-                             f"on a mesh)")
+            raise ValueError(
+                f"rules={rules!r} is out of range without mesh=: allowed None (rules place a memory on a mesh)"
+            )
         return maker(config)
     return init_sharded(maker, config, mesh, rules)
 
@@ -84,8 +90,10 @@ def abstract(config) -> Memory:
 def require_memory(memory, name: str = "memory") -> Memory:
     """Raise ``ValueError`` unless ``memory`` is a kvjax memory (every free function calls it)."""
     if not isinstance(memory, Memory):
-        raise ValueError(f"{name} must be a kvjax memory (a kvjax.KVCache or another kvjax.Memory, made by "
-                         f"kvjax.init(config)), got {type(memory).__name__}")
+        raise ValueError(
+            f"{name} must be a kvjax memory (a kvjax.KVCache or another kvjax.Memory, made by "
+            f"kvjax.init(config)), got {type(memory).__name__}"
+        )
     require_live(memory, name)
     require_layout(memory, name)
     return memory
@@ -106,17 +114,24 @@ def require_layout(memory, name: str = "memory") -> None:
     """
     want = _layout_of(memory.config)
     got = jax.tree.leaves(memory)
-    if len(got) == len(want) and all(getattr(x, "shape", None) == shape and getattr(x, "dtype", None) == dtype
-                                     for x, (shape, dtype) in zip(got, want)):
+    if len(got) == len(want) and all(
+        getattr(x, "shape", None) == shape and getattr(x, "dtype", None) == dtype
+        for x, (shape, dtype) in zip(got, want)
+    ):
         return
     if len(got) != len(want):
-        raise ValueError(f"{name} has {len(got)} arrays where its config gives {len(want)}: a memory must be made by "
-                         f"kvjax.init(config) (and changed only by kvjax's functions)")
+        raise ValueError(
+            f"{name} has {len(got)} arrays where its config gives {len(want)}: a memory must be made by "
+            f"kvjax.init(config) (and changed only by kvjax's functions)"
+        )
     for (path, leaf), (shape, dtype) in zip(jax.tree_util.tree_flatten_with_path(memory)[0], want):
         if tuple(jnp.shape(leaf)) != shape or jnp.result_type(leaf) != dtype:
-            raise ValueError(f"{name}{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))} and dtype "
-                             f"{jnp.result_type(leaf)} where its config gives {shape} and {dtype}: the arrays and the "
-                             f"config disagree (a config replaced by hand?); make the memory with kvjax.init(config)")
+            raise ValueError(
+                f"{name}{jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(leaf))} and dtype "
+                f"{jnp.result_type(leaf)} where its config gives {shape} and {dtype}: the arrays and the "
+                f"config disagree (a config replaced by hand?); make the memory with kvjax.init(config)"
+            )
+
 
 # -- a memory on a device mesh ----------------------------------------------------------------------
 
@@ -126,8 +141,10 @@ def _as_memory(memory_or_config):
         return memory_or_config
     if type(memory_or_config) in MAKERS:
         return abstract(memory_or_config)
-    raise ValueError(f"memory must be a kvjax memory or a memory config ({', '.join(t.__name__ for t in MAKERS)}), "
-                     f"got {type(memory_or_config).__name__}")
+    raise ValueError(
+        f"memory must be a kvjax memory or a memory config ({', '.join(t.__name__ for t in MAKERS)}), "
+        f"got {type(memory_or_config).__name__}"
+    )
 
 
 def logical_axes(memory_or_config):
@@ -148,8 +165,10 @@ def _spec_tree(memory, table, mesh):
         return to_mesh_spec(logical, tuple(np.shape(leaf)), table, mesh, where)
 
     if jax.tree.structure(axes) != jax.tree.structure(memory):
-        raise ValueError(f"{type(memory).__name__}.logical_axes() does not match the memory's leaves: allowed the "
-                         f"memory's own structure with one PartitionSpec per array")
+        raise ValueError(
+            f"{type(memory).__name__}.logical_axes() does not match the memory's leaves: allowed the "
+            f"memory's own structure with one PartitionSpec per array"
+        )
     return jax.tree_util.tree_map_with_path(one, memory, axes)
 
 
@@ -177,8 +196,7 @@ def memory_shardings(memory_or_config, mesh: Mesh, rules: Rules = None):
     """
     check_mesh(mesh)
     specs = mesh_axes(memory_or_config, rules, mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def shard(memory, mesh: Mesh, rules: Rules = None):

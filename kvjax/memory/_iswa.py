@@ -87,26 +87,41 @@ class IswaConfig:
     def __post_init__(self):
         if not isinstance(self.base, CacheConfig):
             raise ValueError(f"base must be a kvjax.CacheConfig, got {type(self.base).__name__}")
-        require(self.base.swa_type == SwaType.NONE, "base.swa_type", self.base.swa_type.value,
-                 "'none' (the window of the window layers is IswaConfig's swa_type / n_swa)")
+        require(
+            self.base.swa_type == SwaType.NONE,
+            "base.swa_type",
+            self.base.swa_type.value,
+            "'none' (the window of the window layers is IswaConfig's swa_type / n_swa)",
+        )
         try:
             layers = tuple(sorted(set(int(il) for il in self.swa_layers)))
         except (TypeError, ValueError):
-            raise ValueError(f"swa_layers={self.swa_layers!r} is out of range: allowed a sequence of cached "
-                             f"layer ids") from None
+            raise ValueError(
+                f"swa_layers={self.swa_layers!r} is out of range: allowed a sequence of cached layer ids"
+            ) from None
         cached = self.base.cached_layers
         for il in layers:
             require(il in cached, "swa_layers", il, f"cached layer ids {list(cached)}")
-        require(len(layers) >= 1, "swa_layers", self.swa_layers, "at least one window layer (else use a "
-                 "kvjax.CacheConfig alone)")
-        require(len(layers) < len(cached), "swa_layers", self.swa_layers, "at least one full layer left (a model "
-                 "whose every layer has a window: use one kvjax.CacheConfig with swa_type and n_swa)")
+        require(
+            len(layers) >= 1,
+            "swa_layers",
+            self.swa_layers,
+            "at least one window layer (else use a kvjax.CacheConfig alone)",
+        )
+        require(
+            len(layers) < len(cached),
+            "swa_layers",
+            self.swa_layers,
+            "at least one full layer left (a model "
+            "whose every layer has a window: use one kvjax.CacheConfig with swa_type and n_swa)",
+        )
         object.__setattr__(self, "swa_layers", layers)
         try:
             object.__setattr__(self, "swa_type", SwaType(self.swa_type))
         except ValueError:
-            raise ValueError(f"swa_type={self.swa_type!r} is out of range: allowed 'standard', 'chunked' or "
-                             f"'symmetric'") from None
+            raise ValueError(
+                f"swa_type={self.swa_type!r} is out of range: allowed 'standard', 'chunked' or 'symmetric'"
+            ) from None
         require(self.swa_type != SwaType.NONE, "swa_type", "none", "'standard', 'chunked' or 'symmetric'")
         object.__setattr__(self, "n_swa", check_count("n_swa", self.n_swa, 1))
         object.__setattr__(self, "n_batch", check_count("n_batch", self.n_batch, 1))
@@ -124,8 +139,11 @@ class IswaConfig:
             >>> IswaConfig(base, swa_layers=(0,), n_swa=8).first_visible(20)
             13
         """
-        return {"standard": n - self.n_swa + 1, "chunked": (n // self.n_swa) * self.n_swa,
-                "symmetric": n - self.n_swa // 2}[self.swa_type.value]
+        return {
+            "standard": n - self.n_swa + 1,
+            "chunked": (n // self.n_swa) * self.n_swa,
+            "symmetric": n - self.n_swa // 2,
+        }[self.swa_type.value]
 
     @property
     def size_swa(self) -> int:
@@ -144,8 +162,9 @@ class IswaConfig:
     @property
     def swa_config(self) -> CacheConfig:
         """The window cache: the window layers, ``size_swa`` cells, masked with the window."""
-        return self.base.replace(size=self.size_swa, layer_filter=self.swa_layers, swa_type=self.swa_type,
-                                 n_swa=self.n_swa)
+        return self.base.replace(
+            size=self.size_swa, layer_filter=self.swa_layers, swa_type=self.swa_type, n_swa=self.n_swa
+        )
 
 
 @struct.dataclass
@@ -181,9 +200,11 @@ class IswaCache(Composite):
         """After a successful batch, prune the window cache (not with ``swa_full``)."""
         if self.config.swa_full or not ubatches:
             return self
-        return self.replace(swa=self.swa.replace(cells=_prune(self.swa.cells, tuple(ubatches),
-                                                              swa_type=self.config.swa_type,
-                                                              n_swa=self.config.n_swa)))
+        return self.replace(
+            swa=self.swa.replace(
+                cells=_prune(self.swa.cells, tuple(ubatches), swa_type=self.config.swa_type, n_swa=self.config.n_swa)
+            )
+        )
 
     @property
     def can_shift(self) -> bool:
@@ -222,16 +243,19 @@ def _prune(cells: Cells, ubatches, *, swa_type: SwaType, n_swa: int) -> Cells:
         pos = jnp.broadcast_to(ub.pos[:, None], ids.shape).astype(jnp.int32)
         pmax = pmax.at[jnp.where(take, ids, n_seq)].max(jnp.where(take, pos, -1), mode="drop")
     seqs = jnp.arange(n_seq, dtype=jnp.int32)
-    member = _seqbits.holds(cells.seq.T, seqs)                                   # [S, C]
-    masked = is_masked_swa(cells.pos[None, :], pmax[:, None], swa_type, n_swa)     # [S, C]
+    member = _seqbits.holds(cells.seq.T, seqs)  # [S, C]
+    masked = is_masked_swa(cells.pos[None, :], pmax[:, None], swa_type, n_swa)  # [S, C]
     # only the past side of the window: a cell after pmax (symmetric windows) is still visible later
     past = cells.pos[None, :] <= pmax[:, None]
     leave = member & masked & past & (pmax >= 0)[:, None]
     n_words = cells.n_words
     leave = jnp.pad(leave, ((0, n_words * _seqbits.BITS - n_seq), (0, 0)))
     bit = jnp.left_shift(jnp.uint32(1), jnp.arange(_seqbits.BITS, dtype=jnp.uint32))
-    drop = jnp.sum(jnp.where(leave.reshape(n_words, _seqbits.BITS, -1), bit[None, :, None], jnp.uint32(0)),
-                   axis=1, dtype=jnp.uint32).T                                     # [C, W], distinct bits
+    drop = jnp.sum(
+        jnp.where(leave.reshape(n_words, _seqbits.BITS, -1), bit[None, :, None], jnp.uint32(0)),
+        axis=1,
+        dtype=jnp.uint32,
+    ).T  # [C, W], distinct bits
     seq = cells.seq & ~drop
     freed = is_used(cells) & ~jnp.any(seq != 0, axis=-1)
     return cells.replace(seq=seq, pos=jnp.where(freed, -1, cells.pos), delta=jnp.where(freed, 0, cells.delta))

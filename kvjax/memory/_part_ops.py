@@ -31,6 +31,7 @@ __all__ = ["attention", "kq_mask", "kq_mask_bool", "pos_bucket", "k_shift"]
 
 # -- argument checks ----------------------------------------------------------------------------
 
+
 def _check_args(cache, ubatch, n_kv) -> int:
     require_cache(cache, "a mask")
     if not isinstance(ubatch, Ubatch):
@@ -46,8 +47,9 @@ def _swa_args(cache: KVCache, swa_type, n_swa):
     try:
         kind = SwaType(kind)
     except ValueError:
-        raise ValueError(f"swa_type={swa_type!r} is not a sliding-window kind: allowed "
-                         f"{[s.value for s in SwaType]}") from None
+        raise ValueError(
+            f"swa_type={swa_type!r} is not a sliding-window kind: allowed {[s.value for s in SwaType]}"
+        ) from None
     if n_swa is None:
         n_swa = cfg.n_swa
     if isinstance(n_swa, bool) or not hasattr(n_swa, "__index__"):
@@ -63,9 +65,16 @@ def _swa_args(cache: KVCache, swa_type, n_swa):
 # -- masks and position buckets ----------------------------------------------------------------
 
 
-def kq_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True, alibi: bool = False,
-            swa_type: Union[None, SwaType, str] = None, n_swa: Optional[int] = None
-            ) -> Float[Array, "T N"]:
+def kq_mask(
+    cache: KVCache,
+    ubatch: Ubatch,
+    n_kv: int,
+    *,
+    causal: bool = True,
+    alibi: bool = False,
+    swa_type: Union[None, SwaType, str] = None,
+    n_swa: Optional[int] = None,
+) -> Float[Array, "T N"]:
     """The additive attention mask of a ubatch over the first ``n_kv`` cells (``set_input_kq_mask``).
 
     Args:
@@ -98,13 +107,27 @@ def kq_mask(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True, a
     """
     n_kv = _check_args(cache, ubatch, n_kv)
     kind, window = _swa_args(cache, swa_type, n_swa)
-    return _mask_additive(cache.cells, ubatch, n_kv=n_kv, causal=check_flag("causal", causal), alibi=check_flag("alibi", alibi),
-                          swa_type=kind, n_swa=window)
+    return _mask_additive(
+        cache.cells,
+        ubatch,
+        n_kv=n_kv,
+        causal=check_flag("causal", causal),
+        alibi=check_flag("alibi", alibi),
+        swa_type=kind,
+        n_swa=window,
+    )
 
 
-def kq_mask_bool(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = True,
-                 alibi: bool = False, swa_type: Union[None, SwaType, str] = None,
-                 n_swa: Optional[int] = None) -> Bool[Array, "T N"]:
+def kq_mask_bool(
+    cache: KVCache,
+    ubatch: Ubatch,
+    n_kv: int,
+    *,
+    causal: bool = True,
+    alibi: bool = False,
+    swa_type: Union[None, SwaType, str] = None,
+    n_swa: Optional[int] = None,
+) -> Bool[Array, "T N"]:
     """The visibility form of :func:`kq_mask` (``True`` = visible), for boolean-mask attention.
 
     Takes the same arguments as :func:`kq_mask`. ALiBi is a bias, not a visibility rule, so it
@@ -124,14 +147,20 @@ def kq_mask_bool(cache: KVCache, ubatch: Ubatch, n_kv: int, *, causal: bool = Tr
     """
     n_kv = _check_args(cache, ubatch, n_kv)
     if alibi:
-        raise ValueError("alibi=True has no boolean form: use kvjax.kq_mask for the additive mask "
-                         "with ALiBi distances")
+        raise ValueError("alibi=True has no boolean form: use kvjax.kq_mask for the additive mask with ALiBi distances")
     kind, window = _swa_args(cache, swa_type, n_swa)
     return _mask_bool(cache.cells, ubatch, n_kv=n_kv, causal=check_flag("causal", causal), swa_type=kind, n_swa=window)
 
 
-def pos_bucket(cache: KVCache, ubatch: Ubatch, n_kv: int, n_buckets: int, *, bidirectional: bool = False,
-               max_distance: int = T5_MAX_DISTANCE) -> Int[Array, "T N"]:
+def pos_bucket(
+    cache: KVCache,
+    ubatch: Ubatch,
+    n_kv: int,
+    n_buckets: int,
+    *,
+    bidirectional: bool = False,
+    max_distance: int = T5_MAX_DISTANCE,
+) -> Int[Array, "T N"]:
     """T5 relative-position buckets between each token and the first ``n_kv`` cells.
 
     The seed's ``set_input_pos_bucket``: bucket of ``p_cell - p_token`` for every pair, empty
@@ -160,15 +189,22 @@ def pos_bucket(cache: KVCache, ubatch: Ubatch, n_kv: int, n_buckets: int, *, bid
     n_buckets = _positive_int("n_buckets", n_buckets)
     lowest = 4 if bidirectional else 2
     if n_buckets < lowest:
-        raise ValueError(f"n_buckets={n_buckets} is out of range: allowed >= {lowest}"
-                         f"{' when bidirectional' if bidirectional else ''}")
+        raise ValueError(
+            f"n_buckets={n_buckets} is out of range: allowed >= {lowest}"
+            f"{' when bidirectional' if bidirectional else ''}"
+        )
     max_exact = (n_buckets // 2 if bidirectional else n_buckets) // 2
     max_distance = _positive_int("max_distance", max_distance)
     if max_distance <= max_exact:
-        raise ValueError(f"max_distance={max_distance} is out of range: allowed > {max_exact} "
-                         f"(the exact buckets)")
-    return _pos_bucket(cache.cells, ubatch, n_kv=n_kv, n_buckets=n_buckets,
-                       bidirectional=check_flag("bidirectional", bidirectional), max_distance=max_distance)
+        raise ValueError(f"max_distance={max_distance} is out of range: allowed > {max_exact} (the exact buckets)")
+    return _pos_bucket(
+        cache.cells,
+        ubatch,
+        n_kv=n_kv,
+        n_buckets=n_buckets,
+        bidirectional=check_flag("bidirectional", bidirectional),
+        max_distance=max_distance,
+    )
 
 
 def _positive_int(name, value) -> int:
@@ -214,8 +250,10 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
     """
     require_cache(cache, "k_shift")
     if cache.config.rope is None:
-        raise ValueError("this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
-                         "model's kvjax.RopeConfig (one for all layers or one per layer)")
+        raise ValueError(
+            "this cache cannot K-shift: CacheConfig.rope is None; set CacheConfig.rope to the "
+            "model's kvjax.RopeConfig (one for all layers or one per layer)"
+        )
     ks, cells = _shift(cache.k, cache.cells, cache.config, donate=donating(donate, cache.cells.pos))
     return cache.replace(k=ks, cells=cells)
 
@@ -223,11 +261,18 @@ def k_shift(cache: KVCache, *, donate: bool = False) -> KVCache:
 # -- attention -----------------------------------------------------------------------------------
 
 
-def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
-              mask: Union[Float[Array, "T N"], Bool[Array, "T N"]], *, scale: Optional[float] = None,
-              bias: Optional[Float[Array, "..."]] = None, return_lse: bool = False,
-              softcap: Optional[float] = None, implementation: Optional[str] = None
-              ) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
+def attention(
+    q: Float[Array, "T Hq D"],
+    cache: KVCache,
+    layer: int,
+    mask: Union[Float[Array, "T N"], Bool[Array, "T N"]],
+    *,
+    scale: Optional[float] = None,
+    bias: Optional[Float[Array, "..."]] = None,
+    return_lse: bool = False,
+    softcap: Optional[float] = None,
+    implementation: Optional[str] = None,
+) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
     """Grouped-query attention of ``q`` over the first ``N = mask.shape[-1]`` cells of a layer.
 
     Args:
@@ -276,12 +321,16 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
     g, _ = cfg.locate(layer)
     grp = cfg.groups[g]
     if not hasattr(q, "shape") or len(q.shape) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q has shape {getattr(q, 'shape', None)} and dtype {getattr(q, 'dtype', None)}: "
-                         f"allowed a floating [T, Hq, D] array")
+        raise ValueError(
+            f"q has shape {getattr(q, 'shape', None)} and dtype {getattr(q, 'dtype', None)}: "
+            f"allowed a floating [T, Hq, D] array"
+        )
     t, hq, d = q.shape
     if hq % grp.n_kv_heads or hq == 0:
-        raise ValueError(f"q has {hq} query heads: allowed a positive multiple of the layer's "
-                         f"n_kv_heads={grp.n_kv_heads} (grouped-query attention)")
+        raise ValueError(
+            f"q has {hq} query heads: allowed a positive multiple of the layer's "
+            f"n_kv_heads={grp.n_kv_heads} (grouped-query attention)"
+        )
     if d != grp.head_dim:
         raise ValueError(f"q has head size {d}: allowed the layer's head_dim={grp.head_dim}")
     if not hasattr(mask, "shape") or len(mask.shape) != 2 or mask.shape[0] != t:
@@ -297,20 +346,38 @@ def attention(q: Float[Array, "T Hq D"], cache: KVCache, layer: int,
         except ValueError:
             shape = None
         if shape != (hq, t, n_kv):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}: allowed a shape broadcastable to "
-                             f"[Hq, T, N] = {(hq, t, n_kv)}")
+            raise ValueError(
+                f"bias has shape {tuple(bias.shape)}: allowed a shape broadcastable to [Hq, T, N] = {(hq, t, n_kv)}"
+            )
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(scale):
+    elif (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, np.floating, np.integer))
+        or not math.isfinite(scale)
+    ):
         raise ValueError(f"scale={scale!r} must be a finite real number")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
-                or not (math.isfinite(softcap) and softcap > 0):
+        if (
+            isinstance(softcap, bool)
+            or not isinstance(softcap, (int, float, np.floating, np.integer))
+            or not (math.isfinite(softcap) and softcap > 0)
+        ):
             raise ValueError(f"softcap={softcap!r} is out of range: allowed a finite number > 0 (or None)")
         softcap = np.float32(softcap)
     # scale (and softcap) travel as traced f32 scalars: a new value does not recompile
     chunk = chunk_size(n_kv, grp.n_kv_heads, (hq // grp.n_kv_heads) * t, cfg.padding)
     impl = pick_implementation(implementation, cache, layer, bias)
-    return _attention(q, cache, mask, bias, np.float32(scale), layer=layer, n_kv=n_kv, chunk=chunk,
-                      return_lse=bool(return_lse), softcap=softcap, implementation=impl)
+    return _attention(
+        q,
+        cache,
+        mask,
+        bias,
+        np.float32(scale),
+        layer=layer,
+        n_kv=n_kv,
+        chunk=chunk,
+        return_lse=bool(return_lse),
+        softcap=softcap,
+        implementation=impl,
+    )

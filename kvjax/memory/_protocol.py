@@ -347,8 +347,9 @@ class Memory(abc.ABC):
             axis. A memory that does not implement it cannot be sharded
             (:class:`NotDefinedError`).
         """
-        raise not_defined(self, "logical_axes", "implement Memory.logical_axes() to place it on a mesh "
-                                                "(see docs/sharding.md)")
+        raise not_defined(
+            self, "logical_axes", "implement Memory.logical_axes() to place it on a mesh (see docs/sharding.md)"
+        )
 
     # -- errors and sizes ---------------------------------------------------------------------------
 
@@ -428,9 +429,13 @@ def state_format(memory) -> StateFormat:
     for kind in type(memory).__mro__:
         if kind in _STATE_FORMATS:
             return _STATE_FORMATS[kind]
-    raise not_defined(memory, "state_write / state_read", "no state format is registered for it (import kvjax "
-                      "registers kvjax's; a memory of your own registers one with "
-                      "kvjax.memory._protocol.register_state_format)")
+    raise not_defined(
+        memory,
+        "state_write / state_read",
+        "no state format is registered for it (import kvjax "
+        "registers kvjax's; a memory of your own registers one with "
+        "kvjax.memory._protocol.register_state_format)",
+    )
 
 
 def on_metadata(fn=None, *, static_argnames=()):
@@ -468,6 +473,7 @@ def on_metadata(fn=None, *, static_argnames=()):
             return (reshard_like(x, rest) if placed else x).join(buffers)
 
         return jax.tree.map(lambda x: back(x) if isinstance(x, kind) else x, out, is_leaf=lambda x: isinstance(x, kind))
+
     return method
 
 
@@ -479,6 +485,8 @@ def require_live(value, name: str = "memory") -> None:
     """
     for leaf in jax.tree.leaves(value):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
-            raise ValueError(f"{name} was donated: its buffers were given to an earlier call that updates them in "
-                             f"place (a jitted step, kvjax.update / defrag / k_shift / state_read with donate=True, "
-                             f"an Engine that owns it); use the memory that call returned instead")
+            raise ValueError(
+                f"{name} was donated: its buffers were given to an earlier call that updates them in "
+                f"place (a jitted step, kvjax.update / defrag / k_shift / state_read with donate=True, "
+                f"an Engine that owns it); use the memory that call returned instead"
+            )

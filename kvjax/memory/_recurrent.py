@@ -58,15 +58,36 @@ from kvjax._typing import Array, Int
 from kvjax._axes import CELLS, SEQ_WORDS, SEQS, scalar_axes, state_axes
 from kvjax.memory._protocol import Memory, not_defined
 
-from kvjax.memory._recurrent_cells import (RecurrentCells, RecurrentPlacement, cleared, popcount, used_mask,
-                                           empty_recurrent_cells, rc_seq_add, rc_seq_cp, rc_seq_div, rc_seq_keep,
-                                           rc_seq_pos, rc_seq_rm, rc_seq_shared, rc_shift_keeps_states)
+from kvjax.memory._recurrent_cells import (
+    RecurrentCells,
+    RecurrentPlacement,
+    cleared,
+    popcount,
+    used_mask,
+    empty_recurrent_cells,
+    rc_seq_add,
+    rc_seq_cp,
+    rc_seq_div,
+    rc_seq_keep,
+    rc_seq_pos,
+    rc_seq_rm,
+    rc_seq_shared,
+    rc_shift_keeps_states,
+)
 from kvjax.memory._recurrent_config import MAX_STATE_FLOATS, RecurrentConfig, RecurrentGroup  # noqa: F401 (re-exported)
 from kvjax.memory._recurrent_rows import row_sources, set_rows, started_rows, take_rows, moving_rows_bound
 from kvjax.memory._recurrent_slots import find_slot_recurrent
 from jax.sharding import PartitionSpec as P
-__all__ = ["RecurrentConfig", "RecurrentGroup", "RecurrentCells", "RecurrentPlacement", "RecurrentCache",
-           "init_recurrent", "moving_rows_bound"]
+
+__all__ = [
+    "RecurrentConfig",
+    "RecurrentGroup",
+    "RecurrentCells",
+    "RecurrentPlacement",
+    "RecurrentCache",
+    "init_recurrent",
+    "moving_rows_bound",
+]
 
 
 # -- the memory -------------------------------------------------------------------------------------
@@ -181,8 +202,7 @@ class RecurrentCache(Memory):
         return 0
 
     def layer_part(self, layer: int) -> int:
-        raise not_defined(self, "layer_part", "it has no attention layers (its layers read states: "
-                                              "kvjax.nn.Mamba)")
+        raise not_defined(self, "layer_part", "it has no attention layers (its layers read states: kvjax.nn.Mamba)")
 
     def part(self, index: int):
         raise not_defined(self, "part", "it has no attention parts")
@@ -229,8 +249,7 @@ class RecurrentCache(Memory):
         moved, _ = self._move_rows(placement, moving_rows_bound(self.config, n_slots))
         return moved
 
-    def _move_rows(self, placement: RecurrentPlacement, bound: int, slots_rewritten: bool = False,
-                   n_slots: int = 0):
+    def _move_rows(self, placement: RecurrentPlacement, bound: int, slots_rewritten: bool = False, n_slots: int = 0):
         """Copy the moving rows (at most ``bound``), and read the ``n_slots`` slots' states as they
         are after the copies, in the same gather.
 
@@ -249,8 +268,8 @@ class RecurrentCache(Memory):
         if slots_rewritten:
             cell = jnp.arange(rows) // kk
             moving = moving & ~((cell >= placement.head) & (cell < placement.head + placement.n_seqs))
-        bound = 0 if rows == 1 else bound                                   # a lone row never moves
-        dest = jnp.nonzero(moving, size=bound, fill_value=rows)[0]          # rows: dropped below
+        bound = 0 if rows == 1 else bound  # a lone row never moves
+        dest = jnp.nonzero(moving, size=bound, fill_value=rows)[0]  # rows: dropped below
         reads = jnp.concatenate([jnp.take(src, dest, mode="clip"), jnp.take(src, self._slot_rows(placement, n_slots))])
         if reads.shape[0] == 0:
             return self, ()
@@ -302,14 +321,15 @@ class RecurrentCache(Memory):
             ``(memory, states)``: ``states[g] = (k [Lg, n_slots, *k_shape], v [Lg, n_slots, *v_shape])``
             for each layer group ``g``.
         """
-        if n_tokens < self.config.n_states:     # the write keeps older rows of the slots' cells
+        if n_tokens < self.config.n_states:  # the write keeps older rows of the slots' cells
             moved = self.copy_rows(placement, n_slots)
             return moved, tuple(moved.slot_states(placement, n_slots, g) for g in range(len(self.config.groups)))
         bound = moving_rows_bound(self.config, n_slots, slots_rewritten=True)
         return self._move_rows(placement, bound, slots_rewritten=True, n_slots=n_slots)
 
-    def write_states(self, placement: RecurrentPlacement, k_new, v_new, group: int = 0, *,
-                     after=None) -> "RecurrentCache":
+    def write_states(
+        self, placement: RecurrentPlacement, k_new, v_new, group: int = 0, *, after=None
+    ) -> "RecurrentCache":
         """Store each slot's states after its tokens, keeping the older ones as rollback history.
 
         Args:
@@ -333,17 +353,20 @@ class RecurrentCache(Memory):
         kk = self.config.n_states
         n_slots, q = k_new.shape[1], k_new.shape[2]
         slot = jnp.arange(n_slots)
-        base = (placement.head + slot) * kk                                  # [n_slots]
+        base = (placement.head + slot) * kk  # [n_slots]
         active = slot < placement.n_seqs
 
         def store(x, new):
-            new = jnp.flip(new, axis=2).astype(x.dtype)                    # newest first: row 0
+            new = jnp.flip(new, axis=2).astype(x.dtype)  # newest first: row 0
             if q < kk:
                 old_rows = jnp.clip(base[:, None] + jnp.arange(kk - q)[None], 0, x.shape[1] - 1)
                 old = take_rows(x, old_rows.reshape(-1)).reshape((x.shape[0], n_slots, kk - q) + x.shape[2:])
                 new = jnp.concatenate([new, old], axis=2)
-            write = active if after is None or not jnp.size(after) else \
-                active & ~(jnp.ravel(after)[0].astype(jnp.float32) > jnp.inf)
+            write = (
+                active
+                if after is None or not jnp.size(after)
+                else active & ~(jnp.ravel(after)[0].astype(jnp.float32) > jnp.inf)
+            )
             rows = jnp.where(write[:, None], base[:, None] + jnp.arange(kk)[None], x.shape[1]).reshape(-1)
             flat = new.reshape((x.shape[0], n_slots * kk) + x.shape[2:])
             return set_rows(x, rows, flat)
@@ -362,10 +385,20 @@ class RecurrentCache(Memory):
         # states are [Lg, R, *shape]; a placement may move any cell's rows to another cell
         # (copy_rows), so the default rules keep them whole; cell metadata and tails likewise
         c = self.cells
-        cells = c.replace(pos=P(CELLS), seq=P(CELLS, SEQ_WORDS), roll=P(CELLS), hist=P(CELLS), tail=P(SEQS),
-                          head=scalar_axes(), error=scalar_axes())
-        return self.replace(cells=cells, k=tuple(state_axes(x.ndim - 2) for x in self.k),
-                            v=tuple(state_axes(x.ndim - 2) for x in self.v))
+        cells = c.replace(
+            pos=P(CELLS),
+            seq=P(CELLS, SEQ_WORDS),
+            roll=P(CELLS),
+            hist=P(CELLS),
+            tail=P(SEQS),
+            head=scalar_axes(),
+            error=scalar_axes(),
+        )
+        return self.replace(
+            cells=cells,
+            k=tuple(state_axes(x.ndim - 2) for x in self.k),
+            v=tuple(state_axes(x.ndim - 2) for x in self.v),
+        )
 
     # -- donation, errors, sizes, state ------------------------------------------------------------------
 
@@ -425,5 +458,6 @@ def _init(config: RecurrentConfig) -> RecurrentCache:
     for grp in config.groups:
         k.append(jnp.zeros((len(grp.layers), config.rows) + grp.k_shape, config.k_dtype))
         v.append(jnp.zeros((len(grp.layers), config.rows) + grp.v_shape, config.v_dtype))
-    return RecurrentCache(cells=empty_recurrent_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v),
-                          config=config)
+    return RecurrentCache(
+        cells=empty_recurrent_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v), config=config
+    )

@@ -19,7 +19,6 @@ from kvjax.memory import _seqbits
 from kvjax._validate import POS_END
 
 
-
 _I32_MAX = 2**31 - 1
 
 
@@ -61,11 +60,16 @@ class RecurrentCells:
 
 def empty_recurrent_cells(size: int, n_seq_max: int) -> RecurrentCells:
     """Every cell empty, no tails, ``head`` 0."""
-    return RecurrentCells(pos=jnp.full((size,), -1, jnp.int32),
-                          seq=jnp.zeros((size, _seqbits.n_words(n_seq_max)), jnp.uint32),
-                          roll=jnp.zeros((size,), jnp.int32), hist=jnp.zeros((size,), jnp.int32),
-                          tail=jnp.full((n_seq_max,), -1, jnp.int32), head=jnp.zeros((), jnp.int32),
-                          error=jnp.zeros((), jnp.uint32), n_seq_max=n_seq_max)
+    return RecurrentCells(
+        pos=jnp.full((size,), -1, jnp.int32),
+        seq=jnp.zeros((size, _seqbits.n_words(n_seq_max)), jnp.uint32),
+        roll=jnp.zeros((size,), jnp.int32),
+        hist=jnp.zeros((size,), jnp.int32),
+        tail=jnp.full((n_seq_max,), -1, jnp.int32),
+        head=jnp.zeros((), jnp.int32),
+        error=jnp.zeros((), jnp.uint32),
+        n_seq_max=n_seq_max,
+    )
 
 
 @jax.jit
@@ -126,10 +130,13 @@ def _bounds(p0, p1):
 def _free(cells: RecurrentCells, freed: Bool[Array, " C"]) -> RecurrentCells:
     """Empty the cells in ``freed`` and forget every tail naming one of them."""
     tail_freed = (cells.tail >= 0) & jnp.take(freed, jnp.clip(cells.tail, 0, cells.size - 1))
-    return cells.replace(pos=jnp.where(freed, -1, cells.pos),
-                         seq=jnp.where(freed[:, None], jnp.uint32(0), cells.seq),
-                         roll=jnp.where(freed, 0, cells.roll), hist=jnp.where(freed, 0, cells.hist),
-                         tail=jnp.where(tail_freed, -1, cells.tail))
+    return cells.replace(
+        pos=jnp.where(freed, -1, cells.pos),
+        seq=jnp.where(freed[:, None], jnp.uint32(0), cells.seq),
+        roll=jnp.where(freed, 0, cells.roll),
+        hist=jnp.where(freed, 0, cells.hist),
+        tail=jnp.where(tail_freed, -1, cells.tail),
+    )
 
 
 def _head_back(cells: RecurrentCells, old_head, mask: Bool[Array, " C"]) -> RecurrentCells:
@@ -174,8 +181,7 @@ def rc_seq_rm(cells: RecurrentCells, seq_id, p0, p1):
     everything_or_nothing = (p0 == p1) | ((p0 == 0) & (p1 == _I32_MAX))
     valid = _seq_ok(cells, seq_id, True)
     refused = (cut & ~rollback) | ((seq_id < 0) & ~everything_or_nothing) | ~valid
-    rolled = cells.replace(pos=cells.pos.at[t].set(p0 - 1), roll=cells.roll.at[t].add(j),
-                           hist=cells.hist.at[t].add(-j))
+    rolled = cells.replace(pos=cells.pos.at[t].set(p0 - 1), roll=cells.roll.at[t].add(j), hist=cells.hist.at[t].add(-j))
     target = (cells.pos >= p0) & (cells.pos < p1) & _holds(cells, seq_id)
     dropped = jnp.where(seq_id < 0, cells.seq, _seqbits.seq_bits(seq_id, cells.n_words))
     seq = jnp.where(target[:, None], cells.seq & ~dropped, cells.seq)
@@ -201,8 +207,9 @@ def rc_seq_cp(cells: RecurrentCells, src, dst) -> RecurrentCells:
     emptied = has_d & ~jnp.any(seq[td] != 0)
     dropped = _free(dropped, jnp.zeros(cells.size, bool).at[td].set(emptied))
     ts, has_s = _tail_of(dropped, src)
-    shared = dropped.replace(seq=dropped.seq.at[ts].set(dropped.seq[ts] | dbit),
-                             tail=dropped.tail.at[jnp.clip(dst, 0)].set(ts))
+    shared = dropped.replace(
+        seq=dropped.seq.at[ts].set(dropped.seq[ts] | dbit), tail=dropped.tail.at[jnp.clip(dst, 0)].set(ts)
+    )
     new = jax.tree.map(lambda a, b: jnp.where(has_s, b, a), dropped, shared)
     new = jax.tree.map(lambda a, b: jnp.where(src == dst, a, b), cells, new)
     return _guard(cells, new, (_seq_ok(cells, src, False) & _seq_ok(cells, dst, False), ErrorFlag.SEQ_ID))
@@ -238,8 +245,13 @@ def rc_seq_add(cells: RecurrentCells, seq_id, p0, p1, delta) -> RecurrentCells:
     overflow = jnp.any(target & (delta > 0) & (cells.pos >= POS_END - delta))
     moved = cells.replace(pos=jnp.where(target, cells.pos + delta, cells.pos))
     new = jax.tree.map(lambda a, b: jnp.where((delta == 0) | (p0 == p1), a, b), cells, moved)
-    return _guard(cells, new, (~overflow, ErrorFlag.OVERFLOW), (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID),
-                  (rc_shift_keeps_states(cells, seq_id, p0, p1, delta), ErrorFlag.STATE_SHIFT))
+    return _guard(
+        cells,
+        new,
+        (~overflow, ErrorFlag.OVERFLOW),
+        (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID),
+        (rc_shift_keeps_states(cells, seq_id, p0, p1, delta), ErrorFlag.STATE_SHIFT),
+    )
 
 
 @jax.jit
@@ -261,8 +273,10 @@ def rc_seq_div(cells: RecurrentCells, seq_id, p0, p1, d) -> RecurrentCells:
     p0, p1 = _bounds(p0, p1)
     target = _shifted(cells, seq_id, p0, p1) & (d > 1)
     safe_d = jnp.where(d > 0, d, 1)
-    new = cells.replace(pos=jnp.where(target, cells.pos // safe_d, cells.pos),
-                        hist=jnp.where(target, jnp.minimum(cells.hist, 1), cells.hist))
+    new = cells.replace(
+        pos=jnp.where(target, cells.pos // safe_d, cells.pos),
+        hist=jnp.where(target, jnp.minimum(cells.hist, 1), cells.hist),
+    )
     return _guard(cells, new, (d > 0, ErrorFlag.DIVISOR), (_seq_ok(cells, seq_id, True), ErrorFlag.SEQ_ID))
 
 

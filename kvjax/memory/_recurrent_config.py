@@ -13,7 +13,6 @@ from kvjax.memory._config import FLOAT_DTYPES, MAX_LAYERS, MAX_SEQ
 from kvjax._validate import is_int, require
 
 
-
 #: Largest number of floats of one state row per layer accepted (a typo must not allocate terabytes).
 MAX_STATE_FLOATS = 2**26
 
@@ -25,8 +24,12 @@ def _shape(name: str, value) -> Tuple[int, ...]:
         shape = tuple(value)
     except TypeError:
         raise ValueError(f"{name}={value!r} is out of range: allowed a shape (a tuple of positive integers)") from None
-    require(len(shape) >= 1 and all(is_int(d) and d >= 1 for d in shape), name, value,
-             "a shape: a non-empty tuple of positive integers")
+    require(
+        len(shape) >= 1 and all(is_int(d) and d >= 1 for d in shape),
+        name,
+        value,
+        "a shape: a non-empty tuple of positive integers",
+    )
     require(math.prod(shape) <= MAX_STATE_FLOATS, name, value, f"at most {MAX_STATE_FLOATS} values per row")
     return tuple(int(d) for d in shape)
 
@@ -85,12 +88,19 @@ class RecurrentConfig:
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         require(is_int(self.size) and 1 <= self.size <= 2**20, "size", self.size, "an integer in [1, 2**20]")
-        require(is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ, "n_seq_max", self.n_seq_max,
-                 f"an integer in [1, {MAX_SEQ}]")
-        require(is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS, "n_layer", self.n_layer,
-                 f"an integer in [1, {MAX_LAYERS}]")
-        require(is_int(self.n_states) and 1 <= self.n_states <= 64, "n_states", self.n_states,
-                 "an integer in [1, 64]")
+        require(
+            is_int(self.n_seq_max) and 1 <= self.n_seq_max <= MAX_SEQ,
+            "n_seq_max",
+            self.n_seq_max,
+            f"an integer in [1, {MAX_SEQ}]",
+        )
+        require(
+            is_int(self.n_layer) and 1 <= self.n_layer <= MAX_LAYERS,
+            "n_layer",
+            self.n_layer,
+            f"an integer in [1, {MAX_LAYERS}]",
+        )
+        require(is_int(self.n_states) and 1 <= self.n_states <= 64, "n_states", self.n_states, "an integer in [1, 64]")
         for name in ("size", "n_seq_max", "n_layer", "n_states"):
             set_(name, int(getattr(self, name)))
         set_("k_shape", _per_layer_shapes("k_shape", self.k_shape, self.n_layer))
@@ -99,11 +109,19 @@ class RecurrentConfig:
             value = getattr(self, name)
             if not isinstance(value, str) and _dtype_like(value):
                 value = jnp.dtype(value).name
-            require(isinstance(value, str) and value in FLOAT_DTYPES, name, getattr(self, name),
-                     f"one of {list(FLOAT_DTYPES)}")
+            require(
+                isinstance(value, str) and value in FLOAT_DTYPES,
+                name,
+                getattr(self, name),
+                f"one of {list(FLOAT_DTYPES)}",
+            )
             set_(name, value)
-        require(self.size * self.n_states <= 2**24, "n_states", self.n_states,
-                 f"at most {2**24 // self.size} with size={self.size} (2**24 rows)")
+        require(
+            self.size * self.n_states <= 2**24,
+            "n_states",
+            self.n_states,
+            f"at most {2**24 // self.size} with size={self.size} (2**24 rows)",
+        )
 
     @property
     def rows(self) -> int:
@@ -137,8 +155,9 @@ class RecurrentConfig:
     def nbytes(self) -> int:
         """Bytes of the two state buffers (metadata not included)."""
         k_item, v_item = jnp.dtype(self.k_dtype).itemsize, jnp.dtype(self.v_dtype).itemsize
-        return self.rows * sum(self.n_embd_k_s(il) * k_item + self.n_embd_v_s(il) * v_item
-                               for il in range(self.n_layer))
+        return self.rows * sum(
+            self.n_embd_k_s(il) * k_item + self.n_embd_v_s(il) * v_item for il in range(self.n_layer)
+        )
 
 
 def _dtype_like(value) -> bool:

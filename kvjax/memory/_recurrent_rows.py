@@ -16,7 +16,6 @@ from kvjax.memory._recurrent_cells import RecurrentPlacement
 from kvjax.memory._recurrent_config import RecurrentConfig
 
 
-
 def moving_rows_bound(config: RecurrentConfig, n_slots: int, *, slots_rewritten: bool = False) -> int:
     """The most state rows that one placement of ``n_slots`` slots moves (:meth:`RecurrentCache.copy_rows`).
 
@@ -65,11 +64,11 @@ def take_rows(x, rows: Int[Array, " n"]):
     states, it copies every state buffer on each step. A one-row buffer is read as itself.
     """
     lg, r = x.shape[:2]
-    if r == 1:                                                # the buffer is the row (rows are 0)
+    if r == 1:  # the buffer is the row (rows are 0)
         return jnp.broadcast_to(x, (lg, rows.shape[0]) + x.shape[2:])
     if lg * rows.shape[0] == 1:
         return take_rows(x, jnp.concatenate([rows, rows]))[:, :1]
-    if lg * r >= _INT32_END:                                  # flat indices would not fit int32
+    if lg * r >= _INT32_END:  # flat indices would not fit int32
         return jnp.take(x, rows, axis=1, mode="clip")
     flat = x.reshape((lg * r,) + x.shape[2:])
     got = jnp.take(flat, _flat_rows(x, jnp.clip(rows, 0, r - 1)), axis=0, mode="clip")
@@ -82,8 +81,9 @@ def started_rows(got, placement: RecurrentPlacement, size: int):
     slot = jnp.arange(got.shape[1])
     # a reduction, so XLA computes the flags once: as a gather and a compare it fused their scalar
     # chain (the placement's) into every element of every layer's read, 3-4x those fusions' time
-    keep = jnp.any((jnp.arange(size)[None] == slot[:, None]) & placement.s_mask[None]
-                   & (slot < placement.n_seqs)[:, None], axis=1)
+    keep = jnp.any(
+        (jnp.arange(size)[None] == slot[:, None]) & placement.s_mask[None] & (slot < placement.n_seqs)[:, None], axis=1
+    )
     return jnp.where(keep.reshape((1, -1) + (1,) * (got.ndim - 2)), got, jnp.zeros((), got.dtype))
 
 
@@ -100,17 +100,18 @@ def set_rows(x, rows: Int[Array, " n"], values):
     """
     lg, r = x.shape[:2]
     n = rows.shape[0]
-    if r == 1:                       # the buffer is the row: a select, in place, no scatter
+    if r == 1:  # the buffer is the row: a select, in place, no scatter
         hit = rows == 0
         if n == 1:
             chosen = values
-        else:                        # the entry for row 0 (one at most: a one-cell memory has one slot)
-            chosen = jnp.sum(jnp.where(hit.reshape((1, n) + (1,) * (values.ndim - 2)), values, 0), axis=1,
-                             keepdims=True)
+        else:  # the entry for row 0 (one at most: a one-cell memory has one slot)
+            chosen = jnp.sum(
+                jnp.where(hit.reshape((1, n) + (1,) * (values.ndim - 2)), values, 0), axis=1, keepdims=True
+            )
         return jnp.where(jnp.any(hit), chosen.astype(x.dtype), x)
     if lg * n == 1:
         rows, values, n = jnp.concatenate([rows, rows]), jnp.concatenate([values, values], axis=1), 2
-    if lg * r >= _INT32_END:                                  # flat indices would not fit int32
+    if lg * r >= _INT32_END:  # flat indices would not fit int32
         return x.at[:, rows].set(values, mode="drop")
     flat = x.reshape((lg * r,) + x.shape[2:])
     out = flat.at[_flat_rows(x, rows)].set(values.reshape((lg * n,) + x.shape[2:]), mode="drop")

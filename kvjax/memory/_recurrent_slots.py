@@ -59,7 +59,7 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     n_slots, t = equal_slots(ubatch)
     valid = ubatch.valid.reshape(n_slots, t)
     ids_rows = ubatch.seq_ids.reshape(n_slots, t, -1)
-    ids = ids_rows[:, 0]                                              # [n_slots, M]
+    ids = ids_rows[:, 0]  # [n_slots, M]
     last_pos = ubatch.pos.reshape(n_slots, t)[:, -1]
     slot_on = valid[:, 0]
     n_seqs = jnp.sum(slot_on, dtype=jnp.int32)
@@ -68,21 +68,26 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     # -- the ubatch must be a well-formed equal split (a traced one is checked here) ----------------
     primary = ids[:, 0]
     id_ok = (ids >= -1) & (ids < n_seq)
-    slot_bits = _seqbits.ids_mask(jnp.where(id_ok, ids, -1), words)          # [n_slots, W]
+    slot_bits = _seqbits.ids_mask(jnp.where(id_ok, ids, -1), words)  # [n_slots, W]
     slot_bits = jnp.where(slot_on[:, None], slot_bits, jnp.uint32(0))
     union = jnp.bitwise_or.reduce(slot_bits, axis=0)
-    well_formed = (jnp.all(valid == slot_on[:, None]) & jnp.all(slot_on == (s_idx < n_seqs)) & (n_seqs >= 1)
-                   & jnp.all(~slot_on[:, None, None] | (ids_rows == ids[:, None]))
-                   & jnp.all(~slot_on[:, None] | id_ok) & jnp.all(~slot_on | ((primary >= 0) & (primary < n_seq)))
-                   & (popcount(union) == jnp.sum(popcount(slot_bits)))               # no id in two slots
-                   & jnp.all(~valid | (ubatch.pos.reshape(n_slots, t) >= 0)))
+    well_formed = (
+        jnp.all(valid == slot_on[:, None])
+        & jnp.all(slot_on == (s_idx < n_seqs))
+        & (n_seqs >= 1)
+        & jnp.all(~slot_on[:, None, None] | (ids_rows == ids[:, None]))
+        & jnp.all(~slot_on[:, None] | id_ok)
+        & jnp.all(~slot_on | ((primary >= 0) & (primary < n_seq)))
+        & (popcount(union) == jnp.sum(popcount(slot_bits)))  # no id in two slots
+        & jnp.all(~valid | (ubatch.pos.reshape(n_slots, t) >= 0))
+    )
 
     used0 = jnp.any(cells.seq != 0, axis=-1)
     head = jnp.where(cells.head > jnp.sum(used0) + 2 * n_seqs * t, 0, cells.head)
 
     # -- 1. secondary ids drop their own state ---------------------------------------------------------
     primary_bits = _seqbits.seq_bits(jnp.where(slot_on, primary, -1), words)
-    secondary = union & ~jnp.bitwise_or.reduce(primary_bits, axis=0)            # [W]
+    secondary = union & ~jnp.bitwise_or.reduce(primary_bits, axis=0)  # [W]
     seq = cells.seq & ~secondary[None]
     emptied = used0 & ~jnp.any(seq != 0, axis=-1)
     pos = jnp.where(emptied, -1, cells.pos)
@@ -90,7 +95,7 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     hist = jnp.where(emptied, 0, cells.hist)
     is_secondary = jnp.any(_seqbits.seq_bits(jnp.arange(n_seq), words) & secondary[None], axis=-1)
     tail = jnp.where(is_secondary, -1, cells.tail)
-    src = jnp.where(jnp.any(seq != 0, axis=-1), jnp.arange(size), -1)   # a used cell's state is itself
+    src = jnp.where(jnp.any(seq != 0, axis=-1), jnp.arange(size), -1)  # a used cell's state is itself
 
     # -- 2. every primary sequence gets a cell of its own -----------------------------------------------
     def own_cell(s, carry):
@@ -117,8 +122,19 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
         return seq, pos, src, roll, hist, tail, reserved, nxt, lo, hi, failed
 
     reserved = jnp.zeros(size, bool)
-    carry = (seq, pos, src, roll, hist, tail, reserved, _next_empty(seq, reserved, head),
-             jnp.int32(size - 1), jnp.int32(0), ~well_formed)
+    carry = (
+        seq,
+        pos,
+        src,
+        roll,
+        hist,
+        tail,
+        reserved,
+        _next_empty(seq, reserved, head),
+        jnp.int32(size - 1),
+        jnp.int32(0),
+        ~well_formed,
+    )
     seq, pos, src, roll, hist, tail, _, _, lo, hi, failed = jax.lax.fori_loop(0, n_slots, own_cell, carry)
 
     # -- 3. gather: slot s goes to cell lo + s ------------------------------------------------------
@@ -135,14 +151,14 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     seq, pos, src, roll, hist, tail = jax.lax.fori_loop(0, n_slots, gather, (seq, pos, src, roll, hist, tail))
 
     # -- 4. the slots' cells take their positions and sequences ----------------------------------------
-    cell = jnp.where(slot_on, lo + s_idx, size)                       # size: dropped by the scatters
+    cell = jnp.where(slot_on, lo + s_idx, size)  # size: dropped by the scatters
     cc = jnp.clip(cell, 0, size - 1)
     consecutive = (pos[cc] >= 0) & (last_pos == pos[cc] + t)
     new_hist = jnp.minimum(n_states, jnp.where(consecutive, hist[cc], 0) + t)
     hist = hist.at[cell].set(new_hist, mode="drop")
     pos = pos.at[cell].set(last_pos, mode="drop")
     seq = seq.at[cell].set(slot_bits, mode="drop")
-    owner = jnp.where(slot_on[:, None] & (ids >= 0) & (ids < n_seq), ids, n_seq)        # [n_slots, M]
+    owner = jnp.where(slot_on[:, None] & (ids >= 0) & (ids < n_seq), ids, n_seq)  # [n_slots, M]
     tail = tail.at[owner.reshape(-1)].set(jnp.repeat(cell, ids.shape[1]), mode="drop")
     n = hi - lo + 1
 
@@ -153,17 +169,21 @@ def find_slot_recurrent(cells: RecurrentCells, ubatch: Ubatch, n_states: int):
     src_i = src[d]
     has_src = (src_i >= 0) & (src_i < size)
     s_copy = jnp.where(inside, jnp.where(has_src, src_i, lo + i), -1)
-    s_roll = jnp.where(inside & has_src & (i < n_seqs), roll[d], 0)      # the other cells move whole
+    s_roll = jnp.where(inside & has_src & (i < n_seqs), roll[d], 0)  # the other cells move whole
     s_mask = inside & (src_i >= 0)
-    roll = jnp.where((i >= lo) & (i < lo + n_seqs), 0, roll)                # the slots' cells (all used)
+    roll = jnp.where((i >= lo) & (i < lo + n_seqs), 0, roll)  # the slots' cells (all used)
 
     ok = ~failed
     placed = cells.replace(pos=pos, seq=seq, roll=roll, hist=hist, tail=tail, head=lo)
     out = jax.tree.map(lambda a, b: jnp.where(ok, b, a), cells, placed)
     out = out.replace(error=out.error | jnp.where(well_formed, jnp.uint32(0), jnp.uint32(ErrorFlag.UBATCH)))
     zero = jnp.int32(0)
-    placement = RecurrentPlacement(head=jnp.where(ok, lo, zero), n=jnp.where(ok, n, zero),
-                                   n_seqs=jnp.where(ok, n_seqs, zero),
-                                   s_copy=jnp.where(ok, s_copy, -1).astype(jnp.int32),
-                                   s_roll=jnp.where(ok, s_roll, 0).astype(jnp.int32), s_mask=ok & s_mask)
+    placement = RecurrentPlacement(
+        head=jnp.where(ok, lo, zero),
+        n=jnp.where(ok, n, zero),
+        n_seqs=jnp.where(ok, n_seqs, zero),
+        s_copy=jnp.where(ok, s_copy, -1).astype(jnp.int32),
+        s_roll=jnp.where(ok, s_roll, 0).astype(jnp.int32),
+        s_mask=ok & s_mask,
+    )
     return out, placement, ok

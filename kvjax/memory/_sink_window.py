@@ -94,26 +94,35 @@ def check_window_memory(memory, window: SinkWindow) -> None:
     the compacted form."""
 
     name = type(memory).__name__
-    require(not isinstance(memory, (RecurrentCache, HybridCache)), "memory", name,
-            "a memory with a cell per token (unified, streams, iSWA): a recurrent state holds its whole "
-            "sequence in a fixed size already, nothing to evict")
-    require(not window.compact or memory.can_shift, "window", window, f"compact=False (masking only) on this {name}: "
-            f"it cannot shift positions (kvjax.can_shift is False)")
+    require(
+        not isinstance(memory, (RecurrentCache, HybridCache)),
+        "memory",
+        name,
+        "a memory with a cell per token (unified, streams, iSWA): a recurrent state holds its whole "
+        "sequence in a fixed size already, nothing to evict",
+    )
+    require(
+        not window.compact or memory.can_shift,
+        "window",
+        window,
+        f"compact=False (masking only) on this {name}: it cannot shift positions (kvjax.can_shift is False)",
+    )
 
 
 def _evict_one(memory, seq_id, next_pos, n_new, n_sink, n_recent, *, compact: bool):
     if compact:
         e = jnp.clip(next_pos + n_new - (n_sink + n_recent), 0, jnp.maximum(next_pos - n_sink, 0))
         memory, _ = memory.seq_rm(seq_id, n_sink, n_sink + e)
-        memory = memory.seq_add(seq_id, n_sink + e, jnp.int32(-1), -e)     # delta 0: nothing moves
+        memory = memory.seq_add(seq_id, n_sink + e, jnp.int32(-1), -e)  # delta 0: nothing moves
         return memory, next_pos - e
     start = next_pos + n_new - n_recent
     memory, _ = memory.seq_rm(seq_id, n_sink, jnp.maximum(start, n_sink))  # empty while start <= n_sink
     return memory, next_pos
 
 
-def evict_rows(memory, seq_ids: Int[Array, " T"], next_pos: Int[Array, " T"], valid, n_sink, n_recent, *,
-               compact: bool):
+def evict_rows(
+    memory, seq_ids: Int[Array, " T"], next_pos: Int[Array, " T"], valid, n_sink, n_recent, *, compact: bool
+):
     """:func:`sink_window_evict` for each row of a decode ubatch (one token per live row), traced.
 
     Args:
@@ -128,10 +137,9 @@ def evict_rows(memory, seq_ids: Int[Array, " T"], next_pos: Int[Array, " T"], va
         ``(memory, i32[T] positions)``: the positions the rows' tokens take now.
     """
     out = []
-    for r in range(seq_ids.shape[0]):          # T is a small static bucket; rows are distinct sequences
+    for r in range(seq_ids.shape[0]):  # T is a small static bucket; rows are distinct sequences
         seq = jnp.where(valid[r], seq_ids[r], 0)
-        memory, p = _evict_one(memory, seq, next_pos[r], valid[r].astype(jnp.int32), n_sink, n_recent,
-                               compact=compact)
+        memory, p = _evict_one(memory, seq, next_pos[r], valid[r].astype(jnp.int32), n_sink, n_recent, compact=compact)
         out.append(jnp.where(valid[r], p, next_pos[r]))
     return memory, jnp.stack(out).astype(jnp.int32)
 
@@ -141,8 +149,9 @@ def _evict(memory, seq_id, next_pos, n_new, n_sink, n_recent, *, compact):
     return _evict_one(memory, seq_id, next_pos, n_new, n_sink, n_recent, compact=compact)
 
 
-def sink_window_evict(memory, seq_id: int, next_pos: int, window: SinkWindow, n_new: int = 1
-                      ) -> Tuple[object, Int[Array, ""]]:
+def sink_window_evict(
+    memory, seq_id: int, next_pos: int, window: SinkWindow, n_new: int = 1
+) -> Tuple[object, Int[Array, ""]]:
     """Make room for ``n_new`` tokens of ``seq_id`` at ``next_pos`` under the sink + window rule.
 
     Args:
@@ -168,5 +177,12 @@ def sink_window_evict(memory, seq_id: int, next_pos: int, window: SinkWindow, n_
     next_pos = check_count("next_pos", next_pos, 0, 2**31 - 2)
     n_new = check_count("n_new", n_new, 1, window.n_recent)
     check_window_memory(memory, window)
-    return _evict(memory, as_int32(seq_id), as_int32(next_pos), as_int32(n_new), as_int32(window.n_sink),
-                  as_int32(window.n_recent), compact=window.compact)
+    return _evict(
+        memory,
+        as_int32(seq_id),
+        as_int32(next_pos),
+        as_int32(n_new),
+        as_int32(window.n_sink),
+        as_int32(window.n_recent),
+        compact=window.compact,
+    )

@@ -61,7 +61,7 @@ def _window_free(cells: Cells, n, length: int) -> Bool[Array, " C"]:
         padded = jnp.concatenate([free, jnp.zeros(length, jnp.bool_)])  # past the end: not free
         fits = jnp.ones(size, jnp.bool_)
         for k in range(length):
-            fits = fits & ((k >= n) | padded[k:k + size])
+            fits = fits & ((k >= n) | padded[k : k + size])
         return fits
     occupied = (~free).astype(jnp.int32)
     prefix = jnp.concatenate([jnp.zeros(1, jnp.int32), prefix_sum(occupied)])
@@ -133,8 +133,9 @@ def _find_slot(cells: Cells, ubatch: Ubatch, contiguous: bool):
     return pos, seq, head, error, slot, ok
 
 
-def find_slot_cells(cells: Cells, ubatch: Ubatch, contiguous: bool = True
-                    ) -> Tuple[Cells, Int[Array, " T"], Bool[Array, ""]]:
+def find_slot_cells(
+    cells: Cells, ubatch: Ubatch, contiguous: bool = True
+) -> Tuple[Cells, Int[Array, " T"], Bool[Array, ""]]:
     """Place a ubatch into the cells.
 
     Args:

@@ -74,8 +74,9 @@ def _slot_streams(placement, ubatch) -> Int[Array, " n_slots"]:
     return placement.stream.reshape(n_slots, t)[:, 0]
 
 
-def masks(memory, ubatch, placement, n_kv: int, *, alibi: bool = False, swa_type: SwaType = SwaType.NONE,
-          n_swa: int = 0) -> Float[Array, "n_slots t N"]:
+def masks(
+    memory, ubatch, placement, n_kv: int, *, alibi: bool = False, swa_type: SwaType = SwaType.NONE, n_swa: int = 0
+) -> Float[Array, "n_slots t N"]:
     """Each slot's additive mask over its stream's first ``n_kv`` cells (kvjax.kq_mask's rules).
 
     Args:
@@ -89,9 +90,10 @@ def masks(memory, ubatch, placement, n_kv: int, *, alibi: bool = False, swa_type
     """
     n_slots, t = slots_of(ubatch)
     streams = jnp.clip(_slot_streams(placement, ubatch), 0, memory.n_stream - 1)
-    cells = jax.tree.map(lambda x: x[streams], memory.cache.cells)            # [n_slots, C, ...]
-    rows = jax.tree.map(lambda x: jnp.asarray(x).reshape((n_slots, t) + jnp.shape(x)[1:]),
-                        ubatch.replace(n_seq_tokens=0))
+    cells = jax.tree.map(lambda x: x[streams], memory.cache.cells)  # [n_slots, C, ...]
+    rows = jax.tree.map(
+        lambda x: jnp.asarray(x).reshape((n_slots, t) + jnp.shape(x)[1:]), ubatch.replace(n_seq_tokens=0)
+    )
     rows = rows.replace(valid=rows.valid & (_slot_streams(placement, ubatch) >= 0)[:, None])
     alibi = check_flag("alibi", alibi)
     return jax.vmap(lambda c, u: _mask_additive(c, u, n_kv, True, alibi, SwaType(swa_type), int(n_swa)))(cells, rows)
@@ -104,17 +106,28 @@ def write(cache: KVCache, layer: int, placement, k: Float[Array, "T H D"], v: Fl
     """
     cfg = cache.config
     g, index = cfg.locate(int(layer))
-    return _with_group(cache, g, *_write_rows(cache.k[g], cache.v[g], index, placement.stream, placement.cell, k, v,
-                                              cfg))
+    return _with_group(
+        cache, g, *_write_rows(cache.k[g], cache.v[g], index, placement.stream, placement.cell, k, v, cfg)
+    )
 
 
 def _with_group(cache: KVCache, g: int, k_all, v_all) -> KVCache:
     """``cache`` with layer group ``g``'s K and V buffers replaced."""
-    return cache.replace(k=cache.k[:g] + (k_all,) + cache.k[g + 1:], v=cache.v[:g] + (v_all,) + cache.v[g + 1:])
+    return cache.replace(k=cache.k[:g] + (k_all,) + cache.k[g + 1 :], v=cache.v[:g] + (v_all,) + cache.v[g + 1 :])
 
 
-def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[Array, "n_slots t N"], placement,
-              ubatch, *, scale: Optional[float] = None, slopes=None, softcap=None) -> Float[Array, "T Hq Dv"]:
+def attention(
+    q: Float[Array, "T Hq D"],
+    memory,
+    layer: int,
+    slot_masks: Float[Array, "n_slots t N"],
+    placement,
+    ubatch,
+    *,
+    scale: Optional[float] = None,
+    slopes=None,
+    softcap=None,
+) -> Float[Array, "T Hq Dv"]:
     """Grouped-query attention of each slot over its own stream (K/V of this ubatch written).
 
     Args:
@@ -134,13 +147,26 @@ def attention(q: Float[Array, "T Hq D"], memory, layer: int, slot_masks: Float[A
     g, index = cache.config.locate(int(layer))
     split = mesh_split(cache.k[g])
     if split is not None:  # each device over the streams it holds (a gather here fetched every stream)
-        out, _ = _attend_on_mesh(q, None, None, memory, layer, placement, ubatch, slot_masks, split, scale, slopes,
-                                 softcap)
+        out, _ = _attend_on_mesh(
+            q, None, None, memory, layer, placement, ubatch, slot_masks, split, scale, slopes, softcap
+        )
         return out
     streams = _slot_streams(placement, ubatch)
     live = _slot_extents(cache, streams)
-    out = _slots_attention(q, cache.k[g], cache.v[g], index, slot_masks, streams, live, slots_of(ubatch),
-                           cache.config, scale, slopes, softcap)
+    out = _slots_attention(
+        q,
+        cache.k[g],
+        cache.v[g],
+        index,
+        slot_masks,
+        streams,
+        live,
+        slots_of(ubatch),
+        cache.config,
+        scale,
+        slopes,
+        softcap,
+    )
     return out.astype(q.dtype)
 
 
@@ -188,8 +214,22 @@ def slot_group(n_slots: int, fits) -> int:
     return max(g for g in range(1, n_slots + 1) if n_slots % g == 0 and (g == 1 or fits(g)))
 
 
-def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slots: Tuple[int, int], cfg, scale,
-                     slopes, softcap, *, batched: bool = True) -> Float[Array, "T Hq Dv"]:
+def _slots_attention(
+    q,
+    k_all,
+    v_all,
+    index: int,
+    slot_masks,
+    streams,
+    live,
+    slots: Tuple[int, int],
+    cfg,
+    scale,
+    slopes,
+    softcap,
+    *,
+    batched: bool = True,
+) -> Float[Array, "T Hq Dv"]:
     """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
 
     A slot with ``live = 0`` (padding, or on a mesh a stream another device holds) gives zeros.
@@ -244,9 +284,10 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
 
     def attend(qr, mask, idx, n_live, group):
         add, bias = mask_and_bias(mask)
-        out, _ = _attend(qr, k_all, v_all, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype,
-                         cfg.v_dtype, n_live=n_live)
-        return out                                                          # [.., H, G * t, Dv]
+        out, _ = _attend(
+            qr, k_all, v_all, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype, cfg.v_dtype, n_live=n_live
+        )
+        return out  # [.., H, G * t, Dv]
 
     def slot_by_slot():
         return jax.lax.map(lambda a: attend(*a, 1), (qs, slot_masks, index_of, live))
@@ -260,8 +301,11 @@ def _slots_attention(q, k_all, v_all, index: int, slot_masks, streams, live, slo
 
         def split(x):
             return x.reshape((n_slots // group, group) + x.shape[1:])
-        out = jax.lax.map(lambda a: attend(a[0], a[1], a[2], jnp.max(a[3]), group),
-                          (split(qs), split(seen), split(index_of), split(live)))
+
+        out = jax.lax.map(
+            lambda a: attend(a[0], a[1], a[2], jnp.max(a[3]), group),
+            (split(qs), split(seen), split(index_of), split(live)),
+        )
         return out.reshape((n_slots,) + out.shape[2:])
 
     if group == 1:
@@ -286,6 +330,7 @@ def _write_rows(k_all, v_all, index: int, stream, cell, k, v, cfg):
 
 
 # -- on a device mesh --------------------------------------------------------------------------------
+
 
 def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, split, scale, slopes, softcap):
     """Write (unless ``k`` is None) and attend per device, each over the streams it holds (no K/V
@@ -322,22 +367,49 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
             mine = (stream >= first) & (stream < first + n_local)
             k_all, v_all = _write_rows(k_all, v_all, index, jnp.where(mine, stream - first, -1), cell, k, v, cfg)
         here = (streams >= first) & (streams < first + n_local)
-        out = _slots_attention(q, k_all, v_all, index, slot_masks, jnp.where(here, streams - first, -1),
-                               jnp.where(here, live, 0), slots, cfg, scale, slopes[0] if slopes else None, softcap,
-                               batched=False)
+        out = _slots_attention(
+            q,
+            k_all,
+            v_all,
+            index,
+            slot_masks,
+            jnp.where(here, streams - first, -1),
+            jnp.where(here, live, 0),
+            slots,
+            cfg,
+            scale,
+            slopes[0] if slopes else None,
+            softcap,
+            batched=False,
+        )
         out = jax.lax.psum(out, DATA)
         return (k_all, v_all, out) if writes else out
 
     if not writes:  # the buffers are not outputs: eagerly they would come back as fresh copies
         out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=rows, check_vma=False)(*operands)
         return out.astype(q.dtype), memory
-    k_all, v_all, out = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=(buf, buf, rows),
-                                      check_vma=False)(*operands)
+    k_all, v_all, out = jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(specs), out_specs=(buf, buf, rows), check_vma=False
+    )(*operands)
     return out.astype(q.dtype), memory.replace(cache=_with_group(cache, g, k_all, v_all))
 
 
-def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np.ndarray] = None,
-           swa_type=SwaType.NONE, n_swa: int = 0, scale=None, softcap=None, mask=None):
+def attend(
+    q,
+    k,
+    v,
+    memory,
+    layer: int,
+    inputs,
+    *,
+    rope=None,
+    alibi: Optional[np.ndarray] = None,
+    swa_type=SwaType.NONE,
+    n_swa: int = 0,
+    scale=None,
+    softcap=None,
+    mask=None,
+):
     """One layer's cached attention on a stream memory (what :func:`kvjax.nn.attend_cached` runs).
 
     RoPE at the ubatch positions, K/V written into each token's stream, then :func:`attention`
@@ -353,8 +425,9 @@ def attend(q, k, v, memory, layer: int, inputs, *, rope=None, alibi: Optional[np
         q = _rope(q, ubatch.pos, rope)
         k = _rope(k, ubatch.pos, rope)
     if mask is None:  # the masks read the cell metadata only, which the K/V write does not change
-        mask = masks(memory, ubatch, placement, inputs.windows[0], alibi=alibi is not None, swa_type=swa_type,
-                     n_swa=n_swa)
+        mask = masks(
+            memory, ubatch, placement, inputs.windows[0], alibi=alibi is not None, swa_type=swa_type, n_swa=n_swa
+        )
     split = mesh_split(memory.cache.k[memory.cache.config.locate(int(layer))[0]])
     if split is not None:
         return _attend_on_mesh(q, k, v, memory, layer, placement, ubatch, mask, split, scale, alibi, softcap)

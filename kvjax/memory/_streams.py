@@ -99,8 +99,10 @@ class StreamsConfig:
             raise ValueError(f"base must be a kvjax.CacheConfig, got {type(self.base).__name__}")
         n = self.base.n_seq_max if self.n_stream is None else self.n_stream
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= self.base.n_seq_max:
-            raise ValueError(f"n_stream={self.n_stream!r} is out of range: allowed an integer in "
-                             f"[1, n_seq_max={self.base.n_seq_max}] (or None: one stream per sequence)")
+            raise ValueError(
+                f"n_stream={self.n_stream!r} is out of range: allowed an integer in "
+                f"[1, n_seq_max={self.base.n_seq_max}] (or None: one stream per sequence)"
+            )
         object.__setattr__(self, "n_stream", int(n))
 
     @property
@@ -194,7 +196,7 @@ class StreamCache(Memory):
 
     def context_per_sequence(self, n_seq: int):
         # each stream's cells are shared only by its own sequences among 0..n_seq-1
-        table = self.config.stream_table[:max(1, int(n_seq))]
+        table = self.config.stream_table[: max(1, int(n_seq))]
         return self.size // max(table.count(s) for s in set(table))
 
     def stream(self, index: int) -> KVCache:
@@ -223,17 +225,21 @@ class StreamCache(Memory):
         if concrete:  # a refused copy of concrete ids is an error here (traced ids: an error bit)
             s0, s1 = self.stream_of(seq_id_src), self.stream_of(seq_id_dst)
             if s0 >= 0 and s1 >= 0 and s0 != s1 and not (int(p0) <= 0 and int(p1) < 0):
-                raise ValueError(f"seq_cp({seq_id_src} -> {seq_id_dst}, p0={p0}, p1={p1}) crosses streams ({s0} -> "
-                                 f"{s1}): allowed only a whole-sequence copy (p0 <= 0 and p1 < 0), which copies the "
-                                 f"stream's K/V at the next update (llama.cpp's rule); copy within a stream, or the "
-                                 f"whole sequence")
+                raise ValueError(
+                    f"seq_cp({seq_id_src} -> {seq_id_dst}, p0={p0}, p1={p1}) crosses streams ({s0} -> "
+                    f"{s1}): allowed only a whole-sequence copy (p0 <= 0 and p1 < 0), which copies the "
+                    f"stream's K/V at the next update (llama.cpp's rule); copy within a stream, or the "
+                    f"whole sequence"
+                )
             # one stream per sequence: nothing else to hold (and no device read to wait for)
             grouped = self.n_stream != self.n_seq_max
             if grouped and s0 >= 0 and s1 >= 0 and s0 != s1 and bool(self._holds_others(seq_id_dst, s1)):
-                raise ValueError(f"seq_cp({seq_id_src} -> {seq_id_dst}) crosses streams ({s0} -> {s1}) and stream {s1} "
-                                 f"holds other sequences than {seq_id_dst}: allowed only into a stream the copy may "
-                                 f"empty (llama.cpp resets the destination stream); remove them first, or use one "
-                                 f"stream per sequence")
+                raise ValueError(
+                    f"seq_cp({seq_id_src} -> {seq_id_dst}) crosses streams ({s0} -> {s1}) and stream {s1} "
+                    f"holds other sequences than {seq_id_dst}: allowed only into a stream the copy may "
+                    f"empty (llama.cpp resets the destination stream); remove them first, or use one "
+                    f"stream per sequence"
+                )
         return self._seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
     @on_metadata
@@ -323,7 +329,7 @@ class StreamCache(Memory):
         """``(stream i32[T], ok)``: each valid token's stream (-1 for padding) and whether every
         token's sequence ids lie in one stream."""
         ids = jnp.asarray(ubatch.seq_ids)
-        streams = self.stream_of(ids)                                    # [T, M], -1 for absent ids
+        streams = self.stream_of(ids)  # [T, M], -1 for absent ids
         first = jnp.where(ubatch.valid, streams[:, 0], -1)
         same = jnp.all((ids == -1) | (streams == first[:, None]), axis=1) & (first >= 0)
         return first, jnp.all(same | ~ubatch.valid)
@@ -335,17 +341,21 @@ class StreamCache(Memory):
         bad = np.flatnonzero(((streams != streams[:, :1]) & (ids >= 0)).any(axis=1))
         if bad.size:
             row = ids[bad[0]]
-            raise ValueError(f"ubatch token {int(bad[0])} belongs to sequences {row[row >= 0].tolist()} of streams "
-                             f"{sorted(set(table[row[row >= 0]].tolist()))}: allowed the sequences of one stream "
-                             f"per token (per-sequence streams share no cells; evaluate a shared prompt in one "
-                             f"sequence and copy it with kvjax.seq_cp)")
+            raise ValueError(
+                f"ubatch token {int(bad[0])} belongs to sequences {row[row >= 0].tolist()} of streams "
+                f"{sorted(set(table[row[row >= 0]].tolist()))}: allowed the sequences of one stream "
+                f"per token (per-sequence streams share no cells; evaluate a shared prompt in one "
+                f"sequence and copy it with kvjax.seq_cp)"
+            )
 
     @on_metadata(static_argnames="contiguous")
     def find_slot(self, ubatch, *, contiguous: bool = True):
         stream, one_stream = self.token_streams(ubatch)
-        mine = jnp.arange(self.n_stream)[:, None] == stream[None, :]     # [S, T]
+        mine = jnp.arange(self.n_stream)[:, None] == stream[None, :]  # [S, T]
         parts = jax.vmap(lambda valid: ubatch.replace(valid=valid))(mine & ubatch.valid[None, :])
-        placed, slots, oks = jax.vmap(functools.partial(find_slot_cells, contiguous=contiguous))(self.cache.cells, parts)
+        placed, slots, oks = jax.vmap(functools.partial(find_slot_cells, contiguous=contiguous))(
+            self.cache.cells, parts
+        )
         has_tokens = jnp.any(mine, axis=1)
         ok = jnp.all(oks | ~has_tokens) & one_stream
         # a stream without tokens of this ubatch keeps its cells (its head included)
@@ -353,8 +363,9 @@ class StreamCache(Memory):
         cells = cells.replace(error=placed.error)  # a refused token's flag stays, whatever was kept
         cell = jnp.take_along_axis(slots, jnp.clip(stream, 0, self.n_stream - 1)[None, :], axis=0)[0]
         keep = ubatch.valid & ok
-        placement = StreamPlacement(stream=jnp.where(keep, stream, -1).astype(jnp.int32),
-                                    cell=jnp.where(keep, cell, -1).astype(jnp.int32))
+        placement = StreamPlacement(
+            stream=jnp.where(keep, stream, -1).astype(jnp.int32), cell=jnp.where(keep, cell, -1).astype(jnp.int32)
+        )
         error = self.error | jnp.where(one_stream, jnp.uint32(0), jnp.uint32(ErrorFlag.UBATCH))
         return self.replace(cache=self.cache.replace(cells=cells), error=error), placement, ok
 
@@ -390,7 +401,7 @@ class StreamCache(Memory):
     def extent_after(self, n_tokens):
         cells = self.cache.cells
         top = jax.vmap(_cells.cell_max)(cells)
-        n_tokens = jnp.minimum(n_tokens, self.size)   # as the unified cache's: no int32 wrap
+        n_tokens = jnp.minimum(n_tokens, self.size)  # as the unified cache's: no int32 wrap
         after = jnp.where(n_tokens == 0, top, jnp.maximum(top, cells.head) + n_tokens)
         return jnp.max(after)[None]
 
@@ -545,7 +556,7 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
     def as_bits(x):
         if jnp.issubdtype(x.dtype, jnp.integer):
             return x
-        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))   # float16, bfloat16, ...
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}"))  # float16, bfloat16, ...
 
     def local(ks, vs, copy_from):
         # copy_from is whole on every device: every device takes the same branch
@@ -555,7 +566,7 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
         n_local = ks[0].shape[0]
         device = jax.lax.axis_index(DATA)
         first = device * n_local
-        want = copy_from[jnp.arange(n_local) + first]                          # -1: no copy into it
+        want = copy_from[jnp.arange(n_local) + first]  # -1: no copy into it
         same = (want >= 0) & (want // n_local == device)
         # copies between this device's own streams: a local gather of the old blocks
         old = tuple(ks + vs)
@@ -563,7 +574,7 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
 
         def from_source(src, new):
             owner = src // n_local
-            into = (want == src) & (owner != device)                          # local streams that copy src
+            into = (want == src) & (owner != device)  # local streams that copy src
             needed = jnp.any((copy_from == src) & (jnp.arange(n_stream) // n_local != owner))
 
             def send(new):
@@ -578,11 +589,15 @@ def _copies_on_mesh(memory: StreamCache, split) -> StreamCache:
             return jax.lax.cond(needed, send, lambda new: new, new)
 
         new = jax.lax.fori_loop(0, n_stream, from_source, new)
-        return new[:len(ks)], new[len(ks):]
+        return new[: len(ks)], new[len(ks) :]
 
-    k, v = jax.shard_map(local, mesh=mesh, in_specs=((buf,) * len(cache.k), (buf,) * len(cache.v), P()),
-                         out_specs=((buf,) * len(cache.k), (buf,) * len(cache.v)),
-                         check_vma=False)(cache.k, cache.v, memory.copy_from)
+    k, v = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=((buf,) * len(cache.k), (buf,) * len(cache.v), P()),
+        out_specs=((buf,) * len(cache.k), (buf,) * len(cache.v)),
+        check_vma=False,
+    )(cache.k, cache.v, memory.copy_from)
     return memory.replace(cache=cache.replace(k=k, v=v), copy_from=jnp.minimum(memory.copy_from, -1))
 
 
@@ -613,5 +628,9 @@ def init_streams(config: StreamsConfig) -> StreamCache:
 def _init(config: StreamsConfig) -> StreamCache:
     one = init_unified(config.base)
     stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (config.n_stream,) + x.shape), one)
-    return StreamCache(cache=stacked, copy_from=jnp.full((config.n_stream,), -1, jnp.int32),
-                       error=jnp.zeros((), jnp.uint32), config=config)
+    return StreamCache(
+        cache=stacked,
+        copy_from=jnp.full((config.n_stream,), -1, jnp.int32),
+        error=jnp.zeros((), jnp.uint32),
+        config=config,
+    )

@@ -98,8 +98,13 @@ def _int_array(name: str, values) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length: Optional[int] = None,
-                n_seq_max: Optional[int] = None) -> Ubatch:
+def make_ubatch(
+    pos: Sequence[int],
+    seq_ids: Sequence[Sequence[int]],
+    *,
+    length: Optional[int] = None,
+    n_seq_max: Optional[int] = None,
+) -> Ubatch:
     """Build a :class:`Ubatch` from host lists or numpy arrays.
 
     Args:
@@ -138,8 +143,7 @@ def make_ubatch(pos: Sequence[int], seq_ids: Sequence[Sequence[int]], *, length:
         raise ValueError(f"seq_ids has {len(seq_lists)} entries: allowed exactly one per token (len(pos)={n})")
     if not pos_ok:
         # 2**31 - 1 itself is the seed's "to infinity" (p1 < 0): a token there could never be removed
-        raise ValueError(f"pos={pos.min() if pos.min() < 0 else pos.max()} is out of range: "
-                         f"allowed [0, {INT32_MAX})")
+        raise ValueError(f"pos={pos.min() if pos.min() < 0 else pos.max()} is out of range: allowed [0, {INT32_MAX})")
     for i, s in enumerate(seq_lists):
         if not s:
             raise ValueError(f"seq_ids[{i}] is empty: every token needs at least one sequence id")
@@ -187,8 +191,7 @@ def _rectangular_ids(seq_ids, n: int, hi: int) -> Optional[np.ndarray]:
         return None
     if arr.ndim == 1:
         arr = arr.reshape(-1, 1)  # one bare id per token
-    if (arr.ndim != 2 or n == 0 or arr.shape[0] != n or arr.shape[1] == 0
-            or not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 2 or n == 0 or arr.shape[0] != n or arr.shape[1] == 0 or not np.issubdtype(arr.dtype, np.integer):
         return None
     if arr.min() < 0 or arr.max() >= hi:
         return None
@@ -213,8 +216,12 @@ def _pack(pos: np.ndarray, ids: np.ndarray, length: Optional[int]) -> Ubatch:
     return Ubatch(pos=pos_arr, seq_ids=seq, valid=valid)
 
 
-def make_equal_ubatch(slots: Sequence[Tuple[Sequence[int], Sequence[int]]], *, n_slots: Optional[int] = None,
-                      n_seq_max: Optional[int] = None) -> Ubatch:
+def make_equal_ubatch(
+    slots: Sequence[Tuple[Sequence[int], Sequence[int]]],
+    *,
+    n_slots: Optional[int] = None,
+    n_seq_max: Optional[int] = None,
+) -> Ubatch:
     """An equal-split ubatch (the seed's ``split_equal`` ubatch): n sequence slots of the same length.
 
     Slot ``s`` is ``(positions, seq_ids)``: its tokens' positions (the same count in every slot)
@@ -244,8 +251,10 @@ def make_equal_ubatch(slots: Sequence[Tuple[Sequence[int], Sequence[int]]], *, n
     counts = [len(np.asarray(p).reshape(-1)) for p, _ in slots]
     if counts[0] < 1 or any(c != counts[0] for c in counts):
         raise ValueError(f"slots have {counts} tokens: allowed the same positive count in every slot (an equal split)")
-    ids = [tuple(dict.fromkeys(int(x) for x in _int_array(f"slots[{i}] seq_ids", s).reshape(-1)))
-           for i, (_, s) in enumerate(slots)]
+    ids = [
+        tuple(dict.fromkeys(int(x) for x in _int_array(f"slots[{i}] seq_ids", s).reshape(-1)))
+        for i, (_, s) in enumerate(slots)
+    ]
     for i, s in enumerate(ids):
         if not s:
             raise ValueError(f"slots[{i}] has no seq ids: every slot needs at least one")
@@ -266,8 +275,10 @@ def equal_slots(ubatch: Ubatch) -> Tuple[int, int]:
     """``(n_slots, n_seq_tokens)`` of an equal-split ubatch, or ``ValueError`` for another one."""
     t = ubatch.n_seq_tokens
     if not t:
-        raise ValueError("ubatch is not an equal split: a recurrent memory takes ubatches made by "
-                         "kvjax.make_equal_ubatch (n sequences of the same number of tokens)")
+        raise ValueError(
+            "ubatch is not an equal split: a recurrent memory takes ubatches made by "
+            "kvjax.make_equal_ubatch (n sequences of the same number of tokens)"
+        )
     return ubatch.length // t, t
 
 
@@ -307,7 +318,7 @@ def split_seq(seq_ids: Sequence[Sequence[int]], n_ubatch: int) -> List[np.ndarra
         [[0, 2], [4], [1, 3]]
     """
     groups = _groups(_check_split(seq_ids, n_ubatch))
-    return [np.asarray(g[i:i + n_ubatch]) for g in groups for i in range(0, len(g), n_ubatch)]
+    return [np.asarray(g[i : i + n_ubatch]) for g in groups for i in range(0, len(g), n_ubatch)]
 
 
 def split_equal(seq_ids: Sequence[Sequence[int]], n_ubatch: int) -> List[np.ndarray]:

@@ -167,8 +167,9 @@ class KVCache(Memory):
         # K and V are [L, H, C, D] (quantized: D = the row's block bytes): only H is split by the
         # default rules; the cells are read whole by every sequence operation and placement
 
-        return self.replace(cells=self.cells.logical_axes(), k=tuple(kv_axes() for _ in self.k),
-                            v=tuple(kv_axes() for _ in self.v))
+        return self.replace(
+            cells=self.cells.logical_axes(), k=tuple(kv_axes() for _ in self.k), v=tuple(kv_axes() for _ in self.v)
+        )
 
     # -- donation, errors, sizes, state ---------------------------------------------------------------
 
@@ -209,10 +210,18 @@ def _init(config: CacheConfig) -> KVCache:
         n = len(grp.layers)
         # a block type stores each cell's row as its ggml blocks: [L, H, C, D // 32 * bytes] uint8
         # (zero bytes decode to zeros: f16 scale 0)
-        k.append(jnp.zeros((n, grp.n_kv_heads, config.size, _quant.stored_width(config.k_dtype, grp.head_dim)),
-                           _storage_dtype(config.k_dtype)))
-        v.append(jnp.zeros((n, grp.n_kv_heads, config.size, _quant.stored_width(config.v_dtype, grp.head_dim_v)),
-                           _storage_dtype(config.v_dtype)))
+        k.append(
+            jnp.zeros(
+                (n, grp.n_kv_heads, config.size, _quant.stored_width(config.k_dtype, grp.head_dim)),
+                _storage_dtype(config.k_dtype),
+            )
+        )
+        v.append(
+            jnp.zeros(
+                (n, grp.n_kv_heads, config.size, _quant.stored_width(config.v_dtype, grp.head_dim_v)),
+                _storage_dtype(config.v_dtype),
+            )
+        )
     return KVCache(cells=empty_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v), config=config)
 
 
@@ -226,15 +235,17 @@ def _config_of(x: Union[KVCache, CacheConfig]) -> CacheConfig:
 def size_k_bytes(x: Union[KVCache, CacheConfig]) -> int:
     """Bytes of K storage over all cached layers (the seed's ``size_k_bytes``; real block bytes)."""
     cfg = _config_of(x)
-    return sum(cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.k_dtype, cfg.head_dim[il])
-               for il in cfg.cached_layers)
+    return sum(
+        cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.k_dtype, cfg.head_dim[il]) for il in cfg.cached_layers
+    )
 
 
 def size_v_bytes(x: Union[KVCache, CacheConfig]) -> int:
     """Bytes of V storage over all cached layers (the seed's ``size_v_bytes``; real block bytes)."""
     cfg = _config_of(x)
-    return sum(cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.v_dtype, cfg.head_dim_v[il])
-               for il in cfg.cached_layers)
+    return sum(
+        cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.v_dtype, cfg.head_dim_v[il]) for il in cfg.cached_layers
+    )
 
 
 def size_cells_bytes(x: Union[KVCache, CacheConfig]) -> int:
@@ -261,8 +272,11 @@ def require_cache(cache, operation: str = "this operation") -> None:
         require_live(cache, "cache")
         return
     if isinstance(cache, Memory):
-        raise not_defined(cache, operation, "it is defined for a unified cache (kvjax.KVCache); "
-                                            "reach an attention part with memory.part(i)")
+        raise not_defined(
+            cache,
+            operation,
+            "it is defined for a unified cache (kvjax.KVCache); reach an attention part with memory.part(i)",
+        )
     raise ValueError(f"cache must be a kvjax.KVCache, got {type(cache).__name__}")
 
 
@@ -272,8 +286,10 @@ def _layer_index(config: CacheConfig, layer):
         g, i = config.locate(concrete_int("layer", layer))
         return g, jnp.int32(i), jnp.bool_(True)
     if len(config.groups) != 1:
-        raise ValueError("a traced layer id needs all cached layers in one layer group (same kv "
-                         "heads and head sizes); pass a static int layer instead")
+        raise ValueError(
+            "a traced layer id needs all cached layers in one layer group (same kv "
+            "heads and head sizes); pass a static int layer instead"
+        )
     table = jnp.asarray(config.groups[0].layers, jnp.int32)
     hit = table == layer
     return 0, jnp.argmax(hit).astype(jnp.int32), jnp.any(hit)
@@ -284,15 +300,16 @@ def _check_rows(name, rows, grp_heads, grp_dim, n_tokens):
     if not hasattr(rows, "shape") or not hasattr(rows, "dtype"):
         raise ValueError(f"{name} must be a floating [T, H_kv, D] array, got {type(rows).__name__}")
     if tuple(rows.shape) != expected:
-        raise ValueError(f"{name} has shape {tuple(rows.shape)}: allowed {expected} "
-                         f"([T, H_kv, D] with T = len(slot))")
+        raise ValueError(f"{name} has shape {tuple(rows.shape)}: allowed {expected} ([T, H_kv, D] with T = len(slot))")
     if not jnp.issubdtype(rows.dtype, jnp.floating):
-        raise ValueError(f"{name} has dtype {rows.dtype}: allowed a floating dtype (it is cast to the "
-                         f"cache's storage dtype)")
+        raise ValueError(
+            f"{name} has dtype {rows.dtype}: allowed a floating dtype (it is cast to the cache's storage dtype)"
+        )
 
 
-def write(cache: KVCache, layer, slot: Int[Array, " T"], k: Float[Array, "T H D"],
-          v: Float[Array, "T H Dv"]) -> KVCache:
+def write(
+    cache: KVCache, layer, slot: Int[Array, " T"], k: Float[Array, "T H D"], v: Float[Array, "T H Dv"]
+) -> KVCache:
     """Write a ubatch's K and V rows into the cells chosen by ``find_slot``.
 
     Rows whose slot is -1 (padding) are skipped; a slot outside ``[-1, size)`` is dropped and
@@ -353,8 +370,8 @@ def _write(cache: KVCache, g: int, index, layer_ok, slot, k, v) -> KVCache:
     new_v = cache.v[g].at[index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
     error = cache.cells.error | jnp.where(bad, jnp.uint32(ErrorFlag.SLOT), jnp.uint32(0))
     error = error | jnp.where(layer_ok, jnp.uint32(0), jnp.uint32(ErrorFlag.LAYER))
-    ks = cache.k[:g] + (new_k,) + cache.k[g + 1:]
-    vs = cache.v[:g] + (new_v,) + cache.v[g + 1:]
+    ks = cache.k[:g] + (new_k,) + cache.k[g + 1 :]
+    vs = cache.v[:g] + (new_v,) + cache.v[g + 1 :]
     return cache.replace(k=ks, v=vs, cells=cache.cells.replace(error=error))
 
 

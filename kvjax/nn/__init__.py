@@ -43,8 +43,14 @@ from kvjax.nn._mamba_hf import params_from_hf
 from kvjax.nn._selective_scan import select_states
 from kvjax.nn._hybrid import HybridLM, HybridLMConfig
 from kvjax.nn._norm import LinenOffsetRMSNorm, OffsetRMSNorm, offset_rms_norm
-from kvjax.nn._nnx_attention import (CachedAttention, KVCacheVar, alibi_slopes, attend_cached,
-                                    attend_uncached, swa_visible)
+from kvjax.nn._nnx_attention import (
+    CachedAttention,
+    KVCacheVar,
+    alibi_slopes,
+    attend_cached,
+    attend_uncached,
+    swa_visible,
+)
 from kvjax.nn._step import Step, make_step, window_for, windows_for
 from kvjax.nn._hf import llama_config_from_hf
 from kvjax.nn._hf_rope import rope_from_hf
@@ -56,12 +62,49 @@ from kvjax.nn._gguf_vocab import GGUFVocab, gguf_tokenizer
 from kvjax.nn._fuse import fuse_projections, is_fused
 
 __all__ = [
-    "CachedAttention", "LinenCachedAttention", "KVCacheVar",
-    "attend_cached", "attend_uncached", "layer_mask", "alibi_slopes", "swa_visible",
-    "LlamaConfig", "Llama", "LlamaLinen", "Block", "MLP", "params_from_nnx", "ACTIVATIONS",
-    "llama_from_hf", "OffsetRMSNorm", "LinenOffsetRMSNorm", "offset_rms_norm", "HybridLM", "HybridLMConfig",
-    "Step", "make_step", "window_for", "windows_for", "UbatchInputs", "MaskKind",
-    "Mamba", "MambaConfig", "make_mamba_step", "params_from_hf", "select_states",
-    "from_pretrained", "memory_config_for", "llama_config_from_hf", "rope_from_hf", "Tokenizer",
-    "from_gguf", "gguf_config", "gguf_tokenizer", "GGUFVocab", "GGMLLinear", "GGMLEmbed", "fuse_projections", "is_fused",
+    "CachedAttention",
+    "LinenCachedAttention",
+    "KVCacheVar",
+    "attend_cached",
+    "attend_uncached",
+    "layer_mask",
+    "alibi_slopes",
+    "swa_visible",
+    "LlamaConfig",
+    "Llama",
+    "LlamaLinen",
+    "Block",
+    "MLP",
+    "params_from_nnx",
+    "ACTIVATIONS",
+    "llama_from_hf",
+    "OffsetRMSNorm",
+    "LinenOffsetRMSNorm",
+    "offset_rms_norm",
+    "HybridLM",
+    "HybridLMConfig",
+    "Step",
+    "make_step",
+    "window_for",
+    "windows_for",
+    "UbatchInputs",
+    "MaskKind",
+    "Mamba",
+    "MambaConfig",
+    "make_mamba_step",
+    "params_from_hf",
+    "select_states",
+    "from_pretrained",
+    "memory_config_for",
+    "llama_config_from_hf",
+    "rope_from_hf",
+    "Tokenizer",
+    "from_gguf",
+    "gguf_config",
+    "gguf_tokenizer",
+    "GGUFVocab",
+    "GGMLLinear",
+    "GGMLEmbed",
+    "fuse_projections",
+    "is_fused",
 ]

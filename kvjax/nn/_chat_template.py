@@ -162,8 +162,9 @@ def _jinja():
     # known sandbox escapes (transformers refuses it for the same reason)
     version = tuple(int(p) if p.isdigit() else 0 for p in jinja2.__version__.split(".")[:3])
     if version < (3, 1, 6):
-        raise ValueError(f"jinja2 {jinja2.__version__} has known sandbox escapes: allowed jinja2 >= 3.1.6 "
-                         f"(pip install -U jinja2)")
+        raise ValueError(
+            f"jinja2 {jinja2.__version__} has known sandbox escapes: allowed jinja2 >= 3.1.6 (pip install -U jinja2)"
+        )
     return jinja2
 
 
@@ -221,11 +222,13 @@ def _compile(template: str):
         @staticmethod
         def _check_name(key):
             if isinstance(key, str) and key.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"a chat template cannot set the underscore attribute {key!r} "
-                                                      f"on a namespace")
+                raise jinja2.exceptions.SecurityError(
+                    f"a chat template cannot set the underscore attribute {key!r} on a namespace"
+                )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -234,8 +237,10 @@ def _compile(template: str):
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"the model's chat template is not valid Jinja (line {e.lineno}: {e.message}): allowed a "
-                         f"template transformers' apply_chat_template renders") from None
+        raise ValueError(
+            f"the model's chat template is not valid Jinja (line {e.lineno}: {e.message}): allowed a "
+            f"template transformers' apply_chat_template renders"
+        ) from None
 
 
 def _plain(value, where: str):
@@ -256,8 +261,10 @@ def _plain(value, where: str):
         return [_plain(v, where) for v in value]
     if isinstance(value, tuple):
         return tuple(_plain(v, where) for v in value)
-    raise ValueError(f"{where} holds a {type(value).__name__}: allowed JSON data (str, int, float, bool, None, "
-                     f"lists and dicts of them)")
+    raise ValueError(
+        f"{where} holds a {type(value).__name__}: allowed JSON data (str, int, float, bool, None, "
+        f"lists and dicts of them)"
+    )
 
 
 #: the names a message's reasoning comes under; templates read the first (transformers >= 5 fills it
@@ -267,8 +274,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 def _check_messages(messages) -> List[Dict[str, Any]]:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise ValueError(f"messages must be a list of {{'role': str, 'content': str}} dicts, got "
-                         f"{type(messages).__name__}")
+        raise ValueError(
+            f"messages must be a list of {{'role': str, 'content': str}} dicts, got {type(messages).__name__}"
+        )
     if not messages:
         raise ValueError("messages is empty: allowed a list of at least one {'role': str, 'content': str} dict")
     out = []
@@ -277,15 +285,19 @@ def _check_messages(messages) -> List[Dict[str, Any]]:
             raise ValueError(f"messages[{i}] is a {type(m).__name__}: allowed a {{'role': str, 'content': str}} dict")
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
-                raise ValueError(f"messages[{i}][{key!r}] is {m.get(key)!r}: allowed a string"
-                                 + (" (such as 'system', 'user', 'assistant')" if key == "role" else ""))
+                raise ValueError(
+                    f"messages[{i}][{key!r}] is {m.get(key)!r}: allowed a string"
+                    + (" (such as 'system', 'user', 'assistant')" if key == "role" else "")
+                )
         if not m["role"]:
-            raise ValueError(f"messages[{i}]['role'] is '': allowed a non-empty string (such as 'system', 'user', "
-                             f"'assistant')")
+            raise ValueError(
+                f"messages[{i}]['role'] is '': allowed a non-empty string (such as 'system', 'user', 'assistant')"
+            )
         # other keys (a message's name, tool calls) go to the template as they are; keys set to
         # None are dropped, as transformers drops them (templates test for a missing key)
-        message = {_plain(k, f"messages[{i}]"): _plain(v, f"messages[{i}][{k!r}]") for k, v in m.items()
-                   if v is not None}
+        message = {
+            _plain(k, f"messages[{i}]"): _plain(v, f"messages[{i}][{k!r}]") for k, v in m.items() if v is not None
+        }
         reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -293,8 +305,9 @@ def _check_messages(messages) -> List[Dict[str, Any]]:
     return out
 
 
-def render_chat_template(template: str, messages, *, add_generation_prompt: bool = True, bos_token: str = "",
-                         eos_token: str = "", **extra) -> str:
+def render_chat_template(
+    template: str, messages, *, add_generation_prompt: bool = True, bos_token: str = "", eos_token: str = "", **extra
+) -> str:
     """The prompt text of a conversation, rendered as ``transformers``' ``apply_chat_template``.
 
     Args:
@@ -332,5 +345,5 @@ def render_chat_template(template: str, messages, *, add_generation_prompt: bool
         return compiled.render(**variables)
     except _TemplateRaised as e:
         raise ValueError(f"the model's chat template refused these messages: {e}") from None
-    except Exception as e:   # anything the template's own code hits (an undefined name, str + None, ...)
+    except Exception as e:  # anything the template's own code hits (an undefined name, str + None, ...)
         raise ValueError(f"the model's chat template failed on these messages ({type(e).__name__}: {e})") from None

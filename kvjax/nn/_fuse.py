@@ -50,8 +50,17 @@ def _linear(kernel, bias, like):
     """An ``nnx.Linear`` holding ``kernel [in, out]`` (and ``bias [out]``), computing as ``like`` does."""
     n_in, n_out = kernel.shape
     zeros = nnx.initializers.zeros_init()  # overwritten below: no random draw of a large matrix
-    lin = nnx.Linear(n_in, n_out, use_bias=bias is not None, dtype=like.dtype, param_dtype=kernel.dtype,
-                     precision=like.precision, kernel_init=zeros, bias_init=zeros, rngs=nnx.Rngs(0))
+    lin = nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=bias is not None,
+        dtype=like.dtype,
+        param_dtype=kernel.dtype,
+        precision=like.precision,
+        kernel_init=zeros,
+        bias_init=zeros,
+        rngs=nnx.Rngs(0),
+    )
     lin.kernel.set_value(kernel)
     if bias is not None:
         lin.bias.set_value(bias)
@@ -60,8 +69,7 @@ def _linear(kernel, bias, like):
 
 def _same_blocks(*layers) -> bool:
     """Whether ``layers`` are all :class:`GGMLLinear` of one type and input width (rows can be joined)."""
-    return all(isinstance(m, GGMLLinear) for m in layers) and \
-        len({(m.type_name, m.in_features) for m in layers}) == 1
+    return all(isinstance(m, GGMLLinear) for m in layers) and len({(m.type_name, m.in_features) for m in layers}) == 1
 
 
 def _blocks_linear(raw, bias, like):
@@ -103,8 +111,10 @@ def _fuse_mlp(mlp) -> None:
 
 def is_fused(module) -> bool:
     """Whether ``module`` (a model or one of its layers) holds fused projections."""
-    return any(getattr(m, "qkv_proj", None) is not None or getattr(m, "gate_up", None) is not None
-               for _, m in nnx.iter_modules(module))
+    return any(
+        getattr(m, "qkv_proj", None) is not None or getattr(m, "gate_up", None) is not None
+        for _, m in nnx.iter_modules(module)
+    )
 
 
 def fuse_projections(model):
@@ -133,8 +143,10 @@ def fuse_projections(model):
         ValueError: ``model`` is not an NNX module.
     """
     if not isinstance(model, nnx.Module):
-        raise ValueError(f"model must be an NNX module (e.g. kvjax.nn.Llama), got {type(model).__name__}; "
-                         "linen models (LlamaLinen) keep separate projections")
+        raise ValueError(
+            f"model must be an NNX module (e.g. kvjax.nn.Llama), got {type(model).__name__}; "
+            "linen models (LlamaLinen) keep separate projections"
+        )
     for _, module in list(nnx.iter_modules(model)):
         if isinstance(module, CachedAttention) and module.q_proj is not None:
             _fuse_attention(module)

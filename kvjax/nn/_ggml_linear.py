@@ -58,8 +58,10 @@ def _raw(name: str, raw, n_in: int) -> np.ndarray:
     if isinstance(raw, jax.Array):
         raw = np.asarray(raw)
     if not isinstance(raw, np.ndarray) or raw.ndim != 2:
-        raise ValueError(f"raw must be a 2-d array, one row of blocks per output, got "
-                         f"{type(raw).__name__} of shape {getattr(raw, 'shape', None)}")
+        raise ValueError(
+            f"raw must be a 2-d array, one row of blocks per output, got "
+            f"{type(raw).__name__} of shape {getattr(raw, 'shape', None)}"
+        )
     raw = np.ascontiguousarray(raw).view(np.uint8)
     want = row_bytes(name, n_in)
     if raw.shape[1] != want:
@@ -155,5 +157,10 @@ class GGMLEmbed(nnx.Module):
 
 def resident_bytes(model) -> int:
     """Bytes of every array in ``model``'s state (what a loaded model holds in memory)."""
-    return int(sum(np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))
-                   for leaf in jax.tree.leaves(nnx.state(model)) if hasattr(leaf, "shape")))
+    return int(
+        sum(
+            np.dtype(leaf.dtype).itemsize * int(np.prod(leaf.shape))
+            for leaf in jax.tree.leaves(nnx.state(model))
+            if hasattr(leaf, "shape")
+        )
+    )

@@ -59,6 +59,7 @@ from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
 from kvjax.nn._gguf_mamba import _neg_exp_inverse, mamba_config, mamba_plan
 from kvjax.nn._llama import Llama, LlamaConfig
 from kvjax.nn._mamba import Mamba
+
 # the parameter dtypes a loader makes, checked as from_pretrained checks them (every tensor type
 # dequantizes to float32 first)
 from kvjax.nn._pretrained import DTYPES, _check_dtype  # noqa: F401 (DTYPES: named in from_gguf's docs)
@@ -66,8 +67,15 @@ from kvjax.nn._pretrained import DTYPES, _check_dtype  # noqa: F401 (DTYPES: nam
 __all__ = ["from_gguf", "gguf_config", "GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES"]
 
 #: The ``general.architecture`` values :func:`from_gguf` loads, and their llama.cpp RoPE mode (None: no attention).
-GGUF_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox", "gemma2": "neox",
-                      "gemma3": "neox", "mamba": None}
+GGUF_ARCHITECTURES = {
+    "llama": "normal",
+    "mistral": "normal",
+    "qwen2": "neox",
+    "qwen3": "neox",
+    "gemma2": "neox",
+    "gemma3": "neox",
+    "mamba": None,
+}
 
 #: The tensor types :func:`from_gguf` loads (ggml type names): every type kvjax dequantizes in JAX.
 GGUF_TENSOR_TYPES = tuple(WEIGHT_TYPES)
@@ -107,9 +115,8 @@ def _tensors(reader) -> Dict[str, Any]:
 
 def _config(reader, tensors) -> LlamaConfig:
     arch = _field(reader, "general.architecture", required=True)
-    if arch not in GGUF_ARCHITECTURES or arch == "mamba":   # mamba's config is mamba_config's
-        raise ValueError(f"general.architecture={arch!r} is out of range: allowed one of "
-                         f"{sorted(GGUF_ARCHITECTURES)}")
+    if arch not in GGUF_ARCHITECTURES or arch == "mamba":  # mamba's config is mamba_config's
+        raise ValueError(f"general.architecture={arch!r} is out of range: allowed one of {sorted(GGUF_ARCHITECTURES)}")
     n_layer = int(_field(reader, f"{arch}.block_count", required=True))
     d_model = int(_field(reader, f"{arch}.embedding_length", required=True))
     d_ff = int(_field(reader, f"{arch}.feed_forward_length", required=True))
@@ -117,8 +124,10 @@ def _config(reader, tensors) -> LlamaConfig:
     n_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", n_heads)
     if isinstance(n_kv_heads, list):  # llama.cpp allows one count per layer; the reference model has one for all
         if len(set(n_kv_heads)) != 1 or len(n_kv_heads) != n_layer:
-            raise ValueError(f"{arch}.attention.head_count_kv={n_kv_heads} is out of range: allowed one count, or "
-                             f"{n_layer} equal counts (kvjax.nn.Llama has the same kv heads in every layer)")
+            raise ValueError(
+                f"{arch}.attention.head_count_kv={n_kv_heads} is out of range: allowed one count, or "
+                f"{n_layer} equal counts (kvjax.nn.Llama has the same kv heads in every layer)"
+            )
         n_kv_heads = n_kv_heads[0]
     n_kv_heads = int(n_kv_heads)
     head_dim = int(_field(reader, f"{arch}.attention.key_length", d_model // max(n_heads, 1)))
@@ -136,35 +145,57 @@ def _config(reader, tensors) -> LlamaConfig:
             raise ValueError(f"{arch}.rope.scaling.factor={factor} is out of range: allowed > 0")
         scale = 1.0 / factor
     elif kind != "none":
-        raise ValueError(f"{arch}.rope.scaling.type={kind!r} is out of range: allowed 'none', 'linear' or 'yarn' "
-                         f"(Llama 3 scaling comes as the rope_freqs tensor)")
+        raise ValueError(
+            f"{arch}.rope.scaling.type={kind!r} is out of range: allowed 'none', 'linear' or 'yarn' "
+            f"(Llama 3 scaling comes as the rope_freqs tensor)"
+        )
     if kind == "yarn":
         # llama.cpp's YaRN: full extrapolation mix, the ramp between beta_fast and beta_slow rotations
         # of the original context, magnitude 1 + 0.1 ln(factor) (kvjax.rope applies it from freq_scale)
         for key, neutral in (("yarn_log_multiplier", 0.0), ("yarn_attn_factor", 1.0), ("yarn_ext_factor", 1.0)):
             value = _field(reader, f"{arch}.rope.scaling.{key}")
             if value is not None and float(value) != neutral:
-                raise ValueError(f"{arch}.rope.scaling.{key}={value} is out of range: allowed {neutral} (the YaRN "
-                                 f"variant this loader reproduces)")
-        yarn = dict(ext_factor=1.0, beta_fast=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                    beta_slow=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-                    n_ctx_orig=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)
-                                   or _field(reader, f"{arch}.context_length", required=True)))
+                raise ValueError(
+                    f"{arch}.rope.scaling.{key}={value} is out of range: allowed {neutral} (the YaRN "
+                    f"variant this loader reproduces)"
+                )
+        yarn = dict(
+            ext_factor=1.0,
+            beta_fast=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            n_ctx_orig=int(
+                _field(reader, f"{arch}.rope.scaling.original_context_length", 0)
+                or _field(reader, f"{arch}.context_length", required=True)
+            ),
+        )
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         t = tensors["rope_freqs.weight"]
         if tuple(int(d) for d in t.shape) != (n_rot // 2,):
-            raise ValueError(f"tensor 'rope_freqs.weight' has shape {_shape(t)}: allowed ({n_rot // 2},) "
-                             f"(one factor per rotated pair)")
+            raise ValueError(
+                f"tensor 'rope_freqs.weight' has shape {_shape(t)}: allowed ({n_rot // 2},) "
+                f"(one factor per rotated pair)"
+            )
         freq_factors = tuple(float(x) for x in _dequantize(t).reshape(-1))
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF file lacks tensor 'token_embd.weight': allowed a complete model file")
     vocab = int(_field(reader, f"{arch}.vocab_size", int(tensors["token_embd.weight"].shape[-1])))
-    rope = RopeConfig(n_rot=n_rot, mode=GGUF_ARCHITECTURES[arch], freq_base=base, freq_scale=scale,
-                      freq_factors=freq_factors, **yarn)
-    args = dict(vocab_size=vocab, d_model=d_model, n_layer=n_layer, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                head_dim=head_dim, d_ff=d_ff, norm_eps=eps, rope=rope, tie_embeddings="output.weight" not in tensors,
-                attention_bias=arch == "qwen2")
+    rope = RopeConfig(
+        n_rot=n_rot, mode=GGUF_ARCHITECTURES[arch], freq_base=base, freq_scale=scale, freq_factors=freq_factors, **yarn
+    )
+    args = dict(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layer=n_layer,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        d_ff=d_ff,
+        norm_eps=eps,
+        rope=rope,
+        tie_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2",
+    )
     if arch in ("gemma2", "gemma3"):
         args.update(_gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale))
     if arch == "qwen3":  # Qwen3: per-head RMSNorm of q and k before RoPE, no projection biases
@@ -186,16 +217,23 @@ def _gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, sca
     pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):
         if len(pattern) != n_layer:
-            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries: allowed "
-                             f"{n_layer}, one per layer")
+            raise ValueError(
+                f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries: allowed {n_layer}, one per layer"
+            )
         swa_layers = tuple(i for i, on in enumerate(pattern) if on)
     else:
         every = int(pattern) if pattern else (2 if arch == "gemma2" else 6)
         swa_layers = LlamaConfig.window_pattern(n_layer, every)
     n_swa = int(_field(reader, f"{arch}.attention.sliding_window", 0))
     big = n_layer == (46 if arch == "gemma2" else 62)
-    out = dict(swa_layers=swa_layers if n_swa else (), n_swa=n_swa, sandwich_norms=True, scale_embeddings=True,
-               activation="gelu_tanh", query_pre_attn_scalar=float(d_model // n_heads if big else head_dim))
+    out = dict(
+        swa_layers=swa_layers if n_swa else (),
+        n_swa=n_swa,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        activation="gelu_tanh",
+        query_pre_attn_scalar=float(d_model // n_heads if big else head_dim),
+    )
     if arch == "gemma2":
         out["attn_logit_softcap"] = _field(reader, f"{arch}.attn_logit_softcapping")
         out["final_logit_softcap"] = _field(reader, f"{arch}.final_logit_softcapping")
@@ -233,30 +271,41 @@ def _plan(model: Llama) -> List[Tuple[Any, str, bool, Optional[Tuple[Any, str]]]
     vectors (norms, biases), which always load as floats.
     """
     cfg = model.config
-    plan = [(model.embed.embedding, "token_embd.weight", False, (model, "embed")),
-            (model.norm.scale, "output_norm.weight", False, None)]
+    plan = [
+        (model.embed.embedding, "token_embd.weight", False, (model, "embed")),
+        (model.norm.scale, "output_norm.weight", False, None),
+    ]
     if model.lm_head is not None:
         plan.append((model.lm_head.kernel, "output.weight", True, (model, "lm_head")))
     for il, block in enumerate(model.layers):
         p, a, m = f"blk.{il}.", block.attn, block.mlp
         if cfg.sandwich_norms:  # Gemma: norms after attention and MLP too
-            plan += [(block.post_attn_norm.scale, p + "post_attention_norm.weight", False, None),
-                     (block.post_mlp_norm.scale, p + "post_ffw_norm.weight", False, None)]
+            plan += [
+                (block.post_attn_norm.scale, p + "post_attention_norm.weight", False, None),
+                (block.post_mlp_norm.scale, p + "post_ffw_norm.weight", False, None),
+            ]
         if cfg.qk_norm:
-            plan += [(a.q_norm.scale, p + "attn_q_norm.weight", False, None),
-                     (a.k_norm.scale, p + "attn_k_norm.weight", False, None)]
-        plan += [(block.attn_norm.scale, p + "attn_norm.weight", False, None),
-                 (a.q_proj.kernel, p + "attn_q.weight", True, (a, "q_proj")),
-                 (a.k_proj.kernel, p + "attn_k.weight", True, (a, "k_proj")),
-                 (a.v_proj.kernel, p + "attn_v.weight", True, (a, "v_proj")),
-                 (a.o_proj.kernel, p + "attn_output.weight", True, (a, "o_proj")),
-                 (block.mlp_norm.scale, p + "ffn_norm.weight", False, None),
-                 (m.gate.kernel, p + "ffn_gate.weight", True, (m, "gate")),
-                 (m.up.kernel, p + "ffn_up.weight", True, (m, "up")),
-                 (m.down.kernel, p + "ffn_down.weight", True, (m, "down"))]
+            plan += [
+                (a.q_norm.scale, p + "attn_q_norm.weight", False, None),
+                (a.k_norm.scale, p + "attn_k_norm.weight", False, None),
+            ]
+        plan += [
+            (block.attn_norm.scale, p + "attn_norm.weight", False, None),
+            (a.q_proj.kernel, p + "attn_q.weight", True, (a, "q_proj")),
+            (a.k_proj.kernel, p + "attn_k.weight", True, (a, "k_proj")),
+            (a.v_proj.kernel, p + "attn_v.weight", True, (a, "v_proj")),
+            (a.o_proj.kernel, p + "attn_output.weight", True, (a, "o_proj")),
+            (block.mlp_norm.scale, p + "ffn_norm.weight", False, None),
+            (m.gate.kernel, p + "ffn_gate.weight", True, (m, "gate")),
+            (m.up.kernel, p + "ffn_up.weight", True, (m, "up")),
+            (m.down.kernel, p + "ffn_down.weight", True, (m, "down")),
+        ]
         if cfg.attention_bias:
-            plan += [(a.q_proj.bias, p + "attn_q.bias", False, None), (a.k_proj.bias, p + "attn_k.bias", False, None),
-                     (a.v_proj.bias, p + "attn_v.bias", False, None)]
+            plan += [
+                (a.q_proj.bias, p + "attn_q.bias", False, None),
+                (a.k_proj.bias, p + "attn_k.bias", False, None),
+                (a.v_proj.bias, p + "attn_v.bias", False, None),
+            ]
     return plan
 
 
@@ -276,8 +325,9 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
     convert = convert or {}
     missing = [name for _, name, _, _ in plan if name not in tensors]
     if missing:
-        raise ValueError(f"GGUF file lacks tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed "
-                         f"the tensors of {what}")
+        raise ValueError(
+            f"GGUF file lacks tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}: allowed the tensors of {what}"
+        )
     unexpected = sorted(set(tensors) - {name for _, name, _, _ in plan} - set(ignore))
     if unexpected:
         raise ValueError(f"GGUF file has unexpected tensors {unexpected[:4]}: allowed only the tensors of {what}")
@@ -290,9 +340,12 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
             raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
     # matrices kept in their file type (dtype None): their biases go inside their GGMLLinear
     compact = {name for _, name, _, slot in plan if dt is None and slot is not None and _compact(tensors[name])}
-    biases = {name: _dequantize(tensors[name]) for _, name, _, _ in plan
-              if name.endswith(".bias") and name[:-len("bias")] + "weight" in compact}
-    for var, name, transpose, slot in plan:   # one tensor at a time: host copy, device copy, freed
+    biases = {
+        name: _dequantize(tensors[name])
+        for _, name, _, _ in plan
+        if name.endswith(".bias") and name[: -len("bias")] + "weight" in compact
+    }
+    for var, name, transpose, slot in plan:  # one tensor at a time: host copy, device copy, freed
         t = tensors[name]
         if name in compact:
             parent, attr = slot
@@ -301,7 +354,7 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
             if attr == "embed":
                 setattr(parent, attr, GGMLEmbed(raw, t.type_name, n_in))
             else:
-                bias = biases.get(name[:-len("weight")] + "bias")
+                bias = biases.get(name[: -len("weight")] + "bias")
                 setattr(parent, attr, GGMLLinear(raw, t.type_name, n_in, bias=bias))
             continue
         if name in biases:

@@ -31,19 +31,43 @@ __all__ = ["GGUFFile", "GGUFTensor"]
 #: metadata value types (``enum gguf_type``) of fixed size -> struct format
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 #: array element types read in one numpy call
-_ARRAYS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<?", 10: "<u8", 11: "<i8",
-           12: "<f8"}
+_ARRAYS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 #: every ggml type id -> (name, values per block, bytes per block), the non-weight types included
 _TYPE_IDS: Dict[int, Tuple[str, int, int]] = {
     **{t.ggml_id: (name, t.block, t.type_size) for name, t in WEIGHT_TYPES.items()},
-    9: ("Q8_1", 32, 40), 15: ("Q8_K", 256, 292), 41: ("Q1_0", 128, 18),
-    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    9: ("Q8_1", 32, 40),
+    15: ("Q8_K", 256, 292),
+    41: ("Q1_0", 128, 18),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
 }
 assert {name for name, _, _ in _TYPE_IDS.values()} == set(WEIGHT_TYPES) | set(REFUSED_TYPES)
 #: how a tensor's bytes are viewed: the float types as their values, every block type as bytes
-_VIEW = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
-         "I64": np.int64}
+_VIEW = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 class GGUFTensor(NamedTuple):
@@ -94,7 +118,7 @@ class _Cursor:
         n = self.take("<Q")
         if self.pos + n > len(self.data):
             raise struct.error(f"a string of {n} bytes runs past the end of the file")
-        raw = bytes(self.data[self.pos:self.pos + n])
+        raw = bytes(self.data[self.pos : self.pos + n])
         self.pos += n
         return raw.decode("utf-8")
 
@@ -135,8 +159,10 @@ def _tensor_info(cur: _Cursor, name: str, where: str):
     dims = tuple(cur.take("<Q") for _ in range(n_dims))
     type_id, offset = cur.take("<I"), cur.take("<Q")
     if type_id not in _TYPE_IDS:
-        raise ValueError(f"{where} has tensor {name!r} of an unknown ggml type id {type_id}: allowed the types of "
-                         f"ggml's enum ggml_type, of which kvjax loads {', '.join(WEIGHT_TYPES)}")
+        raise ValueError(
+            f"{where} has tensor {name!r} of an unknown ggml type id {type_id}: allowed the types of "
+            f"ggml's enum ggml_type, of which kvjax loads {', '.join(WEIGHT_TYPES)}"
+        )
     return dims, type_id, offset
 
 
@@ -150,7 +176,7 @@ def _open(path, *, tensors: bool = True) -> GGUFFile:
     with open(path, "rb") as f:
         try:
             data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:     # an empty file cannot be mapped
+        except ValueError:  # an empty file cannot be mapped
             data = b""
     cur = _Cursor(data)
     try:
@@ -172,8 +198,9 @@ def _open(path, *, tensors: bool = True) -> GGUFFile:
                 infos.append((name,) + _tensor_info(cur, name, where))
         header_end = cur.pos
     except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise ValueError(f"{where} is not a readable GGUF file (cut short or corrupt: {type(e).__name__}: {e})") \
-            from None
+        raise ValueError(
+            f"{where} is not a readable GGUF file (cut short or corrupt: {type(e).__name__}: {e})"
+        ) from None
     except ValueError as e:
         if str(e).startswith(where):
             raise
@@ -186,14 +213,18 @@ def _open(path, *, tensors: bool = True) -> GGUFFile:
     for name, dims, type_id, offset in infos:
         type_name, block, type_size = _TYPE_IDS[type_id]
         if dims[0] % block:
-            raise ValueError(f"{where} has tensor {name!r} with rows of {dims[0]} values: allowed a multiple of "
-                             f"{type_name}'s block of {block} values")
+            raise ValueError(
+                f"{where} has tensor {name!r} with rows of {dims[0]} values: allowed a multiple of "
+                f"{type_name}'s block of {block} values"
+            )
         row = dims[0] // block * type_size
         rows = int(np.prod(dims[1:], dtype=np.int64))
         begin, n_bytes = start + offset, row * rows
         if begin + n_bytes > len(data):
-            raise ValueError(f"{where} is truncated: tensor {name!r} needs bytes [{begin}, {begin + n_bytes}) "
-                             f"of a {len(data)}-byte file")
+            raise ValueError(
+                f"{where} is truncated: tensor {name!r} needs bytes [{begin}, {begin + n_bytes}) "
+                f"of a {len(data)}-byte file"
+            )
         view = np.frombuffer(data, np.uint8, n_bytes, begin)
         numpy_shape = tuple(reversed(dims[1:]))
         if type_name in _VIEW:
@@ -209,7 +240,9 @@ def _field(reader, key: str, default=None, *, required: bool = False):
     fields = reader.fields if isinstance(reader, GGUFFile) else reader
     if key not in fields:
         if required:
-            raise ValueError(f"GGUF metadata lacks {key!r}: allowed a file written by convert_hf_to_gguf.py "
-                             f"(it always writes this key)")
+            raise ValueError(
+                f"GGUF metadata lacks {key!r}: allowed a file written by convert_hf_to_gguf.py "
+                f"(it always writes this key)"
+            )
         return default
     return fields[key]

@@ -79,19 +79,68 @@ _UNDEFINED, _NORMAL, _UNKNOWN, _CONTROL, _USER, _UNUSED, _BYTE = 0, 1, 2, 4, 8, 
 _TYPE_ATTR = {0: _UNDEFINED, 1: _NORMAL, 2: _UNKNOWN, 3: _CONTROL, 4: _USER, 5: _UNUSED, 6: _BYTE}
 
 # Token texts llama.cpp recognises. A model's end of turn:
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-              "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>")
+_EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<end_of_utterance>",
+)
 # ...and everything that ends generation (a superset of the above)
-_EOG_TEXTS = frozenset(_EOT_TEXTS + ("<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "</s>", "<|eom_id|>",
-                                     "[EOS]", "<eos>", "<turn|>", "<|tool_response>", "[e~["))
+_EOG_TEXTS = frozenset(
+    _EOT_TEXTS
+    + (
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "</s>",
+        "<|eom_id|>",
+        "[EOS]",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "[e~[",
+    )
+)
 # fill-in-the-middle tokens: all control, the last three also end generation
 _FIM_TEXTS = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>", "\u2581<PRE>",
-            "<|code_prefix|>", "<|prefix|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>", "\u2581<SUF>",
-            "<|code_suffix|>", "<|suffix|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>", "\u2581<MID>",
-            "<|code_middle|>", "<|middle|>"),
+    "pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>",
+        "\u2581<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>",
+        "\u2581<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<\uff5cfim\u2581end\uff5c>",
+        "<MID>",
+        "\u2581<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "sep": ("<|file_sep|>",),
@@ -109,10 +158,14 @@ _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_LOWER}*"
-          rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_LOWER}*|\p{{N}}"
-           rf"| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_LOWER}*"
+    rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_LOWER}*|\p{{N}}"
+    rf"| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEEPSEEK_LETTERS = (
     "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
     "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
@@ -123,7 +176,8 @@ _DEEPSEEK_LETTERS = (
     "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
     "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
     "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
-    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943")
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943"
+)
 _CJK = "\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff"
 _FINNISH = r" ?[^(\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 
@@ -132,9 +186,14 @@ _SPLIT_REGEXES = {
     "llama3": (_LLAMA3,),
     "gpt2": (_GPT2,),
     "qwen2": (_QWEN2,),
-    "deepseek-llm": (r"[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+",
-                     "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", f"[{_CJK}]+",
-                     r"\p{N}+"),
+    "deepseek-llm": (
+        r"[\r\n]",
+        rf"\s?[{_DEEPSEEK_LETTERS}]+",
+        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+        r"\s+$",
+        f"[{_CJK}]+",
+        r"\p{N}+",
+    ),
     "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", f"[{_CJK}]+", r"\p{N}"),
     "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"),
     "starcoder": (r"\p{N}", _GPT2),
@@ -148,11 +207,28 @@ _SPLIT_REGEXES = {
 #: ``add_bos``). ``ignore_merges`` kinds take a pre-tokenized piece that is itself a token whole.
 BPE_PRE_KINDS: Dict[str, Tuple[str, bool, bool, bool]] = {
     "default": ("default", False, True, False),
-    **{k: ("llama3", True, True, True) for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
-                                                 "pixtral", "midm-2.0", "lfm2")},
+    **{
+        k: ("llama3", True, True, True)
+        for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2")
+    },
     **{k: ("llama3", False, True, False) for k in ("dbrx", "smaug-bpe", "chatglm-bpe", "glm4")},
-    **{k: ("gpt2", False, True, False) for k in ("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "gigachat",
-                                                 "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "mellum")},
+    **{
+        k: ("gpt2", False, True, False)
+        for k in (
+            "gpt-2",
+            "phi-2",
+            "mpt",
+            "olmo",
+            "jais",
+            "exaone4",
+            "gigachat",
+            "jina-es",
+            "jina-de",
+            "jina-v2-es",
+            "jina-v2-de",
+            "mellum",
+        )
+    },
     **{k: ("qwen2", False, False, False) for k in ("qwen2", "deepseek-r1-qwen", "kormo")},
     **{k: ("qwen2", False, True, False) for k in ("stablelm2", "megrez")},
     "deepseek-llm": ("deepseek-llm", False, False, False),
@@ -215,10 +291,24 @@ class GGUFBackend:
     #: :meth:`encode` takes ``special`` (``kvjax.nn.Tokenizer`` passes its own flag through)
     parses_special = True
 
-    def __init__(self, *, kind: str, tokens: List[str], attrs: List[int], scores: Optional[Sequence[float]] = None,
-                 merges: Optional[List[str]] = None, pre: Optional[str] = None, bos_id=None, eos_id=None,
-                 unk_id=None, eog_ids=(), add_bos=False, add_eos=False, add_space_prefix=False,
-                 chat_template: Optional[str] = None):
+    def __init__(
+        self,
+        *,
+        kind: str,
+        tokens: List[str],
+        attrs: List[int],
+        scores: Optional[Sequence[float]] = None,
+        merges: Optional[List[str]] = None,
+        pre: Optional[str] = None,
+        bos_id=None,
+        eos_id=None,
+        unk_id=None,
+        eog_ids=(),
+        add_bos=False,
+        add_eos=False,
+        add_space_prefix=False,
+        chat_template: Optional[str] = None,
+    ):
         self.kind = kind
         self.pre = pre
         self.tokens = tokens
@@ -274,7 +364,7 @@ class GGUFBackend:
         out: List[int] = []
         if add_special_tokens and self.add_bos:
             out.append(self.bos_id)
-        prev_special = True    # a space prefix goes in front of the text and after each special token
+        prev_special = True  # a space prefix goes in front of the text and after each special token
         for part in self._partition(text, special):
             if isinstance(part, int):
                 out.append(part)
@@ -352,7 +442,7 @@ class GGUFBackend:
         strip = self.add_space_prefix
         if skip_special_tokens and self.add_bos and ids and ids[0] == self.bos_id:
             ids = ids[1:]
-            strip = False       # llama.cpp keeps the space after a BOS
+            strip = False  # llama.cpp keeps the space after a BOS
         if skip_special_tokens and self.add_eos and ids and ids[-1] == self.eos_id:
             ids = ids[:-1]
         chunks = []
@@ -407,7 +497,7 @@ def _clean_spaces(data: bytes) -> bytes:
         x = text[i]
         if text[i - 1] == 0x20 and x == 0x27 and i + 1 < len(text):
             x1 = text[i + 1]
-            if x1 in b"sm" or (i + 2 < len(text) and text[i + 1:i + 3] in (b"re", b"ve")):
+            if x1 in b"sm" or (i + 2 < len(text) and text[i + 1 : i + 3] in (b"re", b"ve")):
                 out.pop()
         out.append(x)
     return bytes(out)
@@ -417,15 +507,18 @@ def _bpe_model(tokens, merges, split, ignore_merges):
     try:
         from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     except ImportError as e:
-        raise ImportError("byte-level BPE GGUF vocabularies need the 'tokenizers' package: pip install tokenizers") \
-            from e
+        raise ImportError(
+            "byte-level BPE GGUF vocabularies need the 'tokenizers' package: pip install tokenizers"
+        ) from e
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=ignore_merges))
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges)
+    )
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in split]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     return tok
 
 
@@ -457,8 +550,10 @@ def gguf_tokenizer(path) -> GGUFVocab:
     if model is None:
         raise ValueError("GGUF metadata lacks 'tokenizer.ggml.model': allowed a file with a vocabulary")
     if model not in ("llama", "gpt2"):
-        raise ValueError(f"tokenizer.ggml.model={model!r} is out of range: allowed 'llama' (SentencePiece) or "
-                         f"'gpt2' (byte-level BPE)")
+        raise ValueError(
+            f"tokenizer.ggml.model={model!r} is out of range: allowed 'llama' (SentencePiece) or "
+            f"'gpt2' (byte-level BPE)"
+        )
     tokens = _field(reader, "tokenizer.ggml.tokens", required=True)
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise ValueError("tokenizer.ggml.tokens must be a non-empty list of strings")
@@ -469,19 +564,23 @@ def gguf_tokenizer(path) -> GGUFVocab:
         seen = {}
         for i, t in enumerate(tokens):
             if t in seen:
-                raise ValueError(f"tokenizer.ggml.tokens has {t!r} twice (ids {seen[t]} and {i}): allowed "
-                                 f"distinct tokens")
+                raise ValueError(
+                    f"tokenizer.ggml.tokens has {t!r} twice (ids {seen[t]} and {i}): allowed distinct tokens"
+                )
             seen[t] = i
     types = _field(reader, "tokenizer.ggml.token_type")
     if types is not None:
         if len(types) < n:
-            raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries: allowed at least one per token "
-                             f"({n})")
+            raise ValueError(
+                f"tokenizer.ggml.token_type has {len(types)} entries: allowed at least one per token ({n})"
+            )
         types = list(types[:n])
         for i, t in enumerate(types):
             if t not in _TYPE_ATTR:
-                raise ValueError(f"tokenizer.ggml.token_type[{i}]={t!r} is out of range: allowed 0..6 (undefined, "
-                                 f"normal, unknown, control, user-defined, unused, byte)")
+                raise ValueError(
+                    f"tokenizer.ggml.token_type[{i}]={t!r} is out of range: allowed 0..6 (undefined, "
+                    f"normal, unknown, control, user-defined, unused, byte)"
+                )
     scores = _field(reader, "tokenizer.ggml.scores")
     if scores is not None:
         if len(scores) < n:
@@ -499,10 +598,17 @@ def gguf_tokenizer(path) -> GGUFVocab:
         index = set(tokens)
         for i, m in enumerate(merges):
             parts = m.split(" ", 1) if isinstance(m, str) else []
-            if len(parts) != 2 or not all(parts) or parts[0] + parts[1] not in index \
-                    or parts[0] not in index or parts[1] not in index:
-                raise ValueError(f"tokenizer.ggml.merges[{i}]={m!r} is out of range: allowed 'left right' of two "
-                                 f"tokens whose concatenation is a token")
+            if (
+                len(parts) != 2
+                or not all(parts)
+                or parts[0] + parts[1] not in index
+                or parts[0] not in index
+                or parts[1] not in index
+            ):
+                raise ValueError(
+                    f"tokenizer.ggml.merges[{i}]={m!r} is out of range: allowed 'left right' of two "
+                    f"tokens whose concatenation is a token"
+                )
 
     attrs = [_TYPE_ATTR[t] for t in types] if types is not None else [_NORMAL] * n
     ids = {t: i for i, t in enumerate(tokens)}
@@ -548,9 +654,11 @@ def gguf_tokenizer(path) -> GGUFVocab:
             attrs[ids[t]] = _USER
     eog.update(i for i in (eos, eot, eom) if i is not None)
     texts = {tokens[i]: i for i in eog}
-    if "<|end|>" in texts and (("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
-                               or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)):
-        eog.discard(texts["<|end|>"])         # gpt-oss / solar-open: <|end|> ends a message, not the turn
+    if "<|end|>" in texts and (
+        ("<|return|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts))
+        or (("<|call|>" in texts or "<|calls|>" in texts) and "<|flush|>" in texts)
+    ):
+        eog.discard(texts["<|end|>"])  # gpt-oss / solar-open: <|end|> ends a message, not the turn
         attrs[texts["<|end|>"]] = _USER
     if "<|tool_response>" in texts and "</s>" in texts:
         eog.discard(texts["</s>"])
@@ -560,16 +668,32 @@ def gguf_tokenizer(path) -> GGUFVocab:
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", split_add_bos))
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
     if add_bos and bos is None:
-        raise ValueError("tokenizer.ggml.add_bos_token is true but the file has no BOS id: allowed a "
-                         "tokenizer.ggml.bos_token_id in the vocabulary")
+        raise ValueError(
+            "tokenizer.ggml.add_bos_token is true but the file has no BOS id: allowed a "
+            "tokenizer.ggml.bos_token_id in the vocabulary"
+        )
     if add_eos and eos is None:
-        raise ValueError("tokenizer.ggml.add_eos_token is true but the file has no EOS id: allowed a "
-                         "tokenizer.ggml.eos_token_id in the vocabulary")
+        raise ValueError(
+            "tokenizer.ggml.add_eos_token is true but the file has no EOS id: allowed a "
+            "tokenizer.ggml.eos_token_id in the vocabulary"
+        )
     add_space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", spm))
     template = _field(reader, "tokenizer.chat_template")
-    backend = GGUFBackend(kind="spm" if spm else "bpe", tokens=tokens, attrs=attrs, scores=scores, merges=merges,
-                          pre=pre, bos_id=bos, eos_id=eos, unk_id=unk, eog_ids=eog, add_bos=add_bos,
-                          add_eos=add_eos, add_space_prefix=add_space_prefix,
-                          chat_template=template if isinstance(template, str) else None)
+    backend = GGUFBackend(
+        kind="spm" if spm else "bpe",
+        tokens=tokens,
+        attrs=attrs,
+        scores=scores,
+        merges=merges,
+        pre=pre,
+        bos_id=bos,
+        eos_id=eos,
+        unk_id=unk,
+        eog_ids=eog,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        add_space_prefix=add_space_prefix,
+        chat_template=template if isinstance(template, str) else None,
+    )
     ends = [i for i in (eos, eot) if i is not None] + sorted(eog)
     return GGUFVocab(backend, bos, tuple(dict.fromkeys(ends)), add_bos)

@@ -31,8 +31,15 @@ from kvjax.nn._fuse import is_fused
 from kvjax.nn._hf_rope import ROPE_KINDS, rope_from_hf
 from kvjax.nn._llama import Llama, LlamaConfig
 
-__all__ = ["llama_from_hf", "llama_config_from_hf", "rope_from_hf", "llama_plan", "load_plan", "ROPE_KINDS",
-           "LLAMA_TYPES"]
+__all__ = [
+    "llama_from_hf",
+    "llama_config_from_hf",
+    "rope_from_hf",
+    "llama_plan",
+    "load_plan",
+    "ROPE_KINDS",
+    "LLAMA_TYPES",
+]
 
 
 #: ``model_type`` values :func:`llama_config_from_hf` maps (Gemma's go through ``LlamaConfig.from_hf``).
@@ -53,12 +60,13 @@ def _to_numpy(x) -> np.ndarray:
 def _strip(key: str) -> str:
     for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
         if key.startswith(prefix):
-            return key[len(prefix):]
+            return key[len(prefix) :]
     return key
 
 
-def hf_source(hf_model_or_state_dict, model, model_cls, config_cls, family: str, *, make_config=None,
-              **config_overrides):
+def hf_source(
+    hf_model_or_state_dict, model, model_cls, config_cls, family: str, *, make_config=None, **config_overrides
+):
     """``(state_dict, model)`` of a loader's first argument: a transformers model (the model to load
     into is made from its config unless given) or a bare state dict (then ``model`` is required).
 
@@ -74,11 +82,15 @@ def hf_source(hf_model_or_state_dict, model, model_cls, config_cls, family: str,
     elif isinstance(hf_model_or_state_dict, Mapping):
         sd = hf_model_or_state_dict
         if model is None:
-            raise ValueError(f"model is None with a state dict: allowed a {model_cls.__name__} to load into (a state "
-                             f"dict carries no config)")
+            raise ValueError(
+                f"model is None with a state dict: allowed a {model_cls.__name__} to load into (a state "
+                f"dict carries no config)"
+            )
     else:
-        raise ValueError(f"hf_model_or_state_dict must be a transformers {family} model or a state dict, got "
-                         f"{type(hf_model_or_state_dict).__name__}")
+        raise ValueError(
+            f"hf_model_or_state_dict must be a transformers {family} model or a state dict, got "
+            f"{type(hf_model_or_state_dict).__name__}"
+        )
     if not isinstance(model, model_cls):
         raise ValueError(f"model must be a kvjax.nn.{model_cls.__name__}, got {type(model).__name__}")
     return sd, model
@@ -99,8 +111,10 @@ def _rope_params(hf_config) -> dict:
     if params:
         params = dict(params)
         if "full_attention" in params or "sliding_attention" in params:
-            raise ValueError("hf_config.rope_parameters has one entry per layer kind: allowed one RoPE for every "
-                             "layer (Llama, Qwen2, Mistral)")
+            raise ValueError(
+                "hf_config.rope_parameters has one entry per layer kind: allowed one RoPE for every "
+                "layer (Llama, Qwen2, Mistral)"
+            )
         params.setdefault("rope_theta", _get(hf_config, "rope_theta", 10000.0))
         return params
     params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -141,19 +155,27 @@ def llama_config_from_hf(hf_config, **overrides) -> LlamaConfig:
         swa_layers = tuple(range(n_layer))
     elif model_type == "qwen2" and window and _get(hf_config, "use_sliding_window", False):
         types = _get(hf_config, "layer_types", None)
-        if types is None:   # transformers' default: layers from max_window_layers on slide
+        if types is None:  # transformers' default: layers from max_window_layers on slide
             first = int(_get(hf_config, "max_window_layers", n_layer))
             swa_layers = tuple(range(first, n_layer))
         else:
             swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     args = dict(
-        vocab_size=int(hf_config.vocab_size), d_model=int(hf_config.hidden_size), n_layer=n_layer,
-        n_heads=n_heads, n_kv_heads=int(_get(hf_config, "num_key_value_heads", n_heads)), head_dim=head_dim,
-        d_ff=int(hf_config.intermediate_size), norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        vocab_size=int(hf_config.vocab_size),
+        d_model=int(hf_config.hidden_size),
+        n_layer=n_layer,
+        n_heads=n_heads,
+        n_kv_heads=int(_get(hf_config, "num_key_value_heads", n_heads)),
+        head_dim=head_dim,
+        d_ff=int(hf_config.intermediate_size),
+        norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         rope=rope_from_hf(_rope_params(hf_config), head_dim, _get(hf_config, "max_position_embeddings", None)),
-        swa_layers=swa_layers, swa_type=SwaType.STANDARD, n_swa=int(window) if swa_layers else 0,
+        swa_layers=swa_layers,
+        swa_type=SwaType.STANDARD,
+        n_swa=int(window) if swa_layers else 0,
         tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)))
+        attention_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
+    )
     args.update(overrides)
     return LlamaConfig(**args)
 
@@ -162,7 +184,7 @@ def llama_config_from_hf(hf_config, **overrides) -> LlamaConfig:
 
 
 def _T(w):
-    return w.T   # torch Linear [out, in] -> flax [in, out]
+    return w.T  # torch Linear [out, in] -> flax [in, out]
 
 
 def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
@@ -173,8 +195,10 @@ def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
     biases are listed, and the o bias when ``o_bias`` (Qwen2 has none: the caller zeroes it).
     """
     if is_fused(model):  # the checkpoint layout names q/k/v and gate/up apart
-        raise ValueError("model has fused projections (kvjax.nn.fuse_projections): load or save the checkpoint "
-                         "with an unfused model, then fuse")
+        raise ValueError(
+            "model has fused projections (kvjax.nn.fuse_projections): load or save the checkpoint "
+            "with an unfused model, then fuse"
+        )
     cfg = model.config
     plan: Plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
     if model.lm_head is not None:
@@ -183,32 +207,48 @@ def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
         p, a = f"layers.{il}.", block.attn
         plan.append((block.attn_norm.scale, p + "input_layernorm.weight", None))
         if cfg.sandwich_norms:
-            plan += [(block.post_attn_norm.scale, p + "post_attention_layernorm.weight", None),
-                     (block.mlp_norm.scale, p + "pre_feedforward_layernorm.weight", None),
-                     (block.post_mlp_norm.scale, p + "post_feedforward_layernorm.weight", None)]
+            plan += [
+                (block.post_attn_norm.scale, p + "post_attention_layernorm.weight", None),
+                (block.mlp_norm.scale, p + "pre_feedforward_layernorm.weight", None),
+                (block.post_mlp_norm.scale, p + "post_feedforward_layernorm.weight", None),
+            ]
         else:
             plan.append((block.mlp_norm.scale, p + "post_attention_layernorm.weight", None))
-        plan += [(a.q_proj.kernel, p + "self_attn.q_proj.weight", _T),
-                 (a.k_proj.kernel, p + "self_attn.k_proj.weight", _T),
-                 (a.v_proj.kernel, p + "self_attn.v_proj.weight", _T),
-                 (a.o_proj.kernel, p + "self_attn.o_proj.weight", _T),
-                 (block.mlp.gate.kernel, p + "mlp.gate_proj.weight", _T),
-                 (block.mlp.up.kernel, p + "mlp.up_proj.weight", _T),
-                 (block.mlp.down.kernel, p + "mlp.down_proj.weight", _T)]
+        plan += [
+            (a.q_proj.kernel, p + "self_attn.q_proj.weight", _T),
+            (a.k_proj.kernel, p + "self_attn.k_proj.weight", _T),
+            (a.v_proj.kernel, p + "self_attn.v_proj.weight", _T),
+            (a.o_proj.kernel, p + "self_attn.o_proj.weight", _T),
+            (block.mlp.gate.kernel, p + "mlp.gate_proj.weight", _T),
+            (block.mlp.up.kernel, p + "mlp.up_proj.weight", _T),
+            (block.mlp.down.kernel, p + "mlp.down_proj.weight", _T),
+        ]
         if cfg.attention_bias:
-            plan += [(a.q_proj.bias, p + "self_attn.q_proj.bias", None),
-                     (a.k_proj.bias, p + "self_attn.k_proj.bias", None),
-                     (a.v_proj.bias, p + "self_attn.v_proj.bias", None)]
+            plan += [
+                (a.q_proj.bias, p + "self_attn.q_proj.bias", None),
+                (a.k_proj.bias, p + "self_attn.k_proj.bias", None),
+                (a.v_proj.bias, p + "self_attn.v_proj.bias", None),
+            ]
             if o_bias:
                 plan.append((a.o_proj.bias, p + "self_attn.o_proj.bias", None))
         if cfg.qk_norm:
-            plan += [(a.q_norm.scale, p + "self_attn.q_norm.weight", None),
-                     (a.k_norm.scale, p + "self_attn.k_norm.weight", None)]
+            plan += [
+                (a.q_norm.scale, p + "self_attn.q_norm.weight", None),
+                (a.k_norm.scale, p + "self_attn.k_norm.weight", None),
+            ]
     return plan
 
 
-def load_plan(plan: Plan, weights: Mapping, what: str, *, dtype=None, source: str = "state dict",
-              shapes: Optional[Mapping] = None, ignore: Tuple[str, ...] = ()) -> None:
+def load_plan(
+    plan: Plan,
+    weights: Mapping,
+    what: str,
+    *,
+    dtype=None,
+    source: str = "state dict",
+    shapes: Optional[Mapping] = None,
+    ignore: Tuple[str, ...] = (),
+) -> None:
     """Check ``weights`` against ``plan``, then set every variable (tensors read one at a time).
 
     Args:
@@ -227,13 +267,16 @@ def load_plan(plan: Plan, weights: Mapping, what: str, *, dtype=None, source: st
     """
     missing = [key for _, key, _ in plan if key not in weights]
     if missing:
-        raise ValueError(f"{source} lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} ({len(missing)} "
-                         f"tensors): allowed the weights of a config with {what}")
+        raise ValueError(
+            f"{source} lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} ({len(missing)} "
+            f"tensors): allowed the weights of a config with {what}"
+        )
     planned = {key for _, key, _ in plan}
     unexpected = sorted(k for k in set(weights) - planned if k not in ignore)
     if unexpected:
-        raise ValueError(f"{source} has unexpected keys {unexpected[:4]}: allowed only the weights of a config "
-                         f"with {what}")
+        raise ValueError(
+            f"{source} has unexpected keys {unexpected[:4]}: allowed only the weights of a config with {what}"
+        )
 
     def check(key, shape, var, fn):
         got = tuple(fn(np.empty(shape, np.bool_)).shape) if fn is not None else tuple(shape)
@@ -270,21 +313,31 @@ def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **confi
         ValueError: a state dict without ``model``, a missing or unexpected key, or a weight whose
             shape does not fit the model's config.
     """
-    sd, model = hf_source(hf_model_or_state_dict, model, Llama, LlamaConfig, "Llama-family",
-                          make_config=llama_config_from_hf, **config_overrides)
+    sd, model = hf_source(
+        hf_model_or_state_dict,
+        model,
+        Llama,
+        LlamaConfig,
+        "Llama-family",
+        make_config=llama_config_from_hf,
+        **config_overrides,
+    )
     load_llama(model, {_strip(k): v for k, v in sd.items()})
     return model
 
 
-def load_llama(model: Llama, weights: Mapping, *, dtype=None, source: str = "state dict",
-               shapes: Optional[Mapping] = None) -> None:
+def load_llama(
+    model: Llama, weights: Mapping, *, dtype=None, source: str = "state dict", shapes: Optional[Mapping] = None
+) -> None:
     """Set ``model``'s variables from HF-named ``weights`` (keys without ``model.``): :func:`llama_plan`
     then :func:`load_plan`; a missing o bias of a biased model (Qwen2) becomes zeros."""
     cfg = model.config
     o_bias = cfg.attention_bias and "layers.0.self_attn.o_proj.bias" in weights
     plan = llama_plan(model, o_bias=o_bias)
-    what = (f"n_layer={cfg.n_layer}, sandwich_norms={cfg.sandwich_norms}, qk_norm={cfg.qk_norm}, "
-            f"attention_bias={cfg.attention_bias}, tie_embeddings={cfg.tie_embeddings}")
+    what = (
+        f"n_layer={cfg.n_layer}, sandwich_norms={cfg.sandwich_norms}, qk_norm={cfg.qk_norm}, "
+        f"attention_bias={cfg.attention_bias}, tie_embeddings={cfg.tie_embeddings}"
+    )
     ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
     ignore += tuple(f"layers.{il}.self_attn.rotary_emb.inv_freq" for il in range(cfg.n_layer))
     load_plan(plan, weights, what, dtype=dtype, source=source, shapes=shapes, ignore=ignore)

@@ -20,8 +20,13 @@ __all__ = ["ROPE_KINDS", "rope_from_hf"]
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
-def rope_from_hf(params: Mapping, head_dim: int, max_position_embeddings: Optional[int] = None, *,
-                 allowed: Tuple[str, ...] = ROPE_KINDS) -> RopeConfig:
+def rope_from_hf(
+    params: Mapping,
+    head_dim: int,
+    max_position_embeddings: Optional[int] = None,
+    *,
+    allowed: Tuple[str, ...] = ROPE_KINDS,
+) -> RopeConfig:
     """The :class:`kvjax.RopeConfig` of one transformers ``rope_parameters`` (or ``rope_scaling``) dict.
 
     Neox layout over the whole head (HF's ``rotate_half``). The kinds map onto ggml's ``rope_ext``
@@ -53,18 +58,24 @@ def rope_from_hf(params: Mapping, head_dim: int, max_position_embeddings: Option
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in allowed:
         names = " or ".join(map(repr, allowed)) if len(allowed) <= 2 else f"one of {list(allowed)}"
-        raise ValueError(f"hf_config rope_type={kind!r} is out of range: allowed {names}"
-                         + (" (kvjax maps these onto ggml's rope_ext)" if len(allowed) > 2 else ""))
+        raise ValueError(
+            f"hf_config rope_type={kind!r} is out of range: allowed {names}"
+            + (" (kvjax maps these onto ggml's rope_ext)" if len(allowed) > 2 else "")
+        )
     theta = float(params.get("rope_theta", 10000.0))
     if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
-        raise ValueError(f"hf_config partial_rotary_factor={params['partial_rotary_factor']!r} is out of range: "
-                         f"allowed 1.0 (RoPE over the whole head)")
+        raise ValueError(
+            f"hf_config partial_rotary_factor={params['partial_rotary_factor']!r} is out of range: "
+            f"allowed 1.0 (RoPE over the whole head)"
+        )
 
     def need(name):
         value = params.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"hf_config rope_parameters[{name!r}]={value!r} is out of range for rope_type="
-                             f"{kind!r}: allowed a number > 0")
+            raise ValueError(
+                f"hf_config rope_parameters[{name!r}]={value!r} is out of range for rope_type="
+                f"{kind!r}: allowed a number > 0"
+            )
         return float(value)
 
     base = dict(n_rot=head_dim, mode="neox", freq_base=theta)
@@ -87,12 +98,16 @@ def rope_from_hf(params: Mapping, head_dim: int, max_position_embeddings: Option
         return RopeConfig(**base, freq_factors=tuple((inv_freq / new).tolist()))
     if kind == "yarn":
         if params.get("truncate", True) is not True:
-            raise ValueError("hf_config rope_parameters['truncate']=False is out of range for rope_type='yarn': "
-                             "allowed True (ggml floors/ceils the correction range)")
+            raise ValueError(
+                "hf_config rope_parameters['truncate']=False is out of range for rope_type='yarn': "
+                "allowed True (ggml floors/ceils the correction range)"
+            )
         n_orig = params.get("original_max_position_embeddings") or max_position_embeddings
         if n_orig is None:
-            raise ValueError("hf_config rope_parameters lacks 'original_max_position_embeddings' for rope_type="
-                             "'yarn' (and the config has no max_position_embeddings): allowed an integer > 0")
+            raise ValueError(
+                "hf_config rope_parameters lacks 'original_max_position_embeddings' for rope_type="
+                "'yarn' (and the config has no max_position_embeddings): allowed an integer > 0"
+            )
         factor = params.get("factor")
         factor = float(max_position_embeddings) / float(n_orig) if factor is None else need("factor")
 
@@ -103,8 +118,14 @@ def rope_from_hf(params: Mapping, head_dim: int, max_position_embeddings: Option
         if attention is None:
             m, m_all = params.get("mscale"), params.get("mscale_all_dim")
             attention = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
-        builtin = 1.0 + 0.1 * math.log(factor)   # ggml multiplies this in whenever ext_factor != 0
-        return RopeConfig(**base, freq_scale=1.0 / factor, ext_factor=1.0, attn_factor=float(attention) / builtin,
-                          beta_fast=float(params.get("beta_fast") or 32.0),
-                          beta_slow=float(params.get("beta_slow") or 1.0), n_ctx_orig=int(n_orig))
+        builtin = 1.0 + 0.1 * math.log(factor)  # ggml multiplies this in whenever ext_factor != 0
+        return RopeConfig(
+            **base,
+            freq_scale=1.0 / factor,
+            ext_factor=1.0,
+            attn_factor=float(attention) / builtin,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            n_ctx_orig=int(n_orig),
+        )
     raise AssertionError(f"rope_type={kind!r} is in ROPE_KINDS but has no mapping")

@@ -73,8 +73,10 @@ class HybridLMConfig:
     def __post_init__(self):
         layers = tuple(int(il) for il in self.recurrent_layers)
         if list(layers) != sorted(set(layers)) or any(not 0 <= il < self.n_layer for il in layers):
-            raise ValueError(f"recurrent_layers={self.recurrent_layers!r} is out of range: allowed distinct ascending "
-                             f"layer ids in [0, n_layer={self.n_layer})")
+            raise ValueError(
+                f"recurrent_layers={self.recurrent_layers!r} is out of range: allowed distinct ascending "
+                f"layer ids in [0, n_layer={self.n_layer})"
+            )
         object.__setattr__(self, "recurrent_layers", layers)
         self.llama, self.mamba  # noqa: B018 - validates both derived configs now
 
@@ -85,21 +87,36 @@ class HybridLMConfig:
     @property
     def llama(self) -> LlamaConfig:
         """The attention layers' description (layer ids are the model's)."""
-        return LlamaConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_layer=self.n_layer, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads, d_ff=self.d_ff, norm_eps=self.norm_eps)
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_layer=self.n_layer,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            d_ff=self.d_ff,
+            norm_eps=self.norm_eps,
+        )
 
     @property
     def mamba(self) -> MambaConfig:
         """The recurrent layers' description (``n_layer`` = the number of recurrent layers)."""
-        return MambaConfig(vocab_size=self.vocab_size, d_model=self.d_model, n_layer=max(1, len(self.recurrent_layers)),
-                           d_state=self.d_state, d_conv=self.d_conv, expand=self.expand, norm_eps=self.norm_eps,
-                           scan=self.scan)
+        return MambaConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_layer=max(1, len(self.recurrent_layers)),
+            d_state=self.d_state,
+            d_conv=self.d_conv,
+            expand=self.expand,
+            norm_eps=self.norm_eps,
+            scan=self.scan,
+        )
 
     def memory_config(self, size: int, n_seq_max: int, *, n_states: int = 1, **cache_overrides) -> HybridConfig:
         """The :class:`kvjax.HybridConfig` this model runs on: ``size`` cells of K/V for the attention
         layers, one state cell per sequence for the recurrent ones (``n_states`` kept each)."""
-        attention = self.llama.cache_config(size=size, n_seq_max=n_seq_max, layer_filter=self.attention_layers,
-                                            **cache_overrides)
+        attention = self.llama.cache_config(
+            size=size, n_seq_max=n_seq_max, layer_filter=self.attention_layers, **cache_overrides
+        )
         recurrent = self.mamba.memory_config(n_seq_max, n_states=n_states)
         return HybridConfig(attention, recurrent, recurrent_layers=self.recurrent_layers)
 
@@ -131,16 +148,23 @@ class HybridLM(nnx.Module):
             raise ValueError(f"config must be a HybridLMConfig, got {type(config).__name__}")
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.layers = nnx.List([RecurrentBlock(config, rngs=rngs) if il in config.recurrent_layers
-                                else Block(config.llama, il, rngs=rngs) for il in range(config.n_layer)])
+        self.layers = nnx.List(
+            [
+                RecurrentBlock(config, rngs=rngs)
+                if il in config.recurrent_layers
+                else Block(config.llama, il, rngs=rngs)
+                for il in range(config.n_layer)
+            ]
+        )
         self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
         self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
 
     def _logits(self, x):
         return self.lm_head(self.norm(x)).astype(jnp.float32)
 
-    def __call__(self, tokens: Int[Array, " T"], memory: HybridCache, inputs: UbatchInputs
-                 ) -> Tuple[Float[Array, "T V"], HybridCache]:
+    def __call__(
+        self, tokens: Int[Array, " T"], memory: HybridCache, inputs: UbatchInputs
+    ) -> Tuple[Float[Array, "T V"], HybridCache]:
         """One equal-split ubatch through a :class:`kvjax.HybridCache` (the model call of ``make_step``).
 
         Returns:
@@ -149,8 +173,10 @@ class HybridLM(nnx.Module):
         """
         cfg = self.config
         if not isinstance(memory, HybridCache) or memory.config.recurrent_layers != cfg.recurrent_layers:
-            raise ValueError(f"memory must be a kvjax.HybridCache with recurrent layers {list(cfg.recurrent_layers)} "
-                             f"(make it with kvjax.init(config.memory_config(...))), got {type(memory).__name__}")
+            raise ValueError(
+                f"memory must be a kvjax.HybridCache with recurrent layers {list(cfg.recurrent_layers)} "
+                f"(make it with kvjax.init(config.memory_config(...))), got {type(memory).__name__}"
+            )
         check_inputs(inputs)
         check_tokens(tokens, inputs.ubatch, cfg.vocab_size)
         n_slots, t = equal_slots(inputs.ubatch)
@@ -164,8 +190,12 @@ class HybridLM(nnx.Module):
         for il, layer in enumerate(self.layers):
             if il in cfg.recurrent_layers:
                 r = cfg.recurrent_layers.index(il)
-                y, conv, ssm = layer(x.reshape(n_slots, t, -1), jnp.swapaxes(conv_all[r], -1, -2).astype(jnp.float32),
-                                     ssm_all[r].astype(jnp.float32), keep)
+                y, conv, ssm = layer(
+                    x.reshape(n_slots, t, -1),
+                    jnp.swapaxes(conv_all[r], -1, -2).astype(jnp.float32),
+                    ssm_all[r].astype(jnp.float32),
+                    keep,
+                )
                 x = y.reshape(x.shape).astype(x.dtype)
                 convs.append(jnp.swapaxes(conv, -1, -2))
                 ssms.append(ssm)

@@ -51,8 +51,15 @@ class MaskKind(NamedTuple):
     n_swa: int = 0
 
 
-def layer_mask(cache, ubatch: Ubatch, n_kv: int, *, alibi: bool = False,
-               swa_type: Union[SwaType, str] = SwaType.NONE, n_swa: int = 0) -> Float[Array, "T N"]:
+def layer_mask(
+    cache,
+    ubatch: Ubatch,
+    n_kv: int,
+    *,
+    alibi: bool = False,
+    swa_type: Union[SwaType, str] = SwaType.NONE,
+    n_swa: int = 0,
+) -> Float[Array, "T N"]:
     """The additive kvjax mask of one kind of layer (``kvjax.kq_mask`` with this layer's window).
 
     Example:
@@ -63,8 +70,9 @@ def layer_mask(cache, ubatch: Ubatch, n_kv: int, *, alibi: bool = False,
         [[0.0, -inf, -inf], [0.0, 0.0, -inf]]
     """
     kind = SwaType(swa_type)
-    return kvjax.kq_mask(cache, ubatch, n_kv, causal=True, alibi=alibi, swa_type=kind,
-                         n_swa=int(n_swa) if kind != SwaType.NONE else 0)
+    return kvjax.kq_mask(
+        cache, ubatch, n_kv, causal=True, alibi=alibi, swa_type=kind, n_swa=int(n_swa) if kind != SwaType.NONE else 0
+    )
 
 
 @struct.dataclass
@@ -95,19 +103,40 @@ class UbatchInputs:
         """These inputs with one mask per distinct kind (the ubatch must be placed in ``memory``)."""
         kinds = tuple(dict.fromkeys(MaskKind(*k) for k in kinds))
         if memory.streamed:  # one [t, N] mask per slot, over the slot's own stream
-            masks = tuple(kvjax.stream_masks(memory, self.ubatch, self.placement, self.windows[k.part], alibi=k.alibi,
-                                         swa_type=k.swa_type, n_swa=k.n_swa) for k in kinds)
+            masks = tuple(
+                kvjax.stream_masks(
+                    memory,
+                    self.ubatch,
+                    self.placement,
+                    self.windows[k.part],
+                    alibi=k.alibi,
+                    swa_type=k.swa_type,
+                    n_swa=k.n_swa,
+                )
+                for k in kinds
+            )
             return self.replace(masks=masks, mask_kinds=kinds)
-        masks = tuple(layer_mask(memory.part(k.part), self.ubatch, self.windows[k.part], alibi=k.alibi,
-                                 swa_type=k.swa_type, n_swa=k.n_swa) for k in kinds)
+        masks = tuple(
+            layer_mask(
+                memory.part(k.part),
+                self.ubatch,
+                self.windows[k.part],
+                alibi=k.alibi,
+                swa_type=k.swa_type,
+                n_swa=k.n_swa,
+            )
+            for k in kinds
+        )
         return self.replace(masks=masks, mask_kinds=kinds)
 
     def mask(self, kind: MaskKind) -> Float[Array, "T N"]:
         """The mask of one kind (``ValueError`` when :meth:`with_masks` did not compute it)."""
         kind = MaskKind(*kind)
         if kind not in self.mask_kinds:
-            raise ValueError(f"kind={kind} has no mask in these inputs: allowed {list(self.mask_kinds)} "
-                             f"(compute it with inputs.with_masks(memory, kinds))")
+            raise ValueError(
+                f"kind={kind} has no mask in these inputs: allowed {list(self.mask_kinds)} "
+                f"(compute it with inputs.with_masks(memory, kinds))"
+            )
         return self.masks[self.mask_kinds.index(kind)]
 
 
@@ -140,8 +169,10 @@ def check_token_rows(tokens, vocab_size: int) -> None:
     """Validate the tokens of an uncached pass: an integer ``[B, T]`` array (B, T >= 1), ids in range."""
     shape = tuple(jnp.shape(tokens))
     if len(shape) != 2 or min(shape) < 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
-                         "[B, T] array (or [T] for one sequence) with B, T >= 1")
+        raise ValueError(
+            f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
+            "[B, T] array (or [T] for one sequence) with B, T >= 1"
+        )
     check_token_ids(tokens, vocab_size)
 
 
@@ -151,7 +182,9 @@ def check_tokens(tokens, ubatch: Ubatch, vocab_size: int) -> None:
         raise ValueError(f"ubatch must be a kvjax.Ubatch, got {type(ubatch).__name__}")
     shape = tuple(jnp.shape(tokens))
     if shape != (ubatch.length,) or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-        raise ValueError(f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
-                         f"[T] array with T = ubatch.length = {ubatch.length}")
+        raise ValueError(
+            f"tokens has shape {shape} and dtype {jnp.result_type(tokens)}: allowed an integer "
+            f"[T] array with T = ubatch.length = {ubatch.length}"
+        )
     if not isinstance(tokens, jax.core.Tracer):
         check_token_ids(np.asarray(tokens)[np.asarray(ubatch.valid)], vocab_size)

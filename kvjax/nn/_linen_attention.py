@@ -32,8 +32,14 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import UbatchInputs
-from kvjax.nn._nnx_attention import (alibi_slopes, attend_uncached, cached_attention_call,
-                                    check_attention_options, check_heads, project_qkv)
+from kvjax.nn._nnx_attention import (
+    alibi_slopes,
+    attend_uncached,
+    cached_attention_call,
+    check_attention_options,
+    check_heads,
+    project_qkv,
+)
 from kvjax.nn._norm import LinenOffsetRMSNorm
 
 __all__ = ["LinenCachedAttention"]
@@ -82,8 +88,10 @@ class LinenCachedAttention(nn.Module):
         check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
         check_attention_options(self.scale, self.softcap, self.qk_norm, self.norm_eps)
         if SwaType(self.swa_type) != SwaType.NONE and not self.n_swa > 0:
-            raise ValueError(f"n_swa={self.n_swa!r} is out of range: allowed an integer > 0 with "
-                             f"swa_type={SwaType(self.swa_type).value!r}")
+            raise ValueError(
+                f"n_swa={self.n_swa!r} is out of range: allowed an integer > 0 with "
+                f"swa_type={SwaType(self.swa_type).value!r}"
+            )
         if self.rope is not None and self.rope.n_rot > self.head_dim:
             raise ValueError(f"rope.n_rot={self.rope.n_rot} is out of range: allowed <= head_dim={self.head_dim}")
         dense = dict(use_bias=self.use_bias, param_dtype=self.param_dtype)
@@ -98,14 +106,21 @@ class LinenCachedAttention(nn.Module):
 
     def _options(self):
         alibi = None if self.alibi_max_bias is None else alibi_slopes(self.n_heads, self.alibi_max_bias)
-        return dict(rope=self.rope, alibi=alibi, swa_type=SwaType(self.swa_type), n_swa=int(self.n_swa),
-                    scale=self.scale, softcap=self.softcap)
+        return dict(
+            rope=self.rope,
+            alibi=alibi,
+            swa_type=SwaType(self.swa_type),
+            n_swa=int(self.n_swa),
+            scale=self.scale,
+            softcap=self.softcap,
+        )
 
     def _qkv(self, x):
         return project_qkv(self, x)
 
-    def __call__(self, x: Float[Array, "T E"], memory: Memory, inputs: UbatchInputs
-                 ) -> Tuple[Float[Array, "T E"], Memory]:
+    def __call__(
+        self, x: Float[Array, "T E"], memory: Memory, inputs: UbatchInputs
+    ) -> Tuple[Float[Array, "T E"], Memory]:
         """Attend the placed ubatch through the memory; returns ``(y [T, E], memory)``.
 
         Arguments as :meth:`kvjax.nn.CachedAttention.__call__`.

@@ -143,13 +143,16 @@ class LlamaConfig:
         if self.head_dim is not None:
             object.__setattr__(self, "head_dim", check_count("head_dim", self.head_dim, 1))
         elif self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is out of range: allowed a multiple of n_heads="
-                             f"{self.n_heads} (or give head_dim)")
+            raise ValueError(
+                f"d_model={self.d_model} is out of range: allowed a multiple of n_heads="
+                f"{self.n_heads} (or give head_dim)"
+            )
         if self.d_ff is not None:
             object.__setattr__(self, "d_ff", check_count("d_ff", self.d_ff, 1))
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is out of range: allowed a multiple of "
-                             f"n_kv_heads={self.n_kv_heads} (GQA)")
+            raise ValueError(
+                f"n_heads={self.n_heads} is out of range: allowed a multiple of n_kv_heads={self.n_kv_heads} (GQA)"
+            )
         if self.position not in ("rope", "alibi"):
             raise ValueError(f"position={self.position!r} is out of range: allowed 'rope' or 'alibi'")
         if self.rope is not None and self.rope.n_rot > self.head_size:
@@ -164,8 +167,9 @@ class LlamaConfig:
         object.__setattr__(self, "swa_type", SwaType(self.swa_type))
         if layers:
             if self.swa_type == SwaType.NONE:
-                raise ValueError("swa_type='none' is out of range with swa_layers: allowed 'standard', "
-                                 "'chunked' or 'symmetric'")
+                raise ValueError(
+                    "swa_type='none' is out of range with swa_layers: allowed 'standard', 'chunked' or 'symmetric'"
+                )
             object.__setattr__(self, "n_swa", check_count("n_swa", self.n_swa, 1))
         for name in ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm", "attention_bias"):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
@@ -177,11 +181,14 @@ class LlamaConfig:
             if not isinstance(self.swa_rope, RopeConfig):
                 raise ValueError(f"swa_rope={self.swa_rope!r} is out of range: allowed a kvjax.RopeConfig or None")
             if self.position != "rope":
-                raise ValueError(f"swa_rope={self.swa_rope!r} is out of range with position={self.position!r}: "
-                                 f"allowed only with position='rope' (or swa_rope=None)")
+                raise ValueError(
+                    f"swa_rope={self.swa_rope!r} is out of range with position={self.position!r}: "
+                    f"allowed only with position='rope' (or swa_rope=None)"
+                )
             if self.swa_rope.n_rot > self.head_size:
-                raise ValueError(f"swa_rope.n_rot={self.swa_rope.n_rot} is out of range: allowed <= "
-                                 f"head_dim={self.head_size}")
+                raise ValueError(
+                    f"swa_rope.n_rot={self.swa_rope.n_rot} is out of range: allowed <= head_dim={self.head_size}"
+                )
 
     @staticmethod
     def window_pattern(n_layer: int, every: int) -> Tuple[int, ...]:
@@ -221,11 +228,14 @@ class LlamaConfig:
         if model_type == "gemma3" and getattr(hf_config, "text_config", None) is not None:
             hf_config, model_type = hf_config.text_config, hf_config.text_config.model_type
         if model_type not in ("gemma2", "gemma3_text"):
-            raise ValueError(f"hf_config.model_type={model_type!r} is out of range: allowed 'gemma2', "
-                             f"'gemma3_text' or 'gemma3'")
+            raise ValueError(
+                f"hf_config.model_type={model_type!r} is out of range: allowed 'gemma2', 'gemma3_text' or 'gemma3'"
+            )
         if getattr(hf_config, "use_bidirectional_attention", False):
-            raise ValueError("hf_config.use_bidirectional_attention=True is out of range: allowed False "
-                             "(the reference model is causal)")
+            raise ValueError(
+                "hf_config.use_bidirectional_attention=True is out of range: allowed False "
+                "(the reference model is causal)"
+            )
         act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None)
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"hf_config.hidden_activation={act!r} is out of range: allowed 'gelu_pytorch_tanh'")
@@ -239,34 +249,57 @@ class LlamaConfig:
         else:
             bad = sorted(set(types) - {"sliding_attention", "full_attention"})
             if bad or len(types) != n_layer:
-                raise ValueError(f"hf_config.layer_types={list(types)!r} is out of range: allowed {n_layer} "
-                                 f"entries of 'sliding_attention' / 'full_attention'")
+                raise ValueError(
+                    f"hf_config.layer_types={list(types)!r} is out of range: allowed {n_layer} "
+                    f"entries of 'sliding_attention' / 'full_attention'"
+                )
             swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
         params = getattr(hf_config, "rope_parameters", None) or {}
         if model_type == "gemma3_text":
-            full = rope_from_hf(params.get("full_attention") or {"rope_theta": getattr(hf_config, "rope_theta", 1e6)},
-                                head_dim, allowed=_GEMMA_ROPE)
-            local = rope_from_hf(params.get("sliding_attention")
-                                 or {"rope_theta": getattr(hf_config, "rope_local_base_freq", 1e4)}, head_dim,
-                                 allowed=_GEMMA_ROPE)
-            attn_cap = None   # transformers' Gemma 3 attention ignores attn_logit_softcapping
+            full = rope_from_hf(
+                params.get("full_attention") or {"rope_theta": getattr(hf_config, "rope_theta", 1e6)},
+                head_dim,
+                allowed=_GEMMA_ROPE,
+            )
+            local = rope_from_hf(
+                params.get("sliding_attention") or {"rope_theta": getattr(hf_config, "rope_local_base_freq", 1e4)},
+                head_dim,
+                allowed=_GEMMA_ROPE,
+            )
+            attn_cap = None  # transformers' Gemma 3 attention ignores attn_logit_softcapping
         else:
-            full = rope_from_hf(params if "rope_theta" in params else {"rope_theta": getattr(hf_config, "rope_theta", 1e4)},
-                                head_dim, allowed=_GEMMA_ROPE)
+            full = rope_from_hf(
+                params if "rope_theta" in params else {"rope_theta": getattr(hf_config, "rope_theta", 1e4)},
+                head_dim,
+                allowed=_GEMMA_ROPE,
+            )
             local = full
             attn_cap = getattr(hf_config, "attn_logit_softcapping", None)
         args = dict(
-            vocab_size=int(hf_config.vocab_size), d_model=int(hf_config.hidden_size), n_layer=n_layer,
-            n_heads=int(hf_config.num_attention_heads), n_kv_heads=int(hf_config.num_key_value_heads),
-            head_dim=head_dim, d_ff=int(hf_config.intermediate_size), norm_eps=float(hf_config.rms_norm_eps),
-            rope=full, swa_layers=swa_layers, swa_type=SwaType.STANDARD,
+            vocab_size=int(hf_config.vocab_size),
+            d_model=int(hf_config.hidden_size),
+            n_layer=n_layer,
+            n_heads=int(hf_config.num_attention_heads),
+            n_kv_heads=int(hf_config.num_key_value_heads),
+            head_dim=head_dim,
+            d_ff=int(hf_config.intermediate_size),
+            norm_eps=float(hf_config.rms_norm_eps),
+            rope=full,
+            swa_layers=swa_layers,
+            swa_type=SwaType.STANDARD,
             n_swa=int(hf_config.sliding_window) if swa_layers else 0,
             tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
-            norm_offset=True, sandwich_norms=True, scale_embeddings=True, activation="gelu_tanh",
-            query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar), attn_logit_softcap=attn_cap,
+            norm_offset=True,
+            sandwich_norms=True,
+            scale_embeddings=True,
+            activation="gelu_tanh",
+            query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar),
+            attn_logit_softcap=attn_cap,
             final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
-            swa_rope=local if local != full else None, qk_norm=model_type == "gemma3_text")
+            swa_rope=local if local != full else None,
+            qk_norm=model_type == "gemma3_text",
+        )
         args.update(overrides)
         return cls(**args)
 
@@ -300,7 +333,7 @@ class LlamaConfig:
     @property
     def attn_scale(self) -> Optional[float]:
         """The softmax scale: ``query_pre_attn_scalar ** -0.5``, or ``None`` (``head_dim ** -0.5``)."""
-        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
 
     def layer_window(self, layer: int) -> Tuple[SwaType, int]:
         """``(swa_type, n_swa)`` of a layer (``("none", 0)`` for full attention)."""
@@ -321,8 +354,14 @@ class LlamaConfig:
         rope = self.rope_config
         if self.swa_rope is not None:
             rope = tuple(self.layer_rope(il) for il in range(self.n_layer))
-        args = dict(size=size, n_seq_max=n_seq_max, n_layer=self.n_layer, n_kv_heads=self.n_kv_heads,
-                    head_dim=self.head_size, rope=rope)
+        args = dict(
+            size=size,
+            n_seq_max=n_seq_max,
+            n_layer=self.n_layer,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_size,
+            rope=rope,
+        )
         args.update(overrides)
         return CacheConfig(**args)
 
@@ -330,20 +369,26 @@ class LlamaConfig:
         """Raise ``ValueError`` unless ``memory`` stores every layer with this model's shapes."""
         require_memory(memory)
         if memory.n_parts == 0:
-            raise ValueError(f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
-                             f"that stores the model's attention layers (kvjax.KVCache, ...)")
+            raise ValueError(
+                f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
+                f"that stores the model's attention layers (kvjax.KVCache, ...)"
+            )
         want = tuple(range(self.n_layer))
         cached = tuple(sorted(il for p in range(memory.n_parts) for il in memory.part(p).config.cached_layers))
         n_layer = memory.part(0).config.n_layer
         if n_layer != self.n_layer or cached != want:
-            raise ValueError(f"cache caches layers {list(cached)} of n_layer={n_layer}: "
-                             f"allowed all {self.n_layer} layers of the model")
+            raise ValueError(
+                f"cache caches layers {list(cached)} of n_layer={n_layer}: "
+                f"allowed all {self.n_layer} layers of the model"
+            )
         for il in want:
             cfg = memory.part(memory.layer_part(il)).config
             if (cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il]) != (self.n_kv_heads,) + (self.head_size,) * 2:
-                raise ValueError(f"cache layer {il} has n_kv_heads={cfg.n_kv_heads[il]}, head_dim="
-                                 f"{cfg.head_dim[il]}, head_dim_v={cfg.head_dim_v[il]}: allowed n_kv_heads="
-                                 f"{self.n_kv_heads}, head_dim=head_dim_v={self.head_size}")
+                raise ValueError(
+                    f"cache layer {il} has n_kv_heads={cfg.n_kv_heads[il]}, head_dim="
+                    f"{cfg.head_dim[il]}, head_dim_v={cfg.head_dim_v[il]}: allowed n_kv_heads="
+                    f"{self.n_kv_heads}, head_dim=head_dim_v={self.head_size}"
+                )
 
     def mask_kinds(self, memory: Optional[Memory] = None) -> Dict[int, MaskKind]:
         """The :class:`kvjax.nn.MaskKind` of every layer (layers of one kind share a mask).
@@ -351,8 +396,10 @@ class LlamaConfig:
         The part of each layer comes from ``memory`` (its static routing), 0 without one.
         """
         alibi = self.position == "alibi"
-        return {il: MaskKind(0 if memory is None else memory.layer_part(il), alibi, *self.layer_window(il))
-                for il in range(self.n_layer)}
+        return {
+            il: MaskKind(0 if memory is None else memory.layer_part(il), alibi, *self.layer_window(il))
+            for il in range(self.n_layer)
+        }
 
 
 #: the RoPE kinds of Gemma 2 / 3 checkpoints
@@ -406,11 +453,18 @@ def _nnx_norm(config: LlamaConfig, dim: int, rngs: nnx.Rngs):
 def attention_options(config: LlamaConfig, layer: int) -> dict:
     """The keyword options of layer ``layer``'s attention (shared by the NNX and linen blocks)."""
     swa_type, n_swa = config.layer_window(layer)
-    return dict(rope=config.layer_rope(layer),
-                alibi_max_bias=config.alibi_max_bias if config.position == "alibi" else None,
-                swa_type=swa_type, n_swa=n_swa, scale=config.attn_scale, softcap=config.attn_logit_softcap,
-                qk_norm=config.qk_norm, norm_offset=config.norm_offset, norm_eps=config.norm_eps,
-                use_bias=config.attention_bias)
+    return dict(
+        rope=config.layer_rope(layer),
+        alibi_max_bias=config.alibi_max_bias if config.position == "alibi" else None,
+        swa_type=swa_type,
+        n_swa=n_swa,
+        scale=config.attn_scale,
+        softcap=config.attn_logit_softcap,
+        qk_norm=config.qk_norm,
+        norm_offset=config.norm_offset,
+        norm_eps=config.norm_eps,
+        use_bias=config.attention_bias,
+    )
 
 
 class Block(nnx.Module):
@@ -422,8 +476,15 @@ class Block(nnx.Module):
 
     def __init__(self, config: LlamaConfig, layer: int, *, rngs: nnx.Rngs):
         self.attn_norm = _nnx_norm(config, config.d_model, rngs)
-        self.attn = CachedAttention(config.d_model, config.n_heads, config.n_kv_heads, config.head_size,
-                                    layer=layer, rngs=rngs, **attention_options(config, layer))
+        self.attn = CachedAttention(
+            config.d_model,
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_size,
+            layer=layer,
+            rngs=rngs,
+            **attention_options(config, layer),
+        )
         self.post_attn_norm = _nnx_norm(config, config.d_model, rngs) if config.sandwich_norms else None
         self.mlp_norm = _nnx_norm(config, config.d_model, rngs)
         self.mlp = MLP(config.d_model, config.ff_size, activation=config.activation, rngs=rngs)
@@ -502,14 +563,16 @@ class Llama(nnx.Module):
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
         self.layers = nnx.List([Block(config, il, rngs=rngs) for il in range(config.n_layer)])
         self.norm = _nnx_norm(config, config.d_model, rngs)
-        self.lm_head = None if config.tie_embeddings else nnx.Linear(
-            config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        self.lm_head = (
+            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        )
 
     def _logits(self, x):
         return output_logits(self, x)
 
-    def __call__(self, tokens: Int[Array, " T"], memory: Memory, inputs: UbatchInputs
-                 ) -> Tuple[Float[Array, "T V"], Memory]:
+    def __call__(
+        self, tokens: Int[Array, " T"], memory: Memory, inputs: UbatchInputs
+    ) -> Tuple[Float[Array, "T V"], Memory]:
         """Run a placed ubatch through the memory.
 
         Args:
@@ -525,8 +588,9 @@ class Llama(nnx.Module):
         """
         return model_cached(self, tokens, memory, inputs)
 
-    def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
-                ) -> Float[Array, "B T V"]:
+    def forward(
+        self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
+    ) -> Float[Array, "B T V"]:
         """The uncached pass: each row of ``tokens`` is one sequence, attending only to itself.
 
         Args:

@@ -31,8 +31,17 @@ from kvjax._typing import Array, Float, Int
 from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import UbatchInputs
 from kvjax.nn._linen_attention import LinenCachedAttention
-from kvjax.nn._llama import (ACTIVATIONS, Llama, LlamaConfig, attention_options, block_cached, block_uncached,
-                             model_cached, model_uncached, output_logits)
+from kvjax.nn._llama import (
+    ACTIVATIONS,
+    Llama,
+    LlamaConfig,
+    attention_options,
+    block_cached,
+    block_uncached,
+    model_cached,
+    model_uncached,
+    output_logits,
+)
 from kvjax.nn._norm import LinenOffsetRMSNorm
 from kvjax.nn._ggml_linear import GGMLBlocks
 
@@ -65,8 +74,13 @@ class _Block(nn.Module):
         cfg = self.config
         self.attn_norm = _linen_norm(cfg)
         self.attn = LinenCachedAttention(
-            d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_size,
-            layer=self.layer, **attention_options(cfg, self.layer))
+            d_model=cfg.d_model,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_size,
+            layer=self.layer,
+            **attention_options(cfg, self.layer),
+        )
         self.post_attn_norm = _linen_norm(cfg) if cfg.sandwich_norms else None
         self.mlp_norm = _linen_norm(cfg)
         self.mlp = _MLP(cfg.ff_size, cfg.d_model, cfg.activation)
@@ -100,8 +114,9 @@ class LlamaLinen(nn.Module):
     def _logits(self, x):
         return output_logits(self, x)
 
-    def __call__(self, tokens: Int[Array, " T"], memory: Memory, inputs: UbatchInputs
-                 ) -> Tuple[Float[Array, "T V"], Memory]:
+    def __call__(
+        self, tokens: Int[Array, " T"], memory: Memory, inputs: UbatchInputs
+    ) -> Tuple[Float[Array, "T V"], Memory]:
         """Run a placed ubatch through the memory; returns ``(logits f32[T, V], memory)``.
 
         With ``inputs.outputs`` set the logits are ``f32[R, V]``, those of the rows asked for.
@@ -110,8 +125,9 @@ class LlamaLinen(nn.Module):
         """
         return model_cached(self, tokens, memory, inputs)
 
-    def forward(self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
-                ) -> Float[Array, "B T V"]:
+    def forward(
+        self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
+    ) -> Float[Array, "B T V"]:
         """The uncached pass, each row one sequence (see :meth:`kvjax.nn.Llama.forward`)."""
         return model_uncached(self, tokens, positions)
 
@@ -134,11 +150,13 @@ def params_from_nnx(model: Llama) -> dict:
         raise ValueError(f"model must be a kvjax.nn.Llama, got {type(model).__name__}")
 
     compact = nnx.state(model, GGMLBlocks)
-    if jax.tree.leaves(compact):   # the linen twin has float kernels only: it would drop these weights
+    if jax.tree.leaves(compact):  # the linen twin has float kernels only: it would drop these weights
         names = [".".join(str(k) for k in path[:-1]) for path, _ in nnx.to_flat_state(compact)]
         more = " ..." if len(names) > 3 else ""
-        raise ValueError(f"model has weights kept as ggml blocks ({', '.join(names[:3])}{more}): allowed a model "
-                         f"with float weights; load it with from_gguf(path, dtype=jnp.float32)")
+        raise ValueError(
+            f"model has weights kept as ggml blocks ({', '.join(names[:3])}{more}): allowed a model "
+            f"with float weights; load it with from_gguf(path, dtype=jnp.float32)"
+        )
     pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     layers = pure.pop("layers")
     for il, block in layers.items():

@@ -165,19 +165,26 @@ class MambaConfig:
         if act not in ("silu", "swish"):
             raise ValueError(f"hf_config.hidden_act={act!r} is out of range: allowed 'silu'")
         args = dict(
-            vocab_size=hf_config.vocab_size, d_model=hf_config.hidden_size,
-            n_layer=hf_config.num_hidden_layers, d_state=hf_config.state_size,
-            d_conv=hf_config.conv_kernel, expand=hf_config.expand, dt_rank=hf_config.time_step_rank,
-            norm_eps=float(hf_config.layer_norm_epsilon), use_bias=bool(hf_config.use_bias),
+            vocab_size=hf_config.vocab_size,
+            d_model=hf_config.hidden_size,
+            n_layer=hf_config.num_hidden_layers,
+            d_state=hf_config.state_size,
+            d_conv=hf_config.conv_kernel,
+            expand=hf_config.expand,
+            dt_rank=hf_config.time_step_rank,
+            norm_eps=float(hf_config.layer_norm_epsilon),
+            use_bias=bool(hf_config.use_bias),
             use_conv_bias=bool(hf_config.use_conv_bias),
             tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
-            residual_in_fp32=bool(getattr(hf_config, "residual_in_fp32", True)))
+            residual_in_fp32=bool(getattr(hf_config, "residual_in_fp32", True)),
+        )
         args.update(overrides)
         cfg = cls(**args)
         inter = getattr(hf_config, "intermediate_size", cfg.d_inner)
         if inter != cfg.d_inner:
-            raise ValueError(f"hf_config.intermediate_size={inter!r} is out of range: allowed "
-                             f"expand * hidden_size = {cfg.d_inner}")
+            raise ValueError(
+                f"hf_config.intermediate_size={inter!r} is out of range: allowed expand * hidden_size = {cfg.d_inner}"
+            )
         return cfg
 
     # -- derived ---------------------------------------------------------------------------
@@ -224,9 +231,14 @@ class MambaConfig:
             >>> mem.size, mem.k_shape[0], mem.v_shape[0], mem.rows
             (4, (32, 3), (32, 4), 8)
         """
-        return RecurrentConfig(size=n_seq_max if size is None else size, n_seq_max=n_seq_max, n_layer=self.n_layer,
-                               k_shape=(self.d_inner, self.d_conv - 1), v_shape=(self.d_inner, self.d_state),
-                               n_states=n_states)
+        return RecurrentConfig(
+            size=n_seq_max if size is None else size,
+            n_seq_max=n_seq_max,
+            n_layer=self.n_layer,
+            k_shape=(self.d_inner, self.d_conv - 1),
+            v_shape=(self.d_inner, self.d_state),
+            n_states=n_states,
+        )
 
     def state_rows(self, conv_state, ssm_state) -> Tuple[Array, Array]:
         """The states as llama.cpp's per-cell rows: ``([L, C, n_embd_k_s], [L, C, n_embd_v_s])``.
@@ -239,6 +251,7 @@ class MambaConfig:
 
 
 # -- modules ---------------------------------------------------------------------------------
+
 
 def _inv_softplus(x):
     return x + jnp.log(-jnp.expm1(-x))
@@ -260,24 +273,33 @@ class MambaMixer(nnx.Module):
         Di, N, R, K = c.d_inner, c.d_state, c.dt_rank, c.d_conv
         lin = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
         self.in_proj = nnx.Linear(c.d_model, 2 * Di, use_bias=c.use_bias, **lin)
-        bound = 1.0 / math.sqrt(K)                               # torch's Conv1d default (fan_in = K)
+        bound = 1.0 / math.sqrt(K)  # torch's Conv1d default (fan_in = K)
         self.conv_kernel = nnx.Param(jax.random.uniform(rngs.params(), (K, Di), c.param_dtype, -bound, bound))
         self.conv_bias = nnx.Param(jnp.zeros((Di,), c.param_dtype)) if c.use_conv_bias else None
         self.x_proj = nnx.Linear(Di, R + 2 * N, use_bias=False, **lin)
-        dt_std = R ** -0.5
-        dt = jnp.exp(jax.random.uniform(rngs.params(), (Di,)) * (math.log(0.1) - math.log(0.001))
-                     + math.log(0.001))
+        dt_std = R**-0.5
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (Di,)) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
         self.dt_proj = nnx.Linear(
-            R, Di, use_bias=True,
+            R,
+            Di,
+            use_bias=True,
             kernel_init=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -dt_std, dt_std),
-            bias_init=lambda key, shape, dtype: _inv_softplus(jnp.maximum(dt, 1e-4)).astype(dtype), **lin)
-        self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Di, N)))
-                               .astype(c.param_dtype))
+            bias_init=lambda key, shape, dtype: _inv_softplus(jnp.maximum(dt, 1e-4)).astype(dtype),
+            **lin,
+        )
+        self.A_log = nnx.Param(
+            jnp.log(jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.float32), (Di, N))).astype(c.param_dtype)
+        )
         self.D = nnx.Param(jnp.ones((Di,), c.param_dtype))
         self.out_proj = nnx.Linear(Di, c.d_model, use_bias=c.use_bias, **lin)
 
-    def __call__(self, x: Float[Array, "S T E"], conv_state: Float[Array, "S Km1 Di"],
-                 ssm_state: Float[Array, "S Di N"], keep: Optional[int] = None):
+    def __call__(
+        self,
+        x: Float[Array, "S T E"],
+        conv_state: Float[Array, "S Km1 Di"],
+        ssm_state: Float[Array, "S Di N"],
+        keep: Optional[int] = None,
+    ):
         """``x [S, T, E]`` from states ``[S, K-1, Di]``, ``[S, Di, N]`` -> ``(out [S, T, E], conv, ssm)``.
 
         With ``keep = q`` the states returned are those after each of the last ``q`` tokens,
@@ -286,27 +308,28 @@ class MambaMixer(nnx.Module):
         """
         c = self.config
         T, N, R = x.shape[1], c.d_state, c.dt_rank
-        xs, z = jnp.split(self.in_proj(x), 2, axis=-1)           # [S, T, Di] each
+        xs, z = jnp.split(self.in_proj(x), 2, axis=-1)  # [S, T, Di] each
         # causal depthwise conv over the K-1 stored inputs followed by the new ones
-        window = jnp.concatenate([conv_state.astype(xs.dtype), xs], axis=1)   # [S, K-1+T, Di]
+        window = jnp.concatenate([conv_state.astype(xs.dtype), xs], axis=1)  # [S, K-1+T, Di]
         kernel = self.conv_kernel[...].astype(xs.dtype)
-        conv = sum(window[:, k:k + T] * kernel[k] for k in range(c.d_conv))
+        conv = sum(window[:, k : k + T] * kernel[k] for k in range(c.d_conv))
         if self.conv_bias is not None:
             conv = conv + self.conv_bias[...].astype(xs.dtype)
         u = jax.nn.silu(conv)
         dt, Bm, Cm = jnp.split(self.x_proj(u), [R, R + N], axis=-1)
         f32 = lambda a: a.astype(jnp.float32)
-        dt = jax.nn.softplus(f32(self.dt_proj(dt)))              # [S, T, Di]
-        A = -jnp.exp(f32(self.A_log[...]))                       # [Di, N]
+        dt = jax.nn.softplus(f32(self.dt_proj(dt)))  # [S, T, Di]
+        A = -jnp.exp(f32(self.A_log[...]))  # [Di, N]
         u32 = f32(u)
         if keep is None:
             y, h = selective_scan(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, scan=c.scan)
             conv_out = f32(window[:, T:])
         else:
-            y, h = selective_scan_keep(f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, keep=keep,
-                                       scan=c.scan)
+            y, h = selective_scan_keep(
+                f32(ssm_state), u32, dt, f32(Bm), f32(Cm), A, chunk=c.scan_chunk, keep=keep, scan=c.scan
+            )
             # the conv state after token t is the K-1 inputs ending at t: window[t + 1 : t + K]
-            conv_out = jnp.stack([f32(window[:, t + 1:t + c.d_conv]) for t in range(T - keep, T)], axis=1)
+            conv_out = jnp.stack([f32(window[:, t + 1 : t + c.d_conv]) for t in range(T - keep, T)], axis=1)
         y = (y + u32 * f32(self.D[...])) * jax.nn.silu(f32(z))
         out = self.out_proj(y.astype(c.dtype))
         return out, conv_out, h
@@ -317,8 +340,9 @@ class MambaBlock(nnx.Module):
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
-                                param_dtype=config.param_dtype, rngs=rngs)
+        self.norm = nnx.RMSNorm(
+            config.d_model, epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+        )
         self.mixer = MambaMixer(config, rngs=rngs)
 
     def __call__(self, x, conv_state, ssm_state, keep: Optional[int] = None):
@@ -340,14 +364,25 @@ class Mamba(nnx.Module):
         if not isinstance(config, MambaConfig):
             raise ValueError(f"config must be a MambaConfig, got {type(config).__name__}")
         self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=config.dtype,
-                               param_dtype=config.param_dtype, rngs=rngs)
+        self.embed = nnx.Embed(
+            config.vocab_size, config.d_model, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+        )
         self.layers = nnx.List([MambaBlock(config, rngs=rngs) for _ in range(config.n_layer)])
-        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, dtype=config.dtype,
-                                param_dtype=config.param_dtype, rngs=rngs)
-        self.lm_head = None if config.tie_embeddings else nnx.Linear(
-            config.d_model, config.vocab_size, use_bias=False, dtype=config.dtype,
-            param_dtype=config.param_dtype, rngs=rngs)
+        self.norm = nnx.RMSNorm(
+            config.d_model, epsilon=config.norm_eps, dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs
+        )
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else nnx.Linear(
+                config.d_model,
+                config.vocab_size,
+                use_bias=False,
+                dtype=config.dtype,
+                param_dtype=config.param_dtype,
+                rngs=rngs,
+            )
+        )
 
     def _run(self, tokens, conv_state, ssm_state, keep: Optional[int] = None, outputs=None):
         """Layers, then the head; with ``outputs`` (``i32[R]`` rows of the flattened ``[S * T]``)
@@ -403,9 +438,9 @@ class Mamba(nnx.Module):
         logits, _, _ = self._run(tokens, jnp.zeros(conv, jnp.float32), jnp.zeros(ssm, jnp.float32))
         return logits[0] if squeeze else logits
 
-    def step(self, tokens: Int[Array, "S T"], conv_state: Float[Array, "L S Km1 Di"],
-             ssm_state: Float[Array, "L S Di N"]
-             ) -> Tuple[Float[Array, "S T V"], Float[Array, "L S Km1 Di"], Float[Array, "L S Di N"]]:
+    def step(
+        self, tokens: Int[Array, "S T"], conv_state: Float[Array, "L S Km1 Di"], ssm_state: Float[Array, "L S Di N"]
+    ) -> Tuple[Float[Array, "S T V"], Float[Array, "L S Km1 Di"], Float[Array, "L S Di N"]]:
         """Continue S sequences by T tokens each from the states given (one equal-split ubatch).
 
         T > 1 (prefill) runs the chunked parallel scan, T = 1 (decode) one recurrence step; both
@@ -431,8 +466,10 @@ class Mamba(nnx.Module):
         want = self.config.state_shapes(tokens.shape[0])
         for name, x, shape in (("conv_state", conv_state, want[0]), ("ssm_state", ssm_state, want[1])):
             if tuple(jnp.shape(x)) != shape or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-                raise ValueError(f"{name} has shape {tuple(jnp.shape(x))} and dtype {jnp.result_type(x)}: allowed "
-                                 f"a floating {list(shape)} array (S = tokens.shape[0])")
+                raise ValueError(
+                    f"{name} has shape {tuple(jnp.shape(x))} and dtype {jnp.result_type(x)}: allowed "
+                    f"a floating {list(shape)} array (S = tokens.shape[0])"
+                )
         return self._run(tokens, conv_state, ssm_state)
 
 
@@ -441,22 +478,33 @@ def _memory_call(model: "Mamba", tokens, memory, inputs):
 
     c = model.config
     if not isinstance(memory, RecurrentCache):
-        raise ValueError(f"memory must be a kvjax.RecurrentCache for a Mamba model (make it with "
-                         f"kvjax.init(config.memory_config(...))), got {type(memory).__name__}")
+        raise ValueError(
+            f"memory must be a kvjax.RecurrentCache for a Mamba model (make it with "
+            f"kvjax.init(config.memory_config(...))), got {type(memory).__name__}"
+        )
     want = c.memory_config(memory.n_seq_max, size=memory.size, n_states=memory.config.n_states)
-    if (memory.config.n_layer, memory.config.k_shape, memory.config.v_shape) != \
-            (want.n_layer, want.k_shape, want.v_shape):
-        raise ValueError(f"memory holds {memory.config.n_layer} layers of states {memory.config.k_shape[0]} and "
-                         f"{memory.config.v_shape[0]}: allowed this model's {c.n_layer} layers of "
-                         f"{want.k_shape[0]} and {want.v_shape[0]} (use config.memory_config)")
+    if (memory.config.n_layer, memory.config.k_shape, memory.config.v_shape) != (
+        want.n_layer,
+        want.k_shape,
+        want.v_shape,
+    ):
+        raise ValueError(
+            f"memory holds {memory.config.n_layer} layers of states {memory.config.k_shape[0]} and "
+            f"{memory.config.v_shape[0]}: allowed this model's {c.n_layer} layers of "
+            f"{want.k_shape[0]} and {want.v_shape[0]} (use config.memory_config)"
+        )
     check_tokens(tokens, inputs.ubatch, c.vocab_size)
     n_slots, t = equal_slots(inputs.ubatch)
     placement = inputs.placement
     memory, ((conv, ssm),) = memory.read_states(placement, n_slots, t)  # [L, S, Di, K-1], [L, S, Di, N]
     keep = min(memory.config.n_states, t)
-    logits, conv_h, ssm_h = model._run(jnp.asarray(tokens).reshape(n_slots, t),
-                                       jnp.swapaxes(conv, -1, -2).astype(jnp.float32),
-                                       ssm.astype(jnp.float32), keep=keep, outputs=inputs.outputs)
+    logits, conv_h, ssm_h = model._run(
+        jnp.asarray(tokens).reshape(n_slots, t),
+        jnp.swapaxes(conv, -1, -2).astype(jnp.float32),
+        ssm.astype(jnp.float32),
+        keep=keep,
+        outputs=inputs.outputs,
+    )
     # stored in the seed's element order: the conv row channel major ([Di, K-1])
     memory = memory.write_states(placement, jnp.swapaxes(conv_h, -1, -2), ssm_h, after=logits)
     return logits.reshape((-1, logits.shape[-1])), memory

@@ -87,8 +87,9 @@ def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> np.ndarray:
     return slopes.astype(np.float32)
 
 
-def swa_visible(p_cell: Int[Array, "..."], p_tok: Int[Array, "..."], swa_type: Union[SwaType, str],
-                n_swa: int) -> Bool[Array, "..."]:
+def swa_visible(
+    p_cell: Int[Array, "..."], p_tok: Int[Array, "..."], swa_type: Union[SwaType, str], n_swa: int
+) -> Bool[Array, "..."]:
     """Whether a key at ``p_cell`` lies inside the sliding window of a query at ``p_tok``.
 
     Written from the definitions in :class:`kvjax.SwaType` (not from ``kvjax.kq_mask``), for the
@@ -116,11 +117,21 @@ def _alibi_bias(mask: Float[Array, "T N"], slopes) -> Float[Array, "Hq T N"]:
     return slopes[:, None, None] * dist[None]
 
 
-def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[Array, "T H Dv"],
-                  memory: Memory, layer: int, inputs: UbatchInputs, *, rope: Optional[RopeConfig] = None,
-                  alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
-                  n_swa: int = 0, scale: Optional[float] = None, softcap: Optional[float] = None
-                  ) -> Tuple[Float[Array, "T Hq Dv"], Memory]:
+def attend_cached(
+    q: Float[Array, "T Hq D"],
+    k: Float[Array, "T H D"],
+    v: Float[Array, "T H Dv"],
+    memory: Memory,
+    layer: int,
+    inputs: UbatchInputs,
+    *,
+    rope: Optional[RopeConfig] = None,
+    alibi: Optional[np.ndarray] = None,
+    swa_type: Union[SwaType, str] = SwaType.NONE,
+    n_swa: int = 0,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> Tuple[Float[Array, "T Hq Dv"], Memory]:
     """One layer's attention through a memory (any kind with attention parts).
 
     The layer reaches its attention part by its id (``memory.layer_part(layer)``, static), writes
@@ -152,9 +163,21 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
     slot = memory.part_slots(inputs.placement, part)
     kind = MaskKind(part, alibi is not None, SwaType(swa_type), int(n_swa) if SwaType(swa_type) != SwaType.NONE else 0)
     if memory.streamed:  # per-sequence streams: each slot attends over its own stream only
-        return kvjax.stream_attend(q, k, v, memory, layer, inputs, rope=rope, alibi=alibi, swa_type=kind.swa_type,
-                               n_swa=kind.n_swa, scale=scale, softcap=softcap,
-                               mask=inputs.mask(kind) if kind in inputs.mask_kinds else None)
+        return kvjax.stream_attend(
+            q,
+            k,
+            v,
+            memory,
+            layer,
+            inputs,
+            rope=rope,
+            alibi=alibi,
+            swa_type=kind.swa_type,
+            n_swa=kind.n_swa,
+            scale=scale,
+            softcap=softcap,
+            mask=inputs.mask(kind) if kind in inputs.mask_kinds else None,
+        )
     if rope is not None:
         q = kvjax.rope(q, inputs.ubatch.pos, rope)
         k = kvjax.rope(k, inputs.ubatch.pos, rope)
@@ -162,8 +185,9 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
     if kind in inputs.mask_kinds:
         mask = inputs.mask(kind)
     else:
-        mask = layer_mask(cache, inputs.ubatch, inputs.windows[part], alibi=kind.alibi, swa_type=kind.swa_type,
-                          n_swa=kind.n_swa)
+        mask = layer_mask(
+            cache, inputs.ubatch, inputs.windows[part], alibi=kind.alibi, swa_type=kind.swa_type, n_swa=kind.n_swa
+        )
     bias = None
     if alibi is not None:
         # ggml scales the ALiBi mask by each head's slope; an additive mask would add slope 1, so
@@ -174,11 +198,19 @@ def attend_cached(q: Float[Array, "T Hq D"], k: Float[Array, "T H D"], v: Float[
     return out, memory.with_part(part, cache)
 
 
-def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: Float[Array, "B T H Dv"],
-                    pos: Int[Array, "B T"], *, rope: Optional[RopeConfig] = None,
-                    alibi: Optional[np.ndarray] = None, swa_type: Union[SwaType, str] = SwaType.NONE,
-                    n_swa: int = 0, scale: Optional[float] = None, softcap: Optional[float] = None
-                    ) -> Float[Array, "B T Hq Dv"]:
+def attend_uncached(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B T H D"],
+    v: Float[Array, "B T H Dv"],
+    pos: Int[Array, "B T"],
+    *,
+    rope: Optional[RopeConfig] = None,
+    alibi: Optional[np.ndarray] = None,
+    swa_type: Union[SwaType, str] = SwaType.NONE,
+    n_swa: int = 0,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+) -> Float[Array, "B T Hq Dv"]:
     """Attention of each sequence (row b) over its own tokens, without any cache: the reference.
 
     Token ``i`` sees token ``j`` of its row when ``pos[j] <= pos[i]`` and ``pos[j]`` is inside
@@ -206,18 +238,30 @@ def attend_uncached(q: Float[Array, "B T Hq D"], k: Float[Array, "B T H D"], v: 
         slopes = jnp.asarray(alibi, jnp.float32)
         bias = -slopes[None, :, None, None] * jnp.abs(p_tok - p_key).astype(jnp.float32)[:, None]
     if softcap is not None:
-        out = _softcapped_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                                    bias, visible[:, None], scale, softcap)
+        out = _softcapped_attention(
+            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), bias, visible[:, None], scale, softcap
+        )
         return out.astype(v.dtype)
-    out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                       v.astype(jnp.float32), bias=bias, mask=visible[:, None],
-                                       scale=scale)
+    out = jax.nn.dot_product_attention(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        bias=bias,
+        mask=visible[:, None],
+        scale=scale,
+    )
     return out.astype(v.dtype)
 
 
-def _softcapped_attention(q: Float[Array, "B T Hq D"], k: Float[Array, "B S H D"], v: Float[Array, "B S H Dv"],
-                          bias: Optional[Float[Array, "B Hq T S"]], visible: Bool[Array, "B 1 T S"],
-                          scale: Optional[float], softcap: float) -> Float[Array, "B T Hq Dv"]:
+def _softcapped_attention(
+    q: Float[Array, "B T Hq D"],
+    k: Float[Array, "B S H D"],
+    v: Float[Array, "B S H Dv"],
+    bias: Optional[Float[Array, "B Hq T S"]],
+    visible: Bool[Array, "B 1 T S"],
+    scale: Optional[float],
+    softcap: float,
+) -> Float[Array, "B T Hq Dv"]:
     """``softmax(cap(q k^T * scale) + bias, masked) v`` with ``cap(s) = softcap * tanh(s / softcap)``.
 
     Query head ``j`` reads kv head ``j // G`` (``G = Hq / H``); a row that sees nothing gives 0.
@@ -254,8 +298,9 @@ def cached_attention_call(layer, x, memory, inputs, **options):
 def check_inputs(inputs) -> None:
     """Validate the per-ubatch inputs of a cached layer."""
     if not isinstance(inputs, UbatchInputs):
-        raise ValueError(f"inputs must be a kvjax.nn.UbatchInputs (ubatch, placement, windows), got "
-                         f"{type(inputs).__name__}")
+        raise ValueError(
+            f"inputs must be a kvjax.nn.UbatchInputs (ubatch, placement, windows), got {type(inputs).__name__}"
+        )
 
 
 # -- the NNX layer ------------------------------------------------------------------------------
@@ -283,16 +328,21 @@ def check_layer_cache(memory: Memory, layer: int, n_kv_heads: int, head_dim: int
     """Validate that ``memory`` stores ``layer`` (in the part the layer reads) with its kv heads and head size."""
     require_memory(memory)
     if memory.n_parts == 0:
-        raise ValueError(f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
-                         f"that stores attention layers (kvjax.KVCache, ...)")
+        raise ValueError(
+            f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
+            f"that stores attention layers (kvjax.KVCache, ...)"
+        )
     cfg = memory.part(memory.layer_part(layer)).config
     if layer not in cfg.cached_layers:
-        raise ValueError(f"layer={layer} is not cached by this cache: allowed {list(cfg.cached_layers)} "
-                         f"(CacheConfig.layer_filter)")
+        raise ValueError(
+            f"layer={layer} is not cached by this cache: allowed {list(cfg.cached_layers)} (CacheConfig.layer_filter)"
+        )
     if (cfg.n_kv_heads[layer], cfg.head_dim[layer]) != (n_kv_heads, head_dim):
-        raise ValueError(f"cache stores layer {layer} with n_kv_heads={cfg.n_kv_heads[layer]}, "
-                         f"head_dim={cfg.head_dim[layer]}: allowed the layer's n_kv_heads={n_kv_heads}, "
-                         f"head_dim={head_dim}")
+        raise ValueError(
+            f"cache stores layer {layer} with n_kv_heads={cfg.n_kv_heads[layer]}, "
+            f"head_dim={cfg.head_dim[layer]}: allowed the layer's n_kv_heads={n_kv_heads}, "
+            f"head_dim={head_dim}"
+        )
 
 
 def project_qkv(layer, x):
@@ -339,18 +389,35 @@ class CachedAttention(nnx.Module):
         rngs: NNX random streams.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, layer: int,
-                 rope: Optional[RopeConfig] = None, alibi_max_bias: Optional[float] = None,
-                 swa_type: Union[SwaType, str] = SwaType.NONE, n_swa: int = 0, use_bias: bool = False,
-                 param_dtype=jnp.float32, scale: Optional[float] = None, softcap: Optional[float] = None,
-                 qk_norm: bool = False, norm_offset: bool = False, norm_eps: float = 1e-6, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        layer: int,
+        rope: Optional[RopeConfig] = None,
+        alibi_max_bias: Optional[float] = None,
+        swa_type: Union[SwaType, str] = SwaType.NONE,
+        n_swa: int = 0,
+        use_bias: bool = False,
+        param_dtype=jnp.float32,
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+        qk_norm: bool = False,
+        norm_offset: bool = False,
+        norm_eps: float = 1e-6,
+        rngs: nnx.Rngs,
+    ):
         check_heads(n_heads, n_kv_heads, head_dim)
         check_attention_options(scale, softcap, qk_norm, norm_eps)
         check_flag("norm_offset", norm_offset)
         self.swa_type = SwaType(swa_type)
         if self.swa_type != SwaType.NONE and not (isinstance(n_swa, (int, np.integer)) and n_swa > 0):
-            raise ValueError(f"n_swa={n_swa!r} is out of range: allowed an integer > 0 with swa_type="
-                             f"{self.swa_type.value!r}")
+            raise ValueError(
+                f"n_swa={n_swa!r} is out of range: allowed an integer > 0 with swa_type={self.swa_type.value!r}"
+            )
         if rope is not None and rope.n_rot > head_dim:
             raise ValueError(f"rope.n_rot={rope.n_rot} is out of range: allowed <= head_dim={head_dim}")
         self.n_heads, self.n_kv_heads, self.head_dim = int(n_heads), int(n_kv_heads), int(head_dim)
@@ -373,8 +440,9 @@ class CachedAttention(nnx.Module):
     def _qkv(self, x):
         return project_qkv(self, x)
 
-    def __call__(self, x: Float[Array, "T E"], memory: Memory, inputs: UbatchInputs
-                 ) -> Tuple[Float[Array, "T E"], Memory]:
+    def __call__(
+        self, x: Float[Array, "T E"], memory: Memory, inputs: UbatchInputs
+    ) -> Tuple[Float[Array, "T E"], Memory]:
         """Attend the ubatch tokens through the memory.
 
         Args:
@@ -386,15 +454,34 @@ class CachedAttention(nnx.Module):
         Returns:
             ``(y [T, E], memory)`` with this layer's K/V rows written.
         """
-        return cached_attention_call(self, x, memory, inputs, rope=self.rope, alibi=self.alibi,
-                                     swa_type=self.swa_type, n_swa=self.n_swa, scale=self.scale,
-                                     softcap=self.softcap)
+        return cached_attention_call(
+            self,
+            x,
+            memory,
+            inputs,
+            rope=self.rope,
+            alibi=self.alibi,
+            swa_type=self.swa_type,
+            n_swa=self.n_swa,
+            scale=self.scale,
+            softcap=self.softcap,
+        )
 
     def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
         """Attention of each sequence (row) over its own tokens, no cache (``attend_uncached``)."""
         q, k, v = self._qkv(x)
-        out = attend_uncached(q, k, v, pos, rope=self.rope, alibi=self.alibi, swa_type=self.swa_type,
-                              n_swa=self.n_swa, scale=self.scale, softcap=self.softcap)
+        out = attend_uncached(
+            q,
+            k,
+            v,
+            pos,
+            rope=self.rope,
+            alibi=self.alibi,
+            swa_type=self.swa_type,
+            n_swa=self.n_swa,
+            scale=self.scale,
+            softcap=self.softcap,
+        )
         return self.o_proj(out.reshape(x.shape[:-1] + (-1,)))
 
 
@@ -430,6 +517,5 @@ class KVCacheVar(nnx.Cache):
         if cache.config != old.config:
             raise ValueError(f"cache has config {cache.config}: allowed only the held config {old.config}")
         if _signature(cache) != _signature(old):
-            raise ValueError("cache has other shapes or dtypes than the held cache: allowed only "
-                             f"{_signature(old)[1]}")
+            raise ValueError(f"cache has other shapes or dtypes than the held cache: allowed only {_signature(old)[1]}")
         self.set_value(cache)

@@ -32,8 +32,11 @@ __all__ = ["OffsetRMSNorm", "LinenOffsetRMSNorm", "offset_rms_norm"]
 
 
 def _check_eps(epsilon) -> float:
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.integer, np.floating)) \
-            or not (math.isfinite(epsilon) and epsilon >= 0):
+    if (
+        isinstance(epsilon, bool)
+        or not isinstance(epsilon, (int, float, np.integer, np.floating))
+        or not (math.isfinite(epsilon) and epsilon >= 0)
+    ):
         raise ValueError(f"epsilon={epsilon!r} is out of range: allowed a finite number >= 0")
     return float(epsilon)
 

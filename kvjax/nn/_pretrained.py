@@ -45,8 +45,15 @@ from kvjax.nn._hf import llama_plan
 from kvjax.memory._config import RopeConfig
 import numpy as np
 
-__all__ = ["from_pretrained", "memory_config_for", "save_llama", "read_config", "SafetensorsSource", "ARCHITECTURES",
-           "DTYPES"]
+__all__ = [
+    "from_pretrained",
+    "memory_config_for",
+    "save_llama",
+    "read_config",
+    "SafetensorsSource",
+    "ARCHITECTURES",
+    "DTYPES",
+]
 
 #: ``model_type`` values :func:`from_pretrained` loads.
 ARCHITECTURES = LLAMA_TYPES + ("mamba",)
@@ -56,15 +63,41 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # transformers' class defaults of fields older config.json files may leave out (newer ones write all)
 _DEFAULTS = {
-    "llama": dict(rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False,
-                  max_position_embeddings=2048),
-    "mistral": dict(rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False,
-                    max_position_embeddings=4096 * 32, sliding_window=4096),
-    "qwen2": dict(rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False,
-                  max_position_embeddings=32768, use_sliding_window=False),
-    "mamba": dict(state_size=16, conv_kernel=4, expand=2, time_step_rank="auto", layer_norm_epsilon=1e-5,
-                  use_bias=False, use_conv_bias=True, tie_word_embeddings=True, residual_in_fp32=True,
-                  hidden_act="silu"),
+    "llama": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),
+    "mistral": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        max_position_embeddings=4096 * 32,
+        sliding_window=4096,
+    ),
+    "qwen2": dict(
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+    ),
+    "mamba": dict(
+        state_size=16,
+        conv_kernel=4,
+        expand=2,
+        time_step_rank="auto",
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=True,
+        residual_in_fp32=True,
+        hidden_act="silu",
+    ),
 }
 
 # tensors of a multimodal Gemma 3 checkpoint that the text model does not use
@@ -90,8 +123,10 @@ def read_config(path: Union[str, os.PathLike]) -> types.SimpleNamespace:
     """
     folder = pathlib.Path(path)
     if not folder.is_dir():
-        raise ValueError(f"path={str(path)!r} is not a folder: allowed a Hugging Face checkpoint folder "
-                         f"(config.json and *.safetensors)")
+        raise ValueError(
+            f"path={str(path)!r} is not a folder: allowed a Hugging Face checkpoint folder "
+            f"(config.json and *.safetensors)"
+        )
     file = folder / "config.json"
     if not file.is_file():
         raise ValueError(f"path={str(path)!r} has no config.json: allowed a Hugging Face checkpoint folder")
@@ -131,19 +166,24 @@ class SafetensorsSource(Mapping):
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e}): allowed JSON "
-                                 f"with a 'weight_map'") from None
+                raise ValueError(
+                    f"{index} is not a safetensors index ({type(e).__name__}: {e}): allowed JSON with a 'weight_map'"
+                ) from None
             files = sorted(set(weight_map.values()))
             for name in files:
                 if not (folder / name).is_file():
-                    raise ValueError(f"{index} names shard {name!r}, which is not in {folder}: allowed a folder "
-                                     f"with every shard of the index")
+                    raise ValueError(
+                        f"{index} names shard {name!r}, which is not in {folder}: allowed a folder "
+                        f"with every shard of the index"
+                    )
         else:
             weight_map = None
             files = sorted(p.name for p in folder.glob("*.safetensors"))
             if not files:
-                raise ValueError(f"{folder} has no *.safetensors files: allowed model.safetensors (or shards with "
-                                 f"model.safetensors.index.json); .bin / .pt checkpoints are not read")
+                raise ValueError(
+                    f"{folder} has no *.safetensors files: allowed model.safetensors (or shards with "
+                    f"model.safetensors.index.json); .bin / .pt checkpoints are not read"
+                )
         self._paths: Dict[str, pathlib.Path] = {}
         self._where: Dict[str, Tuple[str, str]] = {}
         self.shapes: Dict[str, Tuple[int, ...]] = {}
@@ -151,28 +191,36 @@ class SafetensorsSource(Mapping):
         for name in files:
             path = folder / name
             try:
-                with safe_open(str(path), framework="numpy") as handle:   # the header only
+                with safe_open(str(path), framework="numpy") as handle:  # the header only
                     stored = list(handle.keys())
                     slices = {k: handle.get_slice(k) for k in stored}
                     meta = {k: (s.get_dtype(), tuple(s.get_shape())) for k, s in slices.items()}
-            except Exception as e:   # safetensors raises its own SafetensorError (truncated, bad header)
-                raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}): allowed "
-                                 f"a complete file (re-download or re-save it)") from None
+            except Exception as e:  # safetensors raises its own SafetensorError (truncated, bad header)
+                raise ValueError(
+                    f"{path} is not a readable safetensors file ({type(e).__name__}: {e}): allowed "
+                    f"a complete file (re-download or re-save it)"
+                ) from None
             self._paths[name] = path
             for key in stored:
                 if key.startswith(skip):
                     continue
                 if weight_map is not None and weight_map.get(key) != name:
-                    raise ValueError(f"{path} holds {key!r}, which the index puts in {weight_map.get(key)!r}: "
-                                     f"allowed an index that matches its shards")
+                    raise ValueError(
+                        f"{path} holds {key!r}, which the index puts in {weight_map.get(key)!r}: "
+                        f"allowed an index that matches its shards"
+                    )
                 shown = rename(key)
                 if shown in self._where:
-                    raise ValueError(f"{path} holds {key!r}, a second tensor named {shown!r} (also in "
-                                     f"{self._where[shown][0]}): allowed one tensor per weight")
+                    raise ValueError(
+                        f"{path} holds {key!r}, a second tensor named {shown!r} (also in "
+                        f"{self._where[shown][0]}): allowed one tensor per weight"
+                    )
                 dtype, shape = meta[key]
                 if dtype not in _FLOAT_DTYPES:
-                    raise ValueError(f"{path} tensor {key!r} has dtype {dtype}: allowed one of {list(_FLOAT_DTYPES)} "
-                                     f"(quantized safetensors are not read)")
+                    raise ValueError(
+                        f"{path} tensor {key!r} has dtype {dtype}: allowed one of {list(_FLOAT_DTYPES)} "
+                        f"(quantized safetensors are not read)"
+                    )
                 self._where[shown] = (name, key)
                 self.shapes[shown] = shape
                 self.dtypes[shown] = dtype
@@ -191,8 +239,9 @@ class SafetensorsSource(Mapping):
             with safe_open(str(self._paths[name]), framework="numpy") as handle:
                 return handle.get_tensor(stored)
         except Exception as e:
-            raise ValueError(f"reading {stored!r} from {name} failed ({type(e).__name__}: {e}): allowed a "
-                             f"complete safetensors file") from None
+            raise ValueError(
+                f"reading {stored!r} from {name} failed ({type(e).__name__}: {e}): allowed a complete safetensors file"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -227,8 +276,10 @@ def _model_type(cfg, path) -> str:
     model_type = cfg.model_type
     if model_type not in ARCHITECTURES:
         arch = getattr(cfg, "architectures", None)
-        raise ValueError(f"{pathlib.Path(path) / 'config.json'} has model_type={model_type!r} (architectures="
-                         f"{arch}): allowed one of {list(ARCHITECTURES)}")
+        raise ValueError(
+            f"{pathlib.Path(path) / 'config.json'} has model_type={model_type!r} (architectures="
+            f"{arch}): allowed one of {list(ARCHITECTURES)}"
+        )
     return model_type
 
 
@@ -237,8 +288,10 @@ def _all_loaded(model, path) -> None:
     for p, leaf in nnx.to_flat_state(nnx.state(model)):
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         if not isinstance(value, jax.Array):
-            raise ValueError(f"{path}: variable {'/'.join(map(str, p))} was not loaded from the checkpoint: allowed "
-                             f"a checkpoint that sets every weight")
+            raise ValueError(
+                f"{path}: variable {'/'.join(map(str, p))} was not loaded from the checkpoint: allowed "
+                f"a checkpoint that sets every weight"
+            )
 
 
 def from_pretrained(path: Union[str, os.PathLike], *, dtype=jnp.float32, **config_overrides):
@@ -338,13 +391,15 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
     swa_full = overrides.pop("swa_full", False)
     base = cfg.cache_config(size=size, n_seq_max=n_seq_max, **overrides)
     if cfg.swa_layers and len(cfg.swa_layers) < cfg.n_layer:
-        return IswaConfig(base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, swa_type=cfg.swa_type, n_batch=n_batch,
-                          swa_full=swa_full)
+        return IswaConfig(
+            base, swa_layers=cfg.swa_layers, n_swa=cfg.n_swa, swa_type=cfg.swa_type, n_batch=n_batch, swa_full=swa_full
+        )
     return base
 
 
-def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_shard_bytes: Optional[int] = None
-               ) -> pathlib.Path:
+def save_llama(
+    model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_shard_bytes: Optional[int] = None
+) -> pathlib.Path:
     """Write a :class:`~kvjax.nn.Llama` as a Hugging Face Llama / Qwen2 checkpoint folder (the inverse of
     :func:`from_pretrained`, through the same :func:`~kvjax.nn._hf.llama_plan`).
 
@@ -371,30 +426,50 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
     cfg = model.config
     rope = cfg.rope_config
     plain = rope is not None and _is_default_rope(rope, cfg.head_size)
-    for name, bad in (("position", cfg.position != "rope"), ("rope", not plain), ("swa_layers", bool(cfg.swa_layers)),
-                      ("sandwich_norms", cfg.sandwich_norms), ("norm_offset", cfg.norm_offset),
-                      ("qk_norm", cfg.qk_norm), ("scale_embeddings", cfg.scale_embeddings),
-                      ("activation", cfg.activation != "silu"), ("final_logit_softcap", cfg.final_logit_softcap),
-                      ("attn_logit_softcap", cfg.attn_logit_softcap),
-                      ("query_pre_attn_scalar", cfg.query_pre_attn_scalar)):
+    for name, bad in (
+        ("position", cfg.position != "rope"),
+        ("rope", not plain),
+        ("swa_layers", bool(cfg.swa_layers)),
+        ("sandwich_norms", cfg.sandwich_norms),
+        ("norm_offset", cfg.norm_offset),
+        ("qk_norm", cfg.qk_norm),
+        ("scale_embeddings", cfg.scale_embeddings),
+        ("activation", cfg.activation != "silu"),
+        ("final_logit_softcap", cfg.final_logit_softcap),
+        ("attn_logit_softcap", cfg.attn_logit_softcap),
+        ("query_pre_attn_scalar", cfg.query_pre_attn_scalar),
+    ):
         if bad:
-            raise ValueError(f"model.config.{name}={getattr(cfg, name)!r} is out of range: allowed the plain Llama "
-                             f"value (neox RoPE over the whole head with default scaling, no windows, no Gemma "
-                             f"options)")
+            raise ValueError(
+                f"model.config.{name}={getattr(cfg, name)!r} is out of range: allowed the plain Llama "
+                f"value (neox RoPE over the whole head with default scaling, no windows, no Gemma "
+                f"options)"
+            )
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is out of range: allowed an integer > 0 or None")
     dt = None if dtype is None else _check_dtype(dtype)
     folder = pathlib.Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     model_type = "qwen2" if cfg.attention_bias else "llama"
-    config = dict(architectures=["Qwen2ForCausalLM" if cfg.attention_bias else "LlamaForCausalLM"],
-                  model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                  intermediate_size=cfg.ff_size, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_heads,
-                  num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_size, rms_norm_eps=cfg.norm_eps,
-                  hidden_act="silu", tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=4096,
-                  rope_parameters={"rope_type": "default", "rope_theta": rope.freq_base},
-                  attention_bias=cfg.attention_bias, mlp_bias=False,
-                  dtype=(dt or jnp.dtype(model.embed.embedding.dtype)).name)
+    config = dict(
+        architectures=["Qwen2ForCausalLM" if cfg.attention_bias else "LlamaForCausalLM"],
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ff_size,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_size,
+        rms_norm_eps=cfg.norm_eps,
+        hidden_act="silu",
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": rope.freq_base},
+        attention_bias=cfg.attention_bias,
+        mlp_bias=False,
+        dtype=(dt or jnp.dtype(model.embed.embedding.dtype)).name,
+    )
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
     for var, key, fn in plan:
@@ -402,7 +477,7 @@ def save_llama(model: Llama, path: Union[str, os.PathLike], *, dtype=None, max_s
         arr = np.asarray(value)
         arr = fn(arr) if fn is not None else arr
         if key.endswith("o_proj.bias") and model_type == "qwen2":
-            continue   # Qwen2 has no o bias (kvjax's is zero after loading)
+            continue  # Qwen2 has no o bias (kvjax's is zero after loading)
         tensors[key if key.startswith("lm_head") else "model." + key] = np.ascontiguousarray(arr)
     if max_shard_bytes is None:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -17,8 +17,8 @@ import numpy as np
 from jaxtyping import Array, Int
 
 
-
 # -- the state gather of the recurrent memory ------------------------------------------------
+
 
 def select_states(states_all, s_copy: Int[Array, " n"], s_mask):
     """Gather per-cell states by ``s_copy`` and zero them by ``s_mask`` (the seed's ``build_copy_mask_state``).
@@ -61,11 +61,14 @@ def select_states(states_all, s_copy: Int[Array, " n"], s_mask):
         raise ValueError(f"states_all has leaves of shapes {shapes}: allowed arrays [L, C, ...] with one C")
     n_cells = shapes[0][1]
     if jnp.ndim(s_copy) != 1 or not jnp.issubdtype(jnp.result_type(s_copy), jnp.integer):
-        raise ValueError(f"s_copy has shape {tuple(jnp.shape(s_copy))} and dtype {jnp.result_type(s_copy)}: "
-                         "allowed an integer [n] array")
+        raise ValueError(
+            f"s_copy has shape {tuple(jnp.shape(s_copy))} and dtype {jnp.result_type(s_copy)}: "
+            "allowed an integer [n] array"
+        )
     if tuple(jnp.shape(s_mask)) != tuple(jnp.shape(s_copy)):
-        raise ValueError(f"s_mask has shape {tuple(jnp.shape(s_mask))}: allowed the shape of s_copy "
-                         f"{tuple(jnp.shape(s_copy))}")
+        raise ValueError(
+            f"s_mask has shape {tuple(jnp.shape(s_mask))}: allowed the shape of s_copy {tuple(jnp.shape(s_copy))}"
+        )
     if not isinstance(s_copy, jax.core.Tracer):
         ids = np.asarray(s_copy)
         if ids.size and (ids.min() < 0 or ids.max() >= n_cells):
@@ -126,8 +129,8 @@ def _scan_block(h0, u, dt, Bm, Cm, A):
 
     Returns ``(y [S, Q, Di], h_last [S, Di, N])``.
     """
-    dA = jnp.exp(dt[..., None] * A)                          # [S, Q, Di, N]
-    dBu = (dt * u)[..., None] * Bm[:, :, None, :]            # [S, Q, Di, N]
+    dA = jnp.exp(dt[..., None] * A)  # [S, Q, Di, N]
+    dBu = (dt * u)[..., None] * Bm[:, :, None, :]  # [S, Q, Di, N]
     # the initial state enters as part of the first element: h_0 = dA_0 h0 + dBu_0
     dBu = dBu.at[:, 0].add(dA[:, 0] * h0)
     _, h = jax.lax.associative_scan(_combine, (dA, dBu), axis=1)
@@ -184,8 +187,7 @@ def selective_scan_keep(h0, u, dt, Bm, Cm, A, *, chunk: int, keep: int, scan: st
     ys = []
     h = h0
     if head:
-        y0, h = selective_scan(h0, u[:, :head], dt[:, :head], Bm[:, :head], Cm[:, :head], A, chunk=chunk,
-                               scan=scan)
+        y0, h = selective_scan(h0, u[:, :head], dt[:, :head], Bm[:, :head], Cm[:, :head], A, chunk=chunk, scan=scan)
         ys.append(y0)
 
     def one(h, xs):

@@ -30,8 +30,13 @@ from typing import Dict, List, Optional, Sequence
 __all__ = ["spm_merge"]
 
 
-def spm_merge(text: str, piece_ids: Dict[str, int], scores: Sequence[float], byte_ids: Sequence[Optional[int]],
-              unk_id: Optional[int] = None) -> List[int]:
+def spm_merge(
+    text: str,
+    piece_ids: Dict[str, int],
+    scores: Sequence[float],
+    byte_ids: Sequence[Optional[int]],
+    unk_id: Optional[int] = None,
+) -> List[int]:
     """The ids of ``text`` (one fragment, spaces already U+2581) by score-ordered pair merging.
 
     Args:
@@ -48,7 +53,7 @@ def spm_merge(text: str, piece_ids: Dict[str, int], scores: Sequence[float], byt
     n = len(text)
     if n == 0:
         return []
-    size = [1] * n                       # symbol i covers text[i : i + size[i]]; 0 once merged away
+    size = [1] * n  # symbol i covers text[i : i + size[i]]; 0 once merged away
     prev = list(range(-1, n - 1))
     nxt = list(range(1, n + 1))
     nxt[-1] = -1
@@ -57,7 +62,7 @@ def spm_merge(text: str, piece_ids: Dict[str, int], scores: Sequence[float], byt
 
     def offer(left: int, right: int) -> None:
         width = size[left] + size[right]
-        tid = get(text[left:left + width])
+        tid = get(text[left : left + width])
         if tid is not None:
             # heapq pops the smallest: the highest score first, then the leftmost pair
             heapq.heappush(queue, (-scores[tid], left, width, right))
@@ -82,7 +87,7 @@ def spm_merge(text: str, piece_ids: Dict[str, int], scores: Sequence[float], byt
     out: List[int] = []
     i = 0
     while i != -1:
-        piece = text[i:i + size[i]]
+        piece = text[i : i + size[i]]
         tid = get(piece)
         if tid is not None:
             out.append(tid)

@@ -87,8 +87,9 @@ def _run(apply, contiguous, vocab_size, state, rest, buffers, ubatch, tokens, pl
     # a failed step writes nothing (its placement is voided) and keeps the metadata from before it
     # (the seed's restore): no buffer a live sequence reads changes
     placement = memory.mask_placement(placement, ok)
-    logits, memory = apply(state, tokens, memory,
-                           UbatchInputs(ubatch=ubatch, placement=placement, windows=windows, outputs=outputs))
+    logits, memory = apply(
+        state, tokens, memory, UbatchInputs(ubatch=ubatch, placement=placement, windows=windows, outputs=outputs)
+    )
     new_buffers, new_rest = memory.split()
     kept = jax.tree.map(lambda before, after: jnp.where(ok, after, before), rest, new_rest)
     return logits, kept.join(new_buffers).flag_errors(bits), ok
@@ -116,23 +117,33 @@ def step_error_bits(memory: Memory, placement, windows, tokens, valid, vocab_siz
 # One jitted function per (apply, contiguous, vocabulary), so that Steps of models with the same
 # structure (equal NNX graphdefs, equal linen modules) share their compiled programs.
 _jit_run = functools.lru_cache(maxsize=64)(
-    lambda apply, contiguous, vocab_size: jax.jit(functools.partial(_run, apply, contiguous, vocab_size),
-                                                  static_argnames=("windows",), donate_argnames=("buffers",)))
+    lambda apply, contiguous, vocab_size: jax.jit(
+        functools.partial(_run, apply, contiguous, vocab_size),
+        static_argnames=("windows",),
+        donate_argnames=("buffers",),
+    )
+)
 
 
 def check_windows(memory: Memory, windows=None, n_kv=None) -> Tuple[int, ...]:
     """The static window of each attention part, from ``windows`` (a tuple) or ``n_kv`` (one part)."""
     if (windows is None) == (n_kv is None):
-        raise ValueError("pass exactly one of windows= (one static window per attention part) and n_kv= "
-                         "(the window of a memory with one attention part)")
+        raise ValueError(
+            "pass exactly one of windows= (one static window per attention part) and n_kv= "
+            "(the window of a memory with one attention part)"
+        )
     if n_kv is not None:
         if memory.n_parts != 1:
-            raise ValueError(f"n_kv={n_kv!r} names one window but the memory has {memory.n_parts} attention "
-                             f"parts: allowed windows= with one window per part")
+            raise ValueError(
+                f"n_kv={n_kv!r} names one window but the memory has {memory.n_parts} attention "
+                f"parts: allowed windows= with one window per part"
+            )
         windows = (n_kv,)
     if not isinstance(windows, (tuple, list)) or len(windows) != memory.n_parts:
-        raise ValueError(f"windows={windows!r} is out of range: allowed a tuple of {memory.n_parts} static "
-                         f"windows, one per attention part")
+        raise ValueError(
+            f"windows={windows!r} is out of range: allowed a tuple of {memory.n_parts} static "
+            f"windows, one per attention part"
+        )
     out = []
     for p, n in enumerate(windows):
         cfg = memory.part(p).config
@@ -169,11 +180,19 @@ class Step:
         self.contiguous = check_flag("contiguous", contiguous)
         self._jitted = _jit_run(apply, self.contiguous, self.vocab_size)
 
-    def __call__(self, state, memory: Memory, ubatch: Ubatch, tokens: Int[Array, " T"], *,
-                 n_kv: Optional[int] = None, windows: Optional[Tuple[int, ...]] = None,
-                 placement: Optional[Placement] = None, slot: Optional[Int[Array, " T"]] = None,
-                 outputs: Optional[Int[Array, " R"]] = None
-                 ) -> Tuple[Float[Array, "T V"], Memory, Bool[Array, ""]]:
+    def __call__(
+        self,
+        state,
+        memory: Memory,
+        ubatch: Ubatch,
+        tokens: Int[Array, " T"],
+        *,
+        n_kv: Optional[int] = None,
+        windows: Optional[Tuple[int, ...]] = None,
+        placement: Optional[Placement] = None,
+        slot: Optional[Int[Array, " T"]] = None,
+        outputs: Optional[Int[Array, " R"]] = None,
+    ) -> Tuple[Float[Array, "T V"], Memory, Bool[Array, ""]]:
         """Place ``ubatch`` (unless a placement is given), run the model, return the new memory.
 
         Args:
@@ -222,8 +241,13 @@ class Step:
                 name, size = ("slot" if memory.n_parts == 1 else f"placement (part {p})"), memory.part(p).config.size
                 rows = np.asarray(memory.part_slots(placement, p))
                 _check_host_rows(name, rows, -1, size, f"cells in [-1, size={size}) (-1: not written)")
-                _check_host_rows(name, rows, -1, windows[p], f"cells inside the window {windows[p]} the step was "
-                                                              f"given (pick it with kvjax.nn.window_for)")
+                _check_host_rows(
+                    name,
+                    rows,
+                    -1,
+                    windows[p],
+                    f"cells inside the window {windows[p]} the step was given (pick it with kvjax.nn.window_for)",
+                )
         if outputs is not None:
             outputs = check_outputs(outputs, t)
         buffers, rest = memory.split()
@@ -241,8 +265,10 @@ def check_outputs(outputs, t: int):
         if outputs.size == 0:
             outputs = outputs.astype(np.int32)
     if outputs.ndim != 1 or not np.issubdtype(outputs.dtype, np.integer):
-        raise ValueError(f"outputs has shape {tuple(outputs.shape)} and dtype {outputs.dtype}: allowed a 1-d "
-                         f"integer array of ubatch rows in [0, {t})")
+        raise ValueError(
+            f"outputs has shape {tuple(outputs.shape)} and dtype {outputs.dtype}: allowed a 1-d "
+            f"integer array of ubatch rows in [0, {t})"
+        )
     if isinstance(outputs, np.ndarray):
         if outputs.size and (outputs.min() < 0 or outputs.max() >= t):
             bad = int(outputs.min()) if outputs.min() < 0 else int(outputs.max())
@@ -289,8 +315,10 @@ def _int_rows(name, x, t):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = np.asarray(x)
     if tuple(x.shape) != (t,) or not np.issubdtype(x.dtype, np.integer):
-        raise ValueError(f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}: allowed an integer [T] "
-                         f"array with T = ubatch.length = {t}")
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}: allowed an integer [T] "
+            f"array with T = ubatch.length = {t}"
+        )
     return x
 
 
@@ -298,6 +326,7 @@ def _int_rows(name, x, t):
 def _nnx_apply(graphdef):
     def apply(state, tokens, memory, inputs):
         return nnx.merge(graphdef, state)(tokens, memory, inputs)
+
     return apply
 
 
@@ -305,6 +334,7 @@ def _nnx_apply(graphdef):
 def _linen_apply(module):
     def apply(variables, tokens, memory, inputs):
         return module.apply(variables, tokens, memory, inputs)
+
     return apply
 
 

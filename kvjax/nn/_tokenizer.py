@@ -84,11 +84,20 @@ class Tokenizer:
             string, or ids that are not integers in the vocabulary.
     """
 
-    def __init__(self, backend, *, bos_id: Optional[int] = None, eos_ids: Iterable[int] = (), add_bos: bool = False,
-                 add_eos: bool = False, chat_template: Optional[str] = None):
+    def __init__(
+        self,
+        backend,
+        *,
+        bos_id: Optional[int] = None,
+        eos_ids: Iterable[int] = (),
+        add_bos: bool = False,
+        add_eos: bool = False,
+        chat_template: Optional[str] = None,
+    ):
         if not all(hasattr(backend, name) for name in ("encode", "decode", "get_vocab_size")):
-            raise ValueError(f"backend must be a tokenizers.Tokenizer (encode, decode, get_vocab_size), got "
-                             f"{type(backend).__name__}")
+            raise ValueError(
+                f"backend must be a tokenizers.Tokenizer (encode, decode, get_vocab_size), got {type(backend).__name__}"
+            )
         self.backend = backend
         n = int(backend.get_vocab_size())
         for name, ids in (("bos_id", _ids(bos_id)), ("eos_ids", tuple(eos_ids))):
@@ -132,8 +141,14 @@ class Tokenizer:
         """
         vocab = gguf_tokenizer(path)
         backend = vocab.tokenizer
-        return cls(backend, bos_id=vocab.bos_id, eos_ids=vocab.eos_ids, add_bos=vocab.add_bos,
-                   add_eos=bool(backend.add_eos), chat_template=backend.chat_template)
+        return cls(
+            backend,
+            bos_id=vocab.bos_id,
+            eos_ids=vocab.eos_ids,
+            add_bos=vocab.add_bos,
+            add_eos=bool(backend.add_eos),
+            chat_template=backend.chat_template,
+        )
 
     @classmethod
     def from_pretrained(cls, path: Union[str, os.PathLike]) -> "Tokenizer":
@@ -161,21 +176,26 @@ class Tokenizer:
             try:
                 from tokenizers import Tokenizer as Backend
             except ImportError:
-                raise ValueError("reading tokenizer.json needs the tokenizers package: pip install "
-                                 "'kvjax[hf]'") from None
+                raise ValueError(
+                    "reading tokenizer.json needs the tokenizers package: pip install 'kvjax[hf]'"
+                ) from None
             try:
                 backend = Backend.from_file(str(file))
-            except Exception as e:   # tokenizers raises a bare Exception on a bad file
-                raise ValueError(f"{file} is not a tokenizers file ({e}): allowed the tokenizer.json transformers "
-                                 f"writes") from None
+            except Exception as e:  # tokenizers raises a bare Exception on a bad file
+                raise ValueError(
+                    f"{file} is not a tokenizers file ({e}): allowed the tokenizer.json transformers writes"
+                ) from None
         elif (folder / "tokenizer.model").is_file():
             backend = _SentencePieceBackend(folder / "tokenizer.model")
         else:
-            raise ValueError(f"path={str(path)!r} has no tokenizer.json: allowed a folder with the tokenizers "
-                             f"library's tokenizer.json, or a sentencepiece tokenizer.model")
-        gen, cfg, tcfg = (_read_json(folder / name) for name in
-                          ("generation_config.json", "config.json", "tokenizer_config.json"))
-        if isinstance(cfg.get("text_config"), dict):   # multimodal Gemma 3: ids may sit in the text config
+            raise ValueError(
+                f"path={str(path)!r} has no tokenizer.json: allowed a folder with the tokenizers "
+                f"library's tokenizer.json, or a sentencepiece tokenizer.model"
+            )
+        gen, cfg, tcfg = (
+            _read_json(folder / name) for name in ("generation_config.json", "config.json", "tokenizer_config.json")
+        )
+        if isinstance(cfg.get("text_config"), dict):  # multimodal Gemma 3: ids may sit in the text config
             cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if v is not None}}
 
         def by_text(key):
@@ -184,14 +204,22 @@ class Tokenizer:
 
         sp = isinstance(backend, _SentencePieceBackend)
         bos = None
-        for source in (gen.get("bos_token_id"), cfg.get("bos_token_id"), by_text("bos_token"),
-                       backend.bos_id if sp else None):
+        for source in (
+            gen.get("bos_token_id"),
+            cfg.get("bos_token_id"),
+            by_text("bos_token"),
+            backend.bos_id if sp else None,
+        ):
             if _ids(source):
                 bos = _ids(source)[0]
                 break
         eos: List[int] = []
-        for source in (gen.get("eos_token_id"), cfg.get("eos_token_id"), by_text("eos_token"),
-                       backend.eos_id if sp else None):
+        for source in (
+            gen.get("eos_token_id"),
+            cfg.get("eos_token_id"),
+            by_text("eos_token"),
+            backend.eos_id if sp else None,
+        ):
             eos += [i for i in _ids(source) if i not in eos]
         n = backend.get_vocab_size()
         eos = [i for i in eos if 0 <= i < n]
@@ -200,7 +228,7 @@ class Tokenizer:
         if isinstance(tcfg.get("add_bos_token"), bool):
             add_bos = tcfg["add_bos_token"] and bos is not None
         elif sp:
-            add_bos = bos is not None        # sentencepiece models (Llama 2, Gemma) start with BOS
+            add_bos = bos is not None  # sentencepiece models (Llama 2, Gemma) start with BOS
         else:
             probe = backend.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and bool(probe) and probe[0] == bos
@@ -214,8 +242,9 @@ class Tokenizer:
         """Ids the backend knows (a model's embedding may be larger: padding rows)."""
         return int(self.backend.get_vocab_size())
 
-    def encode(self, text: str, add_bos: Optional[bool] = None, special: bool = False, *,
-               add_eos: Optional[bool] = None) -> List[int]:
+    def encode(
+        self, text: str, add_bos: Optional[bool] = None, special: bool = False, *, add_eos: Optional[bool] = None
+    ) -> List[int]:
         """Token ids of ``text``; ``add_bos`` (default :attr:`add_bos`) puts the BOS id first.
 
         Args:
@@ -242,9 +271,9 @@ class Tokenizer:
         if add_eos and not self.eos_ids:
             raise ValueError("add_eos=True is out of range: this tokenizer has no EOS id")
         backend = self.backend
-        if getattr(backend, "parses_special", False):     # GGUF / sentencepiece backends take the flag
+        if getattr(backend, "parses_special", False):  # GGUF / sentencepiece backends take the flag
             ids = list(backend.encode(text, add_special_tokens=False, special=special).ids)
-        elif hasattr(backend, "encode_special_tokens"):   # tokenizers: special tokens as text, or not
+        elif hasattr(backend, "encode_special_tokens"):  # tokenizers: special tokens as text, or not
             before = backend.encode_special_tokens
             backend.encode_special_tokens = not special
             try:
@@ -281,11 +310,14 @@ class Tokenizer:
         ``tokenizer_config.json``'s ``bos_token`` / ``eos_token`` where a folder gave them, else
         the texts of the BOS id and the first EOS id (``""`` where there is none).
         """
-        return (self._bos_text or self.token_text(self.bos_id),
-                self._eos_text or self.token_text(self.eos_ids[0] if self.eos_ids else None))
+        return (
+            self._bos_text or self.token_text(self.bos_id),
+            self._eos_text or self.token_text(self.eos_ids[0] if self.eos_ids else None),
+        )
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
-                            chat_template: Optional[str] = None, **extra) -> str:
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool = True, *, chat_template: Optional[str] = None, **extra
+    ) -> str:
         """A conversation as the prompt text of :attr:`chat_template` (tokenize it with ``special=True``).
 
         Args:
@@ -309,12 +341,15 @@ class Tokenizer:
         """
         template = self.chat_template if chat_template is None else chat_template
         if template is None:
-            raise ValueError("this tokenizer has no chat template: pass one (--chat-template NAME or FILE, or "
-                             "kvjax.nn._chat_template.chat_template_by_name(...)) or use a model file that has one")
+            raise ValueError(
+                "this tokenizer has no chat template: pass one (--chat-template NAME or FILE, or "
+                "kvjax.nn._chat_template.chat_template_by_name(...)) or use a model file that has one"
+            )
 
         bos, eos = self.special_texts()
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=bos, eos_token=eos, **extra)
+        return render_chat_template(
+            template, messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, **extra
+        )
 
 
 def _folder_template(folder: pathlib.Path, tcfg: dict) -> Optional[str]:
@@ -348,13 +383,16 @@ class _SentencePieceBackend:
         try:
             import sentencepiece
         except ImportError as e:
-            raise ImportError(f"{file} is a sentencepiece model: reading it needs the 'sentencepiece' package "
-                              f"(pip install sentencepiece), or convert it to tokenizer.json") from e
+            raise ImportError(
+                f"{file} is a sentencepiece model: reading it needs the 'sentencepiece' package "
+                f"(pip install sentencepiece), or convert it to tokenizer.json"
+            ) from e
         try:
             self.sp = sentencepiece.SentencePieceProcessor(model_file=str(file))
-        except Exception as e:   # sentencepiece raises RuntimeError / OSError on a bad file
-            raise ValueError(f"{file} is not a sentencepiece model ({e}): allowed the tokenizer.model "
-                             f"sentencepiece writes") from None
+        except Exception as e:  # sentencepiece raises RuntimeError / OSError on a bad file
+            raise ValueError(
+                f"{file} is not a sentencepiece model ({e}): allowed the tokenizer.model sentencepiece writes"
+            ) from None
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
         self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
 
@@ -423,8 +461,8 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: List[int] = []
-        self._prefix = 0   # decode from here (context for the first new token)
-        self._read = 0     # tokens up to here are already printed
+        self._prefix = 0  # decode from here (context for the first new token)
+        self._read = 0  # tokens up to here are already printed
 
     def _decode(self, ids):
         backend = self.tokenizer.backend
@@ -437,16 +475,16 @@ class StreamDecoder:
     def push(self, token: int) -> str:
         """Add one token; return the text it completes (may be ``""``)."""
         self.ids += _check_ids([token])
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self._prefix, self._read = self._read, len(self.ids)
-            return after[len(before):]
+            return after[len(before) :]
         return ""
 
     def flush(self) -> str:
         """The text of the tokens not returned yet (an incomplete character comes out as ``\\ufffd``)."""
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return after[len(before):] if len(after) > len(before) else ""
+        return after[len(before) :] if len(after) > len(before) else ""

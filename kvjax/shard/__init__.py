@@ -22,17 +22,61 @@ Example:
     True
 """
 
-from kvjax._axes import (CELLS, EMBED, FF, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, SEQ_WORDS, SEQS,
-                               STATE, STATE_ROWS, STREAMS, VOCAB, kv_axes, scalar_axes, state_axes)
-from kvjax._mesh import (DATA, DEFAULT_RULES, MODEL, check_rules, make_mesh, reshard_like, same_shardings,
-                               shardings_of)
+from kvjax._axes import (
+    CELLS,
+    EMBED,
+    FF,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    LOGICAL_AXES,
+    SEQ_WORDS,
+    SEQS,
+    STATE,
+    STATE_ROWS,
+    STREAMS,
+    VOCAB,
+    kv_axes,
+    scalar_axes,
+    state_axes,
+)
+from kvjax._mesh import DATA, DEFAULT_RULES, MODEL, check_rules, make_mesh, reshard_like, same_shardings, shardings_of
 from kvjax.memory._init import logical_axes, memory_shardings, mesh_axes, shard
 from kvjax.shard._params import PARAM_RULES, param_axes, param_shardings, shard_params
 
 __all__ = [
-    "LOGICAL_AXES", "DEFAULT_RULES", "DATA", "MODEL",
-    "LAYERS", "KV_HEADS", "CELLS", "HEAD_DIM", "SEQ_WORDS", "SEQS", "STREAMS", "STATE_ROWS", "STATE",
-    "HEADS", "FF", "EMBED", "VOCAB", "kv_axes", "scalar_axes", "state_axes",
-    "make_mesh", "check_rules", "logical_axes", "mesh_axes", "memory_shardings", "shard", "shardings_of",
-    "same_shardings", "reshard_like", "PARAM_RULES", "param_axes", "param_shardings", "shard_params",
+    "LOGICAL_AXES",
+    "DEFAULT_RULES",
+    "DATA",
+    "MODEL",
+    "LAYERS",
+    "KV_HEADS",
+    "CELLS",
+    "HEAD_DIM",
+    "SEQ_WORDS",
+    "SEQS",
+    "STREAMS",
+    "STATE_ROWS",
+    "STATE",
+    "HEADS",
+    "FF",
+    "EMBED",
+    "VOCAB",
+    "kv_axes",
+    "scalar_axes",
+    "state_axes",
+    "make_mesh",
+    "check_rules",
+    "logical_axes",
+    "mesh_axes",
+    "memory_shardings",
+    "shard",
+    "shardings_of",
+    "same_shardings",
+    "reshard_like",
+    "PARAM_RULES",
+    "param_axes",
+    "param_shardings",
+    "shard_params",
 ]

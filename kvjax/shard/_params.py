@@ -36,13 +36,23 @@ from flax import nnx
 
 #: (last names of a parameter's path, its logical axes); the first match wins, the rest is replicated
 PARAM_RULES: Tuple[Tuple[Tuple[str, ...], P], ...] = (
-    (("q_proj", "kernel"), P(EMBED, HEADS)), (("k_proj", "kernel"), P(EMBED, HEADS)),
-    (("v_proj", "kernel"), P(EMBED, HEADS)), (("q_proj", "bias"), P(HEADS)), (("k_proj", "bias"), P(HEADS)),
-    (("v_proj", "bias"), P(HEADS)), (("o_proj", "kernel"), P(HEADS, EMBED)), (("o_proj", "bias"), P(EMBED)),
+    (("q_proj", "kernel"), P(EMBED, HEADS)),
+    (("k_proj", "kernel"), P(EMBED, HEADS)),
+    (("v_proj", "kernel"), P(EMBED, HEADS)),
+    (("q_proj", "bias"), P(HEADS)),
+    (("k_proj", "bias"), P(HEADS)),
+    (("v_proj", "bias"), P(HEADS)),
+    (("o_proj", "kernel"), P(HEADS, EMBED)),
+    (("o_proj", "bias"), P(EMBED)),
     # fused projections (kvjax.nn.fuse_projections): columns grouped by kv head / by MLP column
-    (("qkv_proj", "kernel"), P(EMBED, HEADS)), (("qkv_proj", "bias"), P(HEADS)), (("gate_up", "kernel"), P(EMBED, FF)),
-    (("gate", "kernel"), P(EMBED, FF)), (("up", "kernel"), P(EMBED, FF)), (("down", "kernel"), P(FF, EMBED)),
-    (("embed", "embedding"), P(VOCAB, EMBED)), (("lm_head", "kernel"), P(EMBED, VOCAB)),
+    (("qkv_proj", "kernel"), P(EMBED, HEADS)),
+    (("qkv_proj", "bias"), P(HEADS)),
+    (("gate_up", "kernel"), P(EMBED, FF)),
+    (("gate", "kernel"), P(EMBED, FF)),
+    (("up", "kernel"), P(EMBED, FF)),
+    (("down", "kernel"), P(FF, EMBED)),
+    (("embed", "embedding"), P(VOCAB, EMBED)),
+    (("lm_head", "kernel"), P(EMBED, VOCAB)),
 )
 
 
@@ -65,10 +75,11 @@ def param_axes(state):
         The state's structure with ``PartitionSpec`` leaves of logical names (:data:`PARAM_RULES`;
         parameters they do not name: all ``None``, replicated).
     """
+
     def one(path, leaf):
         names = _names(path)
         for suffix, spec in PARAM_RULES:
-            if names[-len(suffix):] == suffix and len(spec) == np.ndim(leaf):
+            if names[-len(suffix) :] == suffix and len(spec) == np.ndim(leaf):
                 return spec
         return P(*((None,) * np.ndim(leaf)))
 
@@ -96,14 +107,17 @@ def param_shardings(state, mesh: Mesh, rules: Rules = None, *, n_kv_heads: Optio
         parts = int(np.prod([mesh.shape[a] for a in table[HEADS]])) if table[HEADS] else 1
         if n_kv_heads % parts:
             allowed = [d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0]
-            raise ValueError(f"n_kv_heads={n_kv_heads} is out of range for mesh={dict(mesh.shape)}: heads are split "
-                             f"over {parts} devices; allowed a mesh whose {'x'.join(table[HEADS])} size is one of "
-                             f"{allowed}")
+            raise ValueError(
+                f"n_kv_heads={n_kv_heads} is out of range for mesh={dict(mesh.shape)}: heads are split "
+                f"over {parts} devices; allowed a mesh whose {'x'.join(table[HEADS])} size is one of "
+                f"{allowed}"
+            )
     axes = param_axes(state)
 
     def one(path, leaf, spec):
-        return NamedSharding(mesh, to_mesh_spec(spec, tuple(np.shape(leaf)), table, mesh,
-                                                "params" + jax.tree_util.keystr(path)))
+        return NamedSharding(
+            mesh, to_mesh_spec(spec, tuple(np.shape(leaf)), table, mesh, "params" + jax.tree_util.keystr(path))
+        )
 
     return jax.tree_util.tree_map_with_path(one, state, axes)
 
@@ -133,8 +147,10 @@ def shard_params(model_or_state, mesh: Mesh, rules: Rules = None, *, n_kv_heads:
         state = nnx.state(model_or_state)
         own = getattr(getattr(model_or_state, "config", None), "n_kv_heads", None)
         if n_kv_heads is not None and own is not None and n_kv_heads != own:
-            raise ValueError(f"n_kv_heads={n_kv_heads!r} does not match the model's config.n_kv_heads={own}: "
-                             f"leave n_kv_heads out for a module (its config is read)")
+            raise ValueError(
+                f"n_kv_heads={n_kv_heads!r} does not match the model's config.n_kv_heads={own}: "
+                f"leave n_kv_heads out for a module (its config is read)"
+            )
         placed = jax.device_put(state, param_shardings(state, mesh, rules, n_kv_heads=own or n_kv_heads))
         nnx.update(model_or_state, placed)
         return placed

@@ -49,8 +49,9 @@ BLOCK = 32
 QuantType = BlockType
 
 #: ggml types kvjax stores K/V in, by name (the ids are ``enum ggml_type``): the weight types' own entries
-QUANT_TYPES: Dict[str, QuantType] = {name: WEIGHT_TYPES[name.upper()]
-                                     for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")}
+QUANT_TYPES: Dict[str, QuantType] = {
+    name: WEIGHT_TYPES[name.upper()] for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+}
 assert all(t.block == BLOCK for t in QUANT_TYPES.values())
 
 
@@ -203,8 +204,7 @@ def _q5_1(x):
     mn = jnp.min(x, axis=-1, keepdims=True)
     d = (mx - mn) / jnp.float32(31)
     q = _trunc_u8(_product(x - mn, _inverse(d)) + jnp.float32(0.5), 31)
-    return jnp.concatenate([_f16_bytes(d[..., 0]), _f16_bytes(mn[..., 0]), _high_bits(q), _nibbles(q & 0x0F)],
-                           axis=-1)
+    return jnp.concatenate([_f16_bytes(d[..., 0]), _f16_bytes(mn[..., 0]), _high_bits(q), _nibbles(q & 0x0F)], axis=-1)
 
 
 def _dq5_1(b):
@@ -213,8 +213,13 @@ def _dq5_1(b):
     return _product(q, d[..., None]) + m[..., None]
 
 
-_CODECS = {"q8_0": (_q8_0, _dq8_0), "q4_0": (_q4_0, _dq4_0), "q4_1": (_q4_1, _dq4_1),
-           "q5_0": (_q5_0, _dq5_0), "q5_1": (_q5_1, _dq5_1)}
+_CODECS = {
+    "q8_0": (_q8_0, _dq8_0),
+    "q4_0": (_q4_0, _dq4_0),
+    "q4_1": (_q4_1, _dq4_1),
+    "q5_0": (_q5_0, _dq5_0),
+    "q5_1": (_q5_1, _dq5_1),
+}
 
 
 def _check(name):
@@ -286,6 +291,6 @@ def float16_to_float32(x: jax.Array) -> jax.Array:
     exponent, mantissa = u & 0x7C00, u & 0x03FF
     normal = ((u & 0x7FFF) << 13) + (112 << 23)
     special = jnp.uint32(0x7F800000) | (mantissa << 13)
-    small = jax.lax.bitcast_convert_type(mantissa.astype(jnp.float32) * jnp.float32(2.0 ** -24), jnp.uint32)
+    small = jax.lax.bitcast_convert_type(mantissa.astype(jnp.float32) * jnp.float32(2.0**-24), jnp.uint32)
     bits = jnp.where(exponent == 0, small, jnp.where(exponent == 0x7C00, special, normal))
     return jax.lax.bitcast_convert_type(bits | ((u & 0x8000) << 16), jnp.float32)

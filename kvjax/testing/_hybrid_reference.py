@@ -59,8 +59,9 @@ class HybridRef:
         return self._all_or_nothing(run)
 
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
-        return self._all_or_nothing(lambda: self.recurrent.seq_rm(seq_id, p0, p1)
-                                    and self.attention.seq_rm(seq_id, p0, p1) is None)
+        return self._all_or_nothing(
+            lambda: self.recurrent.seq_rm(seq_id, p0, p1) and self.attention.seq_rm(seq_id, p0, p1) is None
+        )
 
     def seq_cp(self, *args) -> None:
         self.attention.seq_cp(*args)
@@ -71,7 +72,7 @@ class HybridRef:
         self.recurrent.seq_keep(seq_id)
 
     def seq_add(self, *args) -> None:
-        if not self.recurrent.shift_keeps_states(*args):   # all or nothing, as kvjax's hybrid
+        if not self.recurrent.shift_keeps_states(*args):  # all or nothing, as kvjax's hybrid
             return
         self.attention.seq_add(*args)
         self.recurrent.seq_add(*args)

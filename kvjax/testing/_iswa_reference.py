@@ -129,8 +129,9 @@ class IswaRef:
         swa_full: give the window cache the base's size and never prune it.
     """
 
-    def __init__(self, size: int, n_seq_max: int, padding: int, n_swa: int, swa_type: str,
-                 n_batch: int, swa_full: bool = False):
+    def __init__(
+        self, size: int, n_seq_max: int, padding: int, n_swa: int, swa_type: str, n_batch: int, swa_full: bool = False
+    ):
         assert swa_type in SWA_KINDS and n_swa > 0, (swa_type, n_swa)
         self.n_swa = n_swa
         self.swa_type = swa_type
@@ -191,8 +192,7 @@ class IswaRef:
 
     # -- placement and the end of a batch -------------------------------------------------
 
-    def find_slot(self, tokens: Sequence[Token], contiguous: bool = True
-                  ) -> Tuple[List[int], List[int], bool]:
+    def find_slot(self, tokens: Sequence[Token], contiguous: bool = True) -> Tuple[List[int], List[int], bool]:
         """Place a ubatch in both caches: ``(base cells, window cells, ok)``; all or nothing."""
         base, swa = copy.deepcopy(self.base), copy.deepcopy(self.swa)
         base_slots, ok_base = base.find_slot(tokens, contiguous)

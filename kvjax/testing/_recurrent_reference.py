@@ -475,8 +475,11 @@ class RecurrentRef:
 
     def set_inputs(self) -> Inputs:
         """The ubatch's ``(s_copy, s_roll, s_mask)``, then every used cell of the range reads itself."""
-        out = ([self.s_copy(i) for i in range(self.n)], [self.s_roll(i) for i in range(self.n)],
-               [self.s_mask(i) for i in range(self.n)])
+        out = (
+            [self.s_copy(i) for i in range(self.n)],
+            [self.s_roll(i) for i in range(self.n)],
+            [self.s_mask(i) for i in range(self.n)],
+        )
         for i in range(self.n):
             cell = self.cells[self.head + i]
             if not cell.is_empty():  # kvjax: an empty cell keeps src = -1
@@ -504,9 +507,14 @@ class RecurrentRef:
         assert 0 <= self.head < self.size, self.head
 
 
-def move_rows(rows: Dict[Tuple[int, int], object], ref: RecurrentRef, inputs: Inputs,
-              ubatch: Sequence[Slot], step: Callable[[object, int], object], zero: object
-              ) -> Dict[Tuple[int, int], object]:
+def move_rows(
+    rows: Dict[Tuple[int, int], object],
+    ref: RecurrentRef,
+    inputs: Inputs,
+    ubatch: Sequence[Slot],
+    step: Callable[[object, int], object],
+    zero: object,
+) -> Dict[Tuple[int, int], object]:
     """The state rows after a ubatch, per the spec in the module docstring (pure Python).
 
     Args:
