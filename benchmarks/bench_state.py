@@ -20,7 +20,7 @@ import numpy as np
 
 import kvjax
 from benchmarks.common import copy_bandwidth, fmt_rate, fmt_time, median_time, table
-from kvjax.io import _state
+from kvjax.io import _state_layout
 
 
 def _cache(size: int, n_layer: int):
@@ -74,13 +74,13 @@ def run(quick: bool) -> str:
     gc.collect()
     row("state_write (whole cache)", size, n_whole, lambda: kvjax.state_write(cache), copy_whole, t_first)
     t0 = time.perf_counter()
-    _state._parse(cache.config, memoryview(blob), -1, size, "")
+    _state_layout._parse(cache.config, memoryview(blob), -1, size, "")
     t_parse_first = time.perf_counter() - t0
     row(
         "parse + validate only (host, whole)",
         size,
         n_whole,
-        lambda: _state._parse(cache.config, memoryview(blob), -1, size, ""),
+        lambda: _state_layout._parse(cache.config, memoryview(blob), -1, size, ""),
         copy_whole,
         t_parse_first,
     )

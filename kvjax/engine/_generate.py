@@ -443,45 +443,9 @@ def _check_request(
             )
         limit, share_prefix = None, False  # the cache lends its own prefixes (attached after the checks)
     if window is not None:
-        top = engine.cache.context_per_sequence(n_seq) if limit is not None else 2**31 - 1
-        if window.n_cells > top:
-            raise ValueError(
-                f"window={window} is out of range: allowed n_sink + n_recent <= {top} (the cells per "
-                f"sequence with {n_seq} sequence{'s' if n_seq != 1 else ''})"
-            )
-        if longest > window.n_cells:
-            raise ValueError(
-                f"a prompt of {longest} tokens is out of range: allowed at most n_sink + n_recent = "
-                f"{window.n_cells} tokens with window="
-            )
-        memory = engine.cache
-        one_per_stream = isinstance(memory, StreamCache) and memory.config.n_stream == memory.n_seq_max
-        if n_seq > 1 and engine.contiguous and not one_per_stream:
-            raise ValueError(
-                f"window= with {n_seq} sequences in one pool of cells is out of range with "
-                f"Engine(contiguous=True): evictions leave single free cells between the sequences, "
-                f"where a contiguous ubatch of {n_seq} tokens does not fit; allowed an "
-                f"Engine(..., contiguous=False), or per-sequence streams (kvjax.StreamsConfig)"
-            )
-        if window.compact and n_parallel > 1 and len(prompts[0]) > window.n_sink:
-            raise ValueError(
-                f"n_parallel={n_parallel} is out of range with window=SinkWindow(compact=True) and a "
-                f"prompt of {len(prompts[0])} tokens: the shared prompt would move for every "
-                f"continuation; allowed a prompt of at most n_sink={window.n_sink} tokens, or "
-                f"compact=False"
-            )
-    elif limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
-        n_ctx = None
+        _check_window_fits(engine, window, n_seq, n_parallel, prompts, limit)
     else:
-        top = engine.cache.context_per_sequence(n_seq) if limit is not None else (2**31 - 1) // n_seq
-        n_ctx = top if n_ctx is None else check_count("n_ctx", n_ctx, 1)
-        if not n_keep + 2 <= n_ctx <= top:
-            raise ValueError(
-                f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, cells per sequence = "
-                f"{top}] (every sequence must be able to reach its limit)"
-            )
-        if longest >= n_ctx:
-            raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
+        n_ctx = _context_limit(engine, n_ctx, n_keep, n_seq, longest, limit)
     if n_ctx is not None and max_new_tokens + longest > n_ctx and not engine.cache.can_shift:
         raise ValueError(
             f"max_new_tokens={max_new_tokens} is out of range for this {type(engine.cache).__name__}: "
@@ -511,6 +475,54 @@ def _check_request(
         window,
         prompt_cache,
     )
+
+
+def _check_window_fits(engine: Engine, window: SinkWindow, n_seq: int, n_parallel: int, prompts, limit) -> None:
+    """A sink + window memory of ``n_seq`` sequences fits the engine's memory and the prompts."""
+    longest = max(len(p) for p in prompts)
+    top = engine.cache.context_per_sequence(n_seq) if limit is not None else 2**31 - 1
+    if window.n_cells > top:
+        raise ValueError(
+            f"window={window} is out of range: allowed n_sink + n_recent <= {top} (the cells per "
+            f"sequence with {n_seq} sequence{'s' if n_seq != 1 else ''})"
+        )
+    if longest > window.n_cells:
+        raise ValueError(
+            f"a prompt of {longest} tokens is out of range: allowed at most n_sink + n_recent = "
+            f"{window.n_cells} tokens with window="
+        )
+    memory = engine.cache
+    one_per_stream = isinstance(memory, StreamCache) and memory.config.n_stream == memory.n_seq_max
+    if n_seq > 1 and engine.contiguous and not one_per_stream:
+        raise ValueError(
+            f"window= with {n_seq} sequences in one pool of cells is out of range with "
+            f"Engine(contiguous=True): evictions leave single free cells between the sequences, "
+            f"where a contiguous ubatch of {n_seq} tokens does not fit; allowed an "
+            f"Engine(..., contiguous=False), or per-sequence streams (kvjax.StreamsConfig)"
+        )
+    if window.compact and n_parallel > 1 and len(prompts[0]) > window.n_sink:
+        raise ValueError(
+            f"n_parallel={n_parallel} is out of range with window=SinkWindow(compact=True) and a "
+            f"prompt of {len(prompts[0])} tokens: the shared prompt would move for every "
+            f"continuation; allowed a prompt of at most n_sink={window.n_sink} tokens, or "
+            f"compact=False"
+        )
+
+
+def _context_limit(engine: Engine, n_ctx, n_keep: int, n_seq: int, longest: int, limit) -> Optional[int]:
+    """The per-sequence context limit a shift keeps each sequence under (None: nothing to shift)."""
+    if limit is None and n_ctx is None:  # a recurrent state or a prompt cache: nothing to shift
+        return None
+    top = engine.cache.context_per_sequence(n_seq) if limit is not None else (2**31 - 1) // n_seq
+    n_ctx = top if n_ctx is None else check_count("n_ctx", n_ctx, 1)
+    if not n_keep + 2 <= n_ctx <= top:
+        raise ValueError(
+            f"n_ctx={n_ctx} is out of range: allowed [n_keep + 2 = {n_keep + 2}, cells per sequence = "
+            f"{top}] (every sequence must be able to reach its limit)"
+        )
+    if longest >= n_ctx:
+        raise ValueError(f"a prompt of {longest} tokens is out of range: allowed < n_ctx = {n_ctx}")
+    return n_ctx
 
 
 def _speculative(engine: Engine, req: _Request, key, stats: dict) -> Iterator[Tuple[int, int]]:
