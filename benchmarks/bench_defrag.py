@@ -43,6 +43,7 @@ from benchmarks.common import (
 )
 
 _defrag_mod = sys.modules["kvjax.memory._defrag"]  # the module (``kvjax.defrag`` is the function)
+_moves = sys.modules["kvjax.memory._defrag_moves"]  # its plans and row moves
 
 LEVELS = (0.1, 0.5, 0.9)
 N_SEQ = 4
@@ -74,7 +75,7 @@ def _row_bytes(cfg: kvjax.CacheConfig) -> int:
 @functools.partial(jax.jit, donate_argnums=0)
 def _full_permutation(cache):
     """The defrag plan applied by gathering every cell of every buffer (the naive alternative)."""
-    plan = _defrag_mod._plan(cache.cells, np.int32(np.iinfo(np.int32).max), kind="defrag")
+    plan = _moves.make_plan(cache.cells, np.int32(np.iinfo(np.int32).max), kind="defrag")
     cells = cache.cells
     new_cells = cells.replace(
         pos=cells.pos[plan.src],

@@ -285,6 +285,7 @@ def run(quick: bool) -> str:
         kvjax.make_ubatch([0], [[0]]),
         np.zeros(1, np.int32),
         None,
+        None,  # outputs: every row (the step's default)
         windows=(one_cfg.padding,),
     )
     peer.init_cache(1, d.length)
