@@ -10,6 +10,7 @@ sections of the file as they were.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import os
 import pathlib
@@ -123,6 +124,11 @@ def main(quick: bool = False, only=None, out=None) -> int:
         sections[name] = (
             f"{body}\n\n_(module took {time.perf_counter() - t0:.0f} s; run {stamp}{', quick sizes' if quick else ''})_"
         )
+        # one process runs every module: without this the compiled programs of the modules before
+        # pile up (the quick run ran out of memory compiling in its 13th module)
+        del module
+        jax.clear_caches()
+        gc.collect()
     text = (
         machine_header(command)
         + "\n"
