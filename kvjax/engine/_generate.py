@@ -374,6 +374,27 @@ def _check_request(
             f"(e.g. [eos_id], or () for none)"
         )
     stop_tokens = _check_prompts([list(stop_tokens)], engine.vocab_size, name="stop_tokens", allow_empty=True)[0]
+
+    def request(**extra) -> _Request:
+        # the checked values as they stand where it is called (n_ctx and share_prefix settle late)
+        return _Request(
+            prompts,
+            n_parallel,
+            n_seq,
+            budgets,
+            max_new_tokens,
+            set(stop_tokens),
+            sampling,
+            share_prefix,
+            n_ctx,
+            n_keep,
+            device_loop,
+            sync_every,
+            window,
+            prompt_cache,
+            **extra,
+        )
+
     if n_parallel > 1:
         if len(prompts) != 1:
             raise ValueError(f"n_parallel={n_parallel} needs exactly one prompt, got {len(prompts)}")
@@ -406,24 +427,7 @@ def _check_request(
         longest = max(len(p) for p in prompts)
         check_draft(engine, draft, n_draft, n_seq, longest, max_new_tokens)
         _check_prompts(prompts, draft.vocab_size)
-        return _Request(
-            prompts,
-            n_parallel,
-            n_seq,
-            budgets,
-            max_new_tokens,
-            set(stop_tokens),
-            sampling,
-            share_prefix,
-            n_ctx,
-            n_keep,
-            device_loop,
-            sync_every,
-            window,
-            prompt_cache,
-            draft,
-            int(n_draft),
-        )
+        return request(draft=draft, n_draft=int(n_draft))
     if n_seq > engine.cache.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")
     limit = engine.cache.max_context
@@ -459,22 +463,7 @@ def _check_request(
             f"sequences {busy} already hold cells: generate uses sequences 0..{n_seq - 1}; "
             f"free them with kvjax.seq_rm(cache, s) (or use a fresh cache)"
         )
-    return _Request(
-        prompts,
-        n_parallel,
-        n_seq,
-        budgets,
-        max_new_tokens,
-        set(int(t) for t in stop_tokens),
-        sampling,
-        share_prefix,
-        n_ctx,
-        n_keep,
-        device_loop,
-        sync_every,
-        window,
-        prompt_cache,
-    )
+    return request()
 
 
 def _check_window_fits(engine: Engine, window: SinkWindow, n_seq: int, n_parallel: int, prompts, limit) -> None:
