@@ -106,7 +106,8 @@ FLOORS: Tuple[Tuple[int, str, Tuple[str, ...]], ...] = (
         "models and the decode driver (and the reference models of the tests)",
         ("kvjax.nn", "kvjax.nn.", "kvjax.engine", "kvjax.engine.", "kvjax.testing", "kvjax.testing."),
     ),
-    (8, "programs: python -m kvjax", ("kvjax.app", "kvjax.app.", "kvjax.__main__")),
+    (8, "serving: the scheduler and the HTTP server", ("kvjax.serve", "kvjax.serve.")),
+    (9, "programs: python -m kvjax", ("kvjax.app", "kvjax.app.", "kvjax.__main__")),
 )
 
 

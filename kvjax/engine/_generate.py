@@ -105,7 +105,7 @@ def _common_prefix(prompts: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def _check_prompts(prompts, vocab_size: Optional[int], name: str = "prompts", allow_empty: bool = False):
+def check_prompts(prompts, vocab_size: Optional[int], name: str = "prompts", allow_empty: bool = False):
     """Token lists of real integers in ``[0, vocab_size)`` (floats and bools refused, not truncated)."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise ValueError(f"{name} must be a list of token-id lists, got {type(prompts).__name__}")
@@ -354,7 +354,7 @@ def _check_request(
 ) -> _Request:
     """Every argument of a request checked before anything is placed (``ValueError`` naming it)."""
     # the whole request is checked before anything is placed: a failed call changes nothing
-    prompts = _check_prompts(prompts, engine.vocab_size)
+    prompts = check_prompts(prompts, engine.vocab_size)
     n_parallel = check_count("n_parallel", n_parallel, 1)
     if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
         budgets = [check_count(f"max_new_tokens[{i}]", b, 1, MAX_NEW_TOKENS) for i, b in enumerate(max_new_tokens)]
@@ -373,7 +373,7 @@ def _check_request(
             f"stop_tokens={stop_tokens!r} is out of range: allowed a sequence of token ids "
             f"(e.g. [eos_id], or () for none)"
         )
-    stop_tokens = _check_prompts([list(stop_tokens)], engine.vocab_size, name="stop_tokens", allow_empty=True)[0]
+    stop_tokens = check_prompts([list(stop_tokens)], engine.vocab_size, name="stop_tokens", allow_empty=True)[0]
 
     def request(**extra) -> _Request:
         # the checked values as they stand where it is called (n_ctx and share_prefix settle late)
@@ -426,7 +426,7 @@ def _check_request(
             )
         longest = max(len(p) for p in prompts)
         check_draft(engine, draft, n_draft, n_seq, longest, max_new_tokens)
-        _check_prompts(prompts, draft.vocab_size)
+        check_prompts(prompts, draft.vocab_size)
         return request(draft=draft, n_draft=int(n_draft))
     if n_seq > engine.cache.n_seq_max:
         raise ValueError(f"{n_seq} sequences are out of range: allowed at most n_seq_max={engine.cache.n_seq_max}")

@@ -124,6 +124,7 @@ class PromptCache:
         if n_seq_max * max_tokens > 2**28:
             raise ValueError(f"max_tokens={max_tokens} is out of range: allowed n_seq_max * max_tokens <= 2**28")
         self.n_seq_max, self.max_tokens = n_seq_max, max_tokens
+        self._reserved: set = set()  # ids in use by the caller during one attach
         self.store = PromptStore(
             tokens=jnp.zeros((n_seq_max, max_tokens), jnp.int32),
             length=jnp.zeros((n_seq_max,), jnp.int32),
@@ -148,6 +149,10 @@ class PromptCache:
     def parked(self) -> List[int]:
         """The parked sequence ids, ascending."""
         return [int(s) for s in np.flatnonzero(self._lengths)]
+
+    def tokens(self, seq_id: int) -> List[int]:
+        """The tokens parked as ``seq_id`` (empty when it is not parked)."""
+        return list(self._tokens[int(seq_id)])
 
     def lru(self) -> List[int]:
         """The parked sequence ids, least recently used first."""
@@ -193,8 +198,13 @@ class PromptCache:
 
     # -- what generate does with it -----------------------------------------------------------------
 
-    def attach(self, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Tuple[List[int], List[int]]:
+    def attach(
+        self, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, reserved: Sequence[int] = ()
+    ) -> Tuple[List[int], List[int]]:
         """Give each prompt a sequence id and lend it the longest usable parked prefix.
+
+        ``reserved``: sequence ids that are in use although they may hold no cells yet (a
+        scheduler's admitted requests); they are never given out.
 
         Returns:
             ``(seq_ids, held)``: the memory's sequence id of each prompt and how many of its first
@@ -218,6 +228,7 @@ class PromptCache:
             self.restores,
             self.host.snapshot() if self.host else None,
         )
+        self._reserved = {int(s) for s in reserved}
         try:
             memory = self._from_host(memory, prompts)
             return self._attach(engine, memory, prompts, max_new_tokens)
@@ -236,6 +247,8 @@ class PromptCache:
             if host is not None:
                 self.host.restore(host)
             raise
+        finally:
+            self._reserved = set()
 
     def _attach(self, engine, memory, prompts, max_new_tokens):
         n = len(prompts)
@@ -259,8 +272,7 @@ class PromptCache:
                 continue
             seq_ids[i] = src
         protected = {src for src, m in matches if src >= 0 and m > 0}
-        parked = set(self.parked())
-        free = [s for s in range(self.n_seq_max) if s not in parked and int(memory.seq_pos_max(np.int32(s))) < 0]
+        free = self._free_ids(memory)
         evictable = [s for s in self.lru() if s not in protected]
         # not enough sequence ids: the least recently used parked sequences make room
         while len(free) < seq_ids.count(None) and evictable:
@@ -336,8 +348,8 @@ class PromptCache:
         return moved
 
     def _free_ids(self, memory) -> List[int]:
-        parked = set(self.parked())
-        return [s for s in range(self.n_seq_max) if s not in parked and int(memory.seq_pos_max(np.int32(s))) < 0]
+        taken = set(self.parked()) | self._reserved
+        return [s for s in range(self.n_seq_max) if s not in taken and int(memory.seq_pos_max(np.int32(s))) < 0]
 
     def _from_host(self, memory, prompts):
         """Bring back, into free cells, each host entry that matches a prompt better than the device does.
