@@ -9,6 +9,8 @@ Compiled programs are kept in JAX's persistent compilation cache (``~/.cache/kvj
 - ``generate --model PATH --prompt TEXT [--n-parallel N] [--max-new-tokens N] [--temperature T]
   [--cache-type T] [--ctx N] [--padding N] [--kv-unified]``: text from a checkpoint folder (or
   .gguf), streamed, with the speed (see :mod:`kvjax.app._generate`).
+- ``serve --model PATH [--host H] [--port P] [--ctx N] [--parallel N] [--slot-save-path DIR]``: an
+  OpenAI-compatible server with continuous batching (see :mod:`kvjax.app._serve`; ``kvjax[serve]``).
 - ``bench [--quick] [--only NAME ...] [--out BENCHMARKS.md]``: run ``benchmarks/bench_*.py``
   from a source checkout and write the results.
 """
@@ -24,6 +26,7 @@ from kvjax.app import _bench as bench_runner
 from kvjax.app import _charlm as charlm
 from kvjax.app import _demo as demo_mod
 from kvjax.app import _generate as generate_mod
+from kvjax.app import _serve as serve_mod
 import jax
 
 
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     train.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     train.add_argument("--seed", type=int, default=0)
     generate_mod.add_parser(sub)
+    serve_mod.add_parser(sub)
     bench = sub.add_parser("bench", help="run the benchmarks and write BENCHMARKS.md")
     bench.add_argument("--quick", action="store_true", help="small sizes, few repeats (a smoke run)")
     bench.add_argument("--only", nargs="*", default=None, help="benchmark module names (e.g. core)")
@@ -82,6 +86,8 @@ def main(argv=None) -> int:
         return 0
     if args.command == "generate":
         return generate_mod.main(args)
+    if args.command == "serve":
+        return serve_mod.main(args)
     return bench_runner.main(quick=args.quick, only=args.only, out=args.out)
 
 
