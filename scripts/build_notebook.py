@@ -362,6 +362,39 @@ for i, text in enumerate(["The file is ", "Return the ", "If the value ", "The f
     print(f"{text!r:22} evaluated {out.prompt_tokens:2d} of {len(text):2d}; parked {small_cache.parked()}, "
           f"evictions so far {small_cache.evictions}")""",
     ),
+    (
+        "md",
+        """## Continuous batching: requests that come and go
+
+`kvjax.serve.Scheduler` is what a server runs: requests arrive between steps, each step feeds one
+token of every request that is decoding and fills the rest of its token budget (`n_batch`) with
+prompt chunks, a finished request's cells are freed at once, and every request gets exactly the
+tokens it would get alone (`docs/serving.md`). `python -m kvjax serve` puts an OpenAI-compatible
+HTTP server in front of it. Below, four requests arrive at steps 0, 0, 3 and 8; the picture shows
+what each step's batch held.""",
+    ),
+    (
+        "code",
+        """from kvjax.serve import Scheduler, ServeRequest, plot_steps
+
+busy = kvjax.Engine(model, kvjax.init(cfg.cache_config(size=256, n_seq_max=4, padding=32)), n_ubatch=32)
+scheduler = Scheduler(busy, n_batch=24, device_loop=False)  # one token per request per step, to draw it
+texts = ["The file is ", "Return the value of the name ", "If the ", "The name of the file is "]
+arrive = {0: [0, 1], 3: [2], 8: [3]}
+owner, replies, steps = {}, {}, []
+for step in range(200):
+    for i in arrive.get(step, []):
+        owner[scheduler.submit(ServeRequest(tok.encode(texts[i]).tolist(), max_tokens=12))] = i
+    for ev in scheduler.step():
+        replies.setdefault(owner[ev.request_id], []).extend(ev.tokens)
+    steps.append(scheduler.last_batch)
+    if step > 8 and scheduler.idle:
+        break
+for i in sorted(replies):
+    print(f"{texts[i]!r:32} -> {tok.decode(replies[i])!r}")
+print("cells in use at the end:", int(kvjax.used_cells(busy.cache)))
+plot_steps(steps, labels={r: f"request {i}" for r, i in owner.items()}, n_batch=24); plt.show()""",
+    ),
 ]
 
 NOTEBOOKS = {"01_tour.ipynb": TOUR, "02_memories.ipynb": MEMORIES, "03_serving.ipynb": SERVING}

@@ -1,0 +1,110 @@
+"""Serving: the continuous-batching scheduler against what a user writes without one.
+
+Workload: ``n`` requests arrive at once (prompts of 12 to 60 characters of the demo's text, 24
+new characters each, greedy) on the demo's character model; ``C`` requests run at once
+(``n_seq_max = C``). Three ways to serve it, in the same run, each after a warm-up pass of the same
+workload (compile time excluded):
+
+- **scheduler**: ``kvjax.serve.Scheduler`` (continuous batching, chunked prefill, the device loop
+  for decode-only stretches);
+- **static batches**: ``kvjax.generate`` on ``C`` prompts at a time, each batch waiting for its
+  longest member (what a loop over ``generate`` gives);
+- **one by one**: ``kvjax.generate`` per request (C = 1's only choice without a scheduler).
+
+Reported: generated tokens per second over the whole workload, and time to first token (from
+arrival, all at t=0) p50 / p99. llama.cpp's own server on a GGUF of the same model is not in this
+table yet (docs/serving.md, "Not yet").
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+import kvjax
+from benchmarks.common import table
+from kvjax.app import _charlm
+from kvjax.serve import Scheduler, ServeRequest
+from kvjax.serve._scheduler import percentiles
+
+GREEDY = kvjax.SamplingConfig(temperature=0)
+N_NEW = 24
+
+
+def _prompts(tok, n):
+    text = "The file is opened and the value of the name is returned. If the key is missing, the default "
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        start, length = int(rng.integers(0, 30)), int(rng.integers(12, 61))
+        out.append(tok.encode(text[start : start + length]).tolist())
+    return out
+
+
+def _engine(model, c):
+    return kvjax.Engine(
+        model, kvjax.init(model.config.cache_config(size=128 * c, n_seq_max=c, padding=64)), n_ubatch=64
+    )
+
+
+def _scheduler(model, prompts, c):
+    scheduler = Scheduler(_engine(model, c), n_batch=64)
+    t0 = time.perf_counter()
+    ids = [scheduler.submit(ServeRequest(p, max_tokens=N_NEW)) for p in prompts]
+    first, generated = {}, 0
+    while not scheduler.idle:
+        for ev in scheduler.step():
+            generated += len(ev.tokens)
+            if ev.tokens and ev.request_id not in first:
+                first[ev.request_id] = time.perf_counter() - t0
+    return generated, time.perf_counter() - t0, [first[i] for i in ids]
+
+
+def _static(model, prompts, c):
+    engine = _engine(model, c)
+    t0 = time.perf_counter()
+    generated, ttft = 0, []
+    for i in range(0, len(prompts), c):
+        engine.cache = kvjax.clear(engine.cache)
+        batch_start = time.perf_counter() - t0
+        out = kvjax.generate(
+            engine,
+            prompts[i : i + c],
+            max_new_tokens=N_NEW,
+            key=jax.random.PRNGKey(0),
+            sampling=GREEDY,
+            share_prefix=False,
+        )
+        generated += sum(len(t) for t in out.tokens)
+        ttft += [batch_start + out.time_to_first_token] * len(out.tokens)
+    return generated, time.perf_counter() - t0, ttft
+
+
+def run(quick: bool) -> str:
+    model, tok, trained = _charlm.load(verbose=False)
+    n = 16 if quick else 64
+    prompts = _prompts(tok, n)
+    rows = []
+    for c in (1, 8) if quick else (1, 8, 32):
+        results = {}
+        for name, fn in (("scheduler", _scheduler), ("static batches" if c > 1 else "one by one", _static)):
+            fn(model, prompts, c)  # warm-up: every program of the workload compiles here
+            generated, seconds, ttft = fn(model, prompts, c)
+            results[name] = (generated / seconds, *percentiles(ttft))
+        base = results["static batches" if c > 1 else "one by one"][0]
+        for name, (tps, p50, p99) in results.items():
+            rows.append([str(c), name, f"{tps:.0f}", f"{tps / base:.2f}", f"{p50 * 1e3:.0f}", f"{p99 * 1e3:.0f}"])
+    return "\n".join(
+        [
+            "## Serving: continuous batching",
+            "",
+            f"The demo's character model ({'trained' if trained else 'random weights'}), {n} requests arriving at once "
+            f"(prompts of 12 to 60 characters, {N_NEW} new characters each, greedy), C running at once; float32 K/V, "
+            f"compile excluded (each way ran the workload once before). Throughput is generated tokens over the whole "
+            f"workload; time to first token counts from arrival (t=0 for all). `bench_serve.py`:",
+            "",
+            table(["C", "how", "tokens/s", "x baseline", "TTFT p50 ms", "TTFT p99 ms"], rows),
+        ]
+    )
