@@ -1,7 +1,7 @@
 """Serving: the continuous-batching scheduler against what a user writes without one.
 
-Workload: ``n`` requests arrive at once (prompts of 12 to 60 characters of the demo's text, 24
-new characters each, greedy) on the demo's character model; ``C`` requests run at once
+Workload: ``n`` requests arrive at once (prompts of 12 to 60 characters of the demo's text, 8 to
+40 new characters each, as replies differ in length; greedy) on the demo's character model; ``C`` requests run at once
 (``n_seq_max = C``). Three ways to serve it, in the same run, each after a warm-up pass of the same
 workload (compile time excluded):
 
@@ -30,7 +30,6 @@ from kvjax.serve import Scheduler, ServeRequest
 from kvjax.serve._scheduler import percentiles
 
 GREEDY = kvjax.SamplingConfig(temperature=0)
-N_NEW = 24
 
 
 def _prompts(tok, n):
@@ -39,7 +38,7 @@ def _prompts(tok, n):
     out = []
     for _ in range(n):
         start, length = int(rng.integers(0, 30)), int(rng.integers(12, 61))
-        out.append(tok.encode(text[start : start + length]).tolist())
+        out.append((tok.encode(text[start : start + length]).tolist(), int(rng.integers(8, 41))))
     return out
 
 
@@ -52,7 +51,7 @@ def _engine(model, c):
 def _scheduler(model, prompts, c):
     scheduler = Scheduler(_engine(model, c), n_batch=64)
     t0 = time.perf_counter()
-    ids = [scheduler.submit(ServeRequest(p, max_tokens=N_NEW)) for p in prompts]
+    ids = [scheduler.submit(ServeRequest(p, max_tokens=m)) for p, m in prompts]
     first, generated = {}, 0
     while not scheduler.idle:
         for ev in scheduler.step():
@@ -69,10 +68,11 @@ def _static(model, prompts, c):
     for i in range(0, len(prompts), c):
         engine.cache = kvjax.clear(engine.cache)
         batch_start = time.perf_counter() - t0
+        batch = prompts[i : i + c]
         out = kvjax.generate(
             engine,
-            prompts[i : i + c],
-            max_new_tokens=N_NEW,
+            [p for p, _ in batch],
+            max_new_tokens=[m for _, m in batch],
             key=jax.random.PRNGKey(0),
             sampling=GREEDY,
             share_prefix=False,
@@ -101,7 +101,7 @@ def run(quick: bool) -> str:
             "## Serving: continuous batching",
             "",
             f"The demo's character model ({'trained' if trained else 'random weights'}), {n} requests arriving at once "
-            f"(prompts of 12 to 60 characters, {N_NEW} new characters each, greedy), C running at once; float32 K/V, "
+            f"(prompts of 12 to 60 characters, 8 to 40 new characters each, greedy), C running at once; float32 K/V, "
             f"compile excluded (each way ran the workload once before). Throughput is generated tokens over the whole "
             f"workload; time to first token counts from arrival (t=0 for all). `bench_serve.py`:",
             "",

@@ -20,8 +20,9 @@
    tokens, stop strings, budgets and the context limit, and hands back one :class:`ServeEvent`
    per request that produced something.
 
-Where every admitted request is decoding greedily and nothing waits, the step runs a stretch of up
-to ``sync_every`` tokens on the device loop (``kvjax/engine/_device_loop.py``) in one dispatch.
+Where every admitted request is decoding greedily and nothing could be admitted (nothing waits, or
+every sequence id is running), the step runs a stretch of up to ``sync_every`` tokens on the
+device loop (``kvjax/engine/_device_loop.py``) in one dispatch; a request that finishes ends it.
 
 A request whose next position reaches ``n_ctx`` finishes with ``"length"``, or with
 ``context="shift"`` drops half of what follows its first ``n_keep`` tokens and goes on
@@ -513,10 +514,12 @@ class Scheduler:
     def _device_stretch(self, events) -> bool:
         """Run up to ``sync_every`` greedy decode steps in one dispatch, when nothing else needs the host."""
         lives = list(self.running.values())
+        # waiting requests that could be admitted need the host now; with every sequence id
+        # running they wait for a finish anyway, which ends the stretch
+        nothing_to_admit = not (self.waiting or self._inbox) or len(lives) >= self.engine.cache.n_seq_max
         if not (
             self.device_loop
-            and not self.waiting
-            and not self._inbox
+            and nothing_to_admit
             and len(lives) <= self.engine.n_ubatch
             and all(w.to_feed == 1 and w.req.sampling.greedy and w.req.logprobs is None for w in lives)
             and device_sampling_exact(jax.random.PRNGKey(0), _GREEDY)
