@@ -15,53 +15,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvjax
-from kvjax.nn import HybridLM, HybridLMConfig, Llama, LlamaConfig, Mamba, MambaConfig
+from tests.tiny_models import memory, model
 
-V = 20
 GREEDY = kvjax.SamplingConfig(temperature=0)
-
-
-def _scaled(model, factor=1.5):
-    nnx.update(model, jax.tree.map(lambda x: x * factor, nnx.state(model, nnx.Param)))
-    return model
-
-
-LLAMA = LlamaConfig(vocab_size=V, d_model=32, n_layer=2, n_heads=2, n_kv_heads=1)
-SWA = LlamaConfig(vocab_size=V, d_model=32, n_layer=2, n_heads=2, n_kv_heads=1, swa_layers=(0,), n_swa=6)
-MAMBA = MambaConfig(vocab_size=V, d_model=32, n_layer=2, d_state=4)
-HYBRID = HybridLMConfig(vocab_size=V, d_model=32, n_layer=3, recurrent_layers=(1,), n_heads=2, n_kv_heads=1, d_state=4)
-MODELS = {}
-
-
-def model(kind):
-    if kind not in MODELS:
-        make = {
-            "unified": lambda: Llama(LLAMA, rngs=nnx.Rngs(0)),
-            "iswa": lambda: Llama(SWA, rngs=nnx.Rngs(0)),
-            "recurrent": lambda: Mamba(MAMBA, rngs=nnx.Rngs(0)),
-            "hybrid": lambda: HybridLM(HYBRID, rngs=nnx.Rngs(0)),
-        }[kind]
-        MODELS[kind] = _scaled(make())
-    return MODELS[kind]
-
-
-def memory(kind, size=96, n_seq=4):
-    if kind == "unified":
-        return kvjax.init(LLAMA.cache_config(size=size, n_seq_max=n_seq, padding=16))
-    if kind == "iswa":
-        return kvjax.init(
-            kvjax.IswaConfig(
-                SWA.cache_config(size=size, n_seq_max=n_seq, padding=16), swa_layers=(0,), n_swa=6, n_batch=16
-            )
-        )
-    if kind == "recurrent":
-        return kvjax.init(MAMBA.memory_config(n_seq, n_states=4))
-    return kvjax.init(HYBRID.memory_config(size=size, n_seq_max=n_seq, n_states=4, padding=16))
 
 
 def engine(kind, **kw):

@@ -15,53 +15,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
 import kvjax
-from kvjax.nn import HybridLM, HybridLMConfig, Llama, LlamaConfig, Mamba, MambaConfig, Tokenizer
+from kvjax.nn import Tokenizer
 from kvjax.serve import QueueFullError, Scheduler, ServeRequest
+from tests.tiny_models import V, memory, model
 
-V = 20
 GREEDY = kvjax.SamplingConfig(temperature=0)
-LLAMA = LlamaConfig(vocab_size=V, d_model=32, n_layer=2, n_heads=2, n_kv_heads=1)
-SWA = LlamaConfig(vocab_size=V, d_model=32, n_layer=2, n_heads=2, n_kv_heads=1, swa_layers=(0,), n_swa=6)
-MAMBA = MambaConfig(vocab_size=V, d_model=32, n_layer=2, d_state=4)
-HYBRID = HybridLMConfig(vocab_size=V, d_model=32, n_layer=3, recurrent_layers=(1,), n_heads=2, n_kv_heads=1, d_state=4)
 KINDS = ("unified", "streams", "iswa", "recurrent", "hybrid")
-MODELS = {}
-
-
-def model(kind):
-    if kind not in MODELS:
-        make = {
-            "unified": lambda: Llama(LLAMA, rngs=nnx.Rngs(0)),
-            "streams": lambda: Llama(LLAMA, rngs=nnx.Rngs(0)),
-            "iswa": lambda: Llama(SWA, rngs=nnx.Rngs(0)),
-            "recurrent": lambda: Mamba(MAMBA, rngs=nnx.Rngs(0)),
-            "hybrid": lambda: HybridLM(HYBRID, rngs=nnx.Rngs(0)),
-        }[kind]
-        m = make()  # scaled weights: sharper logits, so greedy ties never decide a comparison
-        nnx.update(m, jax.tree.map(lambda x: x * 1.5, nnx.state(m, nnx.Param)))
-        MODELS[kind] = m
-    return MODELS[kind]
-
-
-def memory(kind, size=96, n_seq=4):
-    if kind == "unified":
-        return kvjax.init(LLAMA.cache_config(size=size, n_seq_max=n_seq, padding=16))
-    if kind == "streams":
-        return kvjax.init(kvjax.StreamsConfig(LLAMA.cache_config(size=size, n_seq_max=n_seq, padding=16)))
-    if kind == "iswa":
-        return kvjax.init(
-            kvjax.IswaConfig(
-                SWA.cache_config(size=size, n_seq_max=n_seq, padding=16), swa_layers=(0,), n_swa=6, n_batch=16
-            )
-        )
-    if kind == "recurrent":
-        return kvjax.init(MAMBA.memory_config(n_seq, n_states=4))
-    return kvjax.init(HYBRID.memory_config(size=size, n_seq_max=n_seq, n_states=4, padding=16))
 
 
 def engine(kind, **kw):

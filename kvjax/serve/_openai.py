@@ -222,25 +222,24 @@ def chat_logprobs(logprobs: List[TokenLogprob], piece) -> Optional[dict]:
     }
 
 
+def _choice(parsed: Parsed, ev: ServeEvent, piece, text_field: dict) -> dict:
+    """One choice: its text (``text_field``: ``delta``, ``message`` or ``text``), logprobs and finish."""
+    logprobs = chat_logprobs if parsed.chat else completion_logprobs
+    return {
+        "index": 0,
+        **text_field,
+        "logprobs": logprobs(ev.logprobs, piece),
+        "finish_reason": _finish(ev.finish_reason),
+    }
+
+
 def chunk(parsed: Parsed, rid: str, created: int, ev: ServeEvent, piece, first: bool) -> dict:
     """One streamed chunk for ``ev`` (its text delta, and the finish reason on the last)."""
     if parsed.chat:
         delta = {"role": "assistant", "content": ev.text} if first else ({"content": ev.text} if ev.text else {})
-        choice = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": chat_logprobs(ev.logprobs, piece),
-            "finish_reason": _finish(ev.finish_reason),
-        }
-        kind = "chat.completion.chunk"
+        choice, kind = _choice(parsed, ev, piece, {"delta": delta}), "chat.completion.chunk"
     else:
-        choice = {
-            "index": 0,
-            "text": ev.text,
-            "logprobs": completion_logprobs(ev.logprobs, piece),
-            "finish_reason": _finish(ev.finish_reason),
-        }
-        kind = "text_completion"
+        choice, kind = _choice(parsed, ev, piece, {"text": ev.text}), "text_completion"
     out = {"id": rid, "object": kind, "created": created, "model": parsed.model, "choices": [choice]}
     if parsed.include_usage:
         out["usage"] = None
@@ -255,21 +254,10 @@ def usage_chunk(parsed: Parsed, rid: str, created: int, ev: ServeEvent) -> dict:
 def response(parsed: Parsed, rid: str, created: int, ev: ServeEvent, piece) -> dict:
     """The whole (not streamed) response; ``ev`` holds every token, the text and the finish."""
     if parsed.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": ev.text},
-            "logprobs": chat_logprobs(ev.logprobs, piece),
-            "finish_reason": _finish(ev.finish_reason),
-        }
-        kind = "chat.completion"
+        message = {"message": {"role": "assistant", "content": ev.text}}
+        choice, kind = _choice(parsed, ev, piece, message), "chat.completion"
     else:
-        choice = {
-            "index": 0,
-            "text": ev.text,
-            "logprobs": completion_logprobs(ev.logprobs, piece),
-            "finish_reason": _finish(ev.finish_reason),
-        }
-        kind = "text_completion"
+        choice, kind = _choice(parsed, ev, piece, {"text": ev.text}), "text_completion"
     return {
         "id": rid,
         "object": kind,
