@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 import kvjax
 from kvjax.engine._host_tier import HostTier
 
-from tests.test_prompt_cache import CHAT, GREEDY, LLAMA, SAMPLED, engine, memory, model
+from tests.test_prompt_cache import CHAT, GREEDY, SAMPLED, engine
+from tests.tiny_models import LLAMA, memory, model
 
 
 def streams_engine(n_seq=4):

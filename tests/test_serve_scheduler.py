@@ -136,6 +136,32 @@ def test_prompt_cache_reuses_parked_prefixes_with_the_same_tokens(kind):
         assert scheduler.stats["cached_tokens"] > 0
 
 
+def test_a_host_tier_takes_finished_requests_and_gives_their_prefixes_back():
+    eng = engine("unified")
+    cache = kvjax.PromptCache(4, 64, host_bytes=1 << 22, idle_to_host=True)
+    scheduler = Scheduler(eng, prompt_cache=cache)
+    chat = [ServeRequest([1, 2, 3, 4, 5, 6], max_tokens=3), ServeRequest([1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=3)]
+    got = serve(scheduler, chat, arrivals=[0, 8])
+    for i, req in enumerate(chat):
+        assert got[i]["tokens"] == alone("unified", req)
+    assert int(kvjax.used_cells(eng.cache)) == 0 and cache.parked() == []  # all on the host
+    assert cache.restores == 1 and scheduler.stats["cached_tokens"] >= 6
+
+
+def test_thousands_of_queued_requests_are_refused_past_the_limit_and_cancelled_cleanly():
+    scheduler = Scheduler(engine("unified"), max_queue=3000)
+    ids = [scheduler.submit(ServeRequest([1 + i % 7, 2], max_tokens=4)) for i in range(3000)]
+    with pytest.raises(QueueFullError):
+        scheduler.submit(ServeRequest([1], max_tokens=1))
+    events = scheduler.step()  # admits the first four and runs them a step
+    assert scheduler.queued == 2996 and len(scheduler.running) == 4 and len(events) == 4
+    for rid in ids:
+        scheduler.cancel(rid)
+    finished = [ev for ev in scheduler.step() if ev.finished]
+    assert len(finished) == 3000 and {ev.finish_reason for ev in finished} == {"cancelled"}
+    assert scheduler.idle and int(kvjax.used_cells(scheduler.engine.cache)) == 0
+
+
 def test_a_small_memory_makes_requests_wait_or_give_way_and_everyone_still_gets_their_tokens():
     eng = engine("unified", size=48, n_seq=4)
     scheduler = Scheduler(eng, n_batch=16)

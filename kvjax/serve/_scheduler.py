@@ -76,7 +76,7 @@ class QueueFullError(RuntimeError):
     """The scheduler's queue holds ``max_queue`` waiting requests: try again later (HTTP 503)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: two requests are never equal
 class _Live:
     """A request inside the scheduler.
 
@@ -112,7 +112,9 @@ class Scheduler:
         n_batch: most tokens per step (llama.cpp's ``n_batch``; the engine splits a step into
             ubatches of ``engine.n_ubatch``). Default ``engine.n_ubatch``.
         prompt_cache: a :class:`kvjax.PromptCache` of the engine's memory: finished requests stay
-            parked and later prompts reuse their longest prefix.
+            parked and later prompts reuse their longest prefix (with its host tier,
+            ``host_bytes=``, evicted prefixes move to host memory and come back for a better
+            match; with ``idle_to_host=True`` a finished request's sequence moves there at once).
         tokenizer: a :class:`kvjax.nn.Tokenizer`: events carry text, and requests may have stop strings.
         n_ctx: most positions one request holds (default: what one sequence of the memory can
             hold, ``cache.context_per_sequence(1)``; unbounded for a recurrent state).
@@ -321,11 +323,15 @@ class Scheduler:
             arrivals, self._inbox = list(self._inbox), collections.deque()
             cancels, self._cancels = self._cancels, set()
         self.waiting.extend(arrivals)
-        for rid in cancels:
-            live = self.running.get(rid)
-            if live is None:
-                live = next((w for w in self.waiting if w.rid == rid), None)
-            if live is not None:
+        if not cancels:
+            return
+        for rid in cancels & set(self.running):
+            self._finish(self.running[rid], "cancelled", events)
+        # the waiting ones in one pass (a burst of disconnects may cancel thousands)
+        gone = [w for w in self.waiting if w.rid in cancels]
+        if gone:
+            self.waiting = collections.deque(w for w in self.waiting if w.rid not in cancels)
+            for live in gone:
                 self._finish(live, "cancelled", events)
 
     def _free_seq_ids(self) -> List[int]:
@@ -348,7 +354,7 @@ class Scheduler:
             spans = [(w.seq, w.placed, len(w.context)) for w in self.running.values() if w.to_feed > 1]
             if not self.engine.fits(self.engine.cache, spans + [(live.seq, live.placed, len(live.context))]):
                 if self.prompt_cache is not None:  # the attached prefix stays parked for it
-                    self._release(live)
+                    self._release(live, finished=False)
                 live.seq = None
                 return
             self.waiting.popleft()
@@ -373,8 +379,9 @@ class Scheduler:
         self.stats["cached_tokens"] += held
         return True
 
-    def _release(self, live: _Live) -> None:
-        """Free the request's cells, or park them in the prompt cache when they are a clean prefix."""
+    def _release(self, live: _Live, finished: bool = True) -> None:
+        """Free the request's cells, or park them in the prompt cache when they are a clean prefix
+        (in its host tier at once, for a finished request, with ``idle_to_host``)."""
         memory, seq = self.engine.cache, np.int32(live.seq)
         if self.prompt_cache is not None and not live.shifted and live.placed > 0:
             # cells past what was accepted (a device stretch that ran ahead) are cut first
@@ -382,6 +389,8 @@ class Scheduler:
             if bool(ok):
                 self.engine.cache = cut
                 self.prompt_cache.park(live.seq, live.context[: live.placed])
+                if finished and self.prompt_cache.idle_to_host:
+                    self.prompt_cache.to_host(self.engine, [live.seq])
                 return
         self.engine.cache, _ = memory.seq_rm(seq, np.int32(-1), np.int32(-1))
         if self.prompt_cache is not None:
@@ -399,7 +408,7 @@ class Scheduler:
             del self.running[live.rid]
             if live.seq is not None:
                 self._release(live)
-        else:
+        elif live in self.waiting:
             self.waiting.remove(live)
         live.seq = None
         self.stats[f"finished_{reason}"] += 1
