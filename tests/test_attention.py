@@ -134,7 +134,7 @@ def test_chunked_loop_matches(monkeypatch, max_chunk, n_kv):
     assert np.isfinite(np.asarray(out)).all() and not np.asarray(out)[1:].any()
 
 
-@pytest.mark.parametrize("max_chunk,n_kv", [(16, 64), (32, 48)])
+@pytest.mark.parametrize("max_chunk,n_kv", [(16, 64), pytest.param(32, 48, marks=pytest.mark.slow)])
 def test_chunks_no_row_sees_are_skipped_exactly(monkeypatch, max_chunk, n_kv):
     """Only the chunks between the first and last visible column run; the result is bit-identical.
 

@@ -65,7 +65,9 @@ def _both(kind, prompts, engine_args=None, **kwargs):
 
 # each memory kind compiles its own programs (host and device loops, ~30 s here): the two placement
 # every memory kind the protocol offers, by default
-@pytest.mark.parametrize("kind", ["unified", "recurrent", "iswa", "hybrid", "streams"])
+@pytest.mark.parametrize(
+    "kind", ["unified", "recurrent", "iswa", "streams", pytest.param("hybrid", marks=pytest.mark.slow)]
+)
 def test_device_loop_gives_the_host_loops_tokens(kind):
     """Sampled (top-k) with different prompt lengths, budgets and a stop token; windows grow from 16
     cells past 64 (iSWA: its window cache prunes and wraps), sequences stop at different steps."""

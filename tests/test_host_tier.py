@@ -37,7 +37,14 @@ def make_engine(kind):
 
 @pytest.mark.parametrize(
     "kind, sampling",
-    [("unified", GREEDY), ("streams", GREEDY), ("iswa", SAMPLED), ("recurrent", GREEDY), ("hybrid", SAMPLED)],
+    [
+        ("unified", GREEDY),
+        ("streams", GREEDY),
+        ("iswa", SAMPLED),
+        # (a state blob read back continues the same: test_state_blob_continues_the_same, test_recurrent_engine.py)
+        pytest.param("recurrent", GREEDY, marks=pytest.mark.slow),
+        pytest.param("hybrid", SAMPLED, marks=pytest.mark.slow),
+    ],
 )
 def test_host_parked_equals_device_parked_equals_fresh(kind, sampling):
     on_host, on_device = make_engine(kind), make_engine(kind)

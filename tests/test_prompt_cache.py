@@ -47,12 +47,13 @@ SLOW = pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, sampling, n_requests",
     [
-        # every memory kind over the whole chat (recurrent over its first 5 requests) by default
+        # the unified cache over the whole chat and recurrent over its first 5 requests by default
+        # (the scheduler's tests run it on the iSWA pair; every kind continues a parked sequence below)
         ("unified", GREEDY, 7),
-        ("iswa", SAMPLED, 7),
         ("recurrent", GREEDY, 5),
-        ("hybrid", SAMPLED, 7),
         # the other combinations with -m slow
+        pytest.param("iswa", SAMPLED, 7, marks=SLOW),
+        pytest.param("hybrid", SAMPLED, 7, marks=SLOW),
         pytest.param("unified", SAMPLED, 7, marks=SLOW),
         pytest.param("iswa", GREEDY, 7, marks=SLOW),
         pytest.param("recurrent", SAMPLED, 7, marks=SLOW),
@@ -77,7 +78,7 @@ def test_cached_generation_equals_fresh_generation(kind, sampling, n_requests):
     assert len(cache.parked()) <= 4
 
 
-@pytest.mark.parametrize("kind", ["unified", "recurrent", "hybrid"])
+@pytest.mark.parametrize("kind", ["unified", "recurrent", pytest.param("hybrid", marks=SLOW)])
 def test_a_generator_closed_while_the_device_runs_ahead_parks_a_true_prefix(kind):
     """The device loop runs chunks ahead of the tokens handed out; closing the generator early
     parks the tokens handed out and fed while the memory may hold more cells (or a later state).

@@ -100,9 +100,9 @@ FULL, SHORT = (REQUESTS, [0, 0, 1, 3, 4, 9], {4: 6}), (REQUESTS[2:5], [0, 1, 2],
 
 @pytest.mark.parametrize(
     "kind, trace",
-    [(k, FULL) for k in ("unified", "streams", "iswa")]
-    + [(k, SHORT) for k in ("recurrent", "hybrid")]
-    + [pytest.param(k, FULL, marks=pytest.mark.slow) for k in ("recurrent", "hybrid")],
+    [(k, FULL) for k in ("unified", "iswa")]
+    + [(k, SHORT) for k in ("streams", "recurrent", "hybrid")]
+    + [pytest.param(k, FULL, marks=pytest.mark.slow) for k in ("streams", "recurrent", "hybrid")],
 )
 def test_continuous_batching_equals_each_request_alone(kind, trace):
     check_trace(kind, *trace)
@@ -118,7 +118,7 @@ def test_device_stretches_give_the_host_steps_tokens(device_loop):
     assert (scheduler.stats["device_stretches"] > 0) == device_loop
 
 
-@pytest.mark.parametrize("kind", ["unified", "iswa", "recurrent", "hybrid"])
+@pytest.mark.parametrize("kind", ["unified", "iswa", "recurrent", pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_prompt_cache_reuses_parked_prefixes_with_the_same_tokens(kind):
     eng = engine(kind)
     scheduler = Scheduler(eng, prompt_cache=kvjax.PromptCache(4, 64))

@@ -389,8 +389,8 @@ class Scheduler:
             if bool(ok):
                 self.engine.cache = cut
                 self.prompt_cache.park(live.seq, live.context[: live.placed])
-                if finished and self.prompt_cache.idle_to_host:
-                    self.prompt_cache.to_host(self.engine, [live.seq])
+                if finished and self.prompt_cache.idle_to_host:  # and any brought back for it
+                    self.prompt_cache.to_host(self.engine)
                 return
         self.engine.cache, _ = memory.seq_rm(seq, np.int32(-1), np.int32(-1))
         if self.prompt_cache is not None:
