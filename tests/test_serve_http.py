@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -316,3 +319,50 @@ def test_load_a_few_hundred_requests(server):
     p50, p99 = percentiles(latencies)
     print(f"load: {len(plan)} requests, p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms")
     assert np.isfinite(p99)
+
+
+from tests.test_generate_cli import folder  # noqa: E402,F401  (the tiny checkpoint folder fixture)
+
+
+def test_the_command_line_server_serves_a_checkpoint_and_stops_by_itself(folder):  # noqa: F811
+    with socket.socket() as s:  # a free loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvjax", "--no-compile-cache", "serve", "--model", str(folder), "--port", str(port)]
+    cmd += ["--ctx", "256", "--parallel", "2", "--max-requests", "2", "--time-limit", "300"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        got = client.completions.create(model=name, prompt="hello", max_tokens=4, temperature=0)
+        assert got.choices[0].finish_reason in ("length", "stop") and got.usage.prompt_tokens > 0
+        # the folder has no chat template: refused by name, and the server goes on
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+        client.completions.create(model=name, prompt="hello there", max_tokens=3, temperature=0)
+        assert proc.wait(60) == 0  # --max-requests 2: it stopped by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_the_command_line_server_refuses_a_missing_model(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvjax", "serve", "--model", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "does not exist" in out.stderr
