@@ -366,8 +366,7 @@ class Scheduler:
 
     def _attach(self, live: _Live) -> bool:
         """A sequence id and the longest parked prefix from the prompt cache (False: not now)."""
-        free_ids = [s for s in self._free_seq_ids() if s not in self.prompt_cache.parked()]
-        if not free_ids and not [s for s in self.prompt_cache.parked()]:
+        if len(self.running) >= self.engine.cache.n_seq_max:  # every id runs: none to free or lend
             return False
         try:
             (seq,), (held,) = self.prompt_cache.attach(
