@@ -279,6 +279,7 @@ def run_segment(
     sync_every: int,
     info: dict,
     window: Optional[SinkWindow] = None,
+    run_ahead: bool = True,
 ) -> Iterator[Tuple[int, np.ndarray]]:
     """Feed ``feed`` and keep generating on the device until the host must act.
 
@@ -299,6 +300,9 @@ def run_segment(
         info: filled with ``key`` (the key after the last step), ``reason`` (the last dispatch's)
             and ``dispatches`` (added to).
         window: a :class:`kvjax.SinkWindow` applied before every step (on the device).
+        run_ahead: dispatch the next chunk before reading this one (see the module docstring);
+            False for a caller whose budgets end the segment within one chunk (a scheduler's
+            stretch), where the dispatch ahead would only return its input.
 
     Yields:
         ``(step, picked)`` per completed step: ``picked`` the ``i32[B]`` sampled tokens in row order.
@@ -365,7 +369,7 @@ def run_segment(
     while True:
         # run ahead: the next chunk is queued before this one is read (a no-op unless this one
         # returned CHUNK), so the device works while the host hands tokens out
-        ahead = dispatch(current[0])
+        ahead = dispatch(current[0]) if run_ahead else None
         out, n_done, reason, pos = jax.device_get((current[1], current[2], current[0].reason, current[0].pos))
         # the carry's positions: one per step taken and, with a window, the evictions made (also
         # one before a step that did not run, see _loop)
@@ -379,6 +383,6 @@ def run_segment(
             step += 1
         if int(reason) != CHUNK:
             info["reason"] = REASONS[int(reason)]
-            info["key"] = ahead[0].key
+            info["key"] = (ahead if run_ahead else current)[0].key
             return
-        current = ahead
+        current = ahead if run_ahead else dispatch(current[0])

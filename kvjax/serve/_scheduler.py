@@ -561,6 +561,7 @@ class Scheduler:
                     _GREEDY,
                     self.sync_every + 1,  # the budgets end the stretch: never a chunk that runs ahead
                     info,
+                    run_ahead=False,  # so a dispatch ahead would only hand its input back
                 )
             ]
         except CacheFullError:
