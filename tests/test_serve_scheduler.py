@@ -148,6 +148,18 @@ def test_a_host_tier_takes_finished_requests_and_gives_their_prefixes_back():
     assert cache.restores == 1 and scheduler.stats["cached_tokens"] >= 6
 
 
+def test_parked_prefixes_give_way_when_running_requests_need_their_cells():
+    eng = engine("unified", size=48)
+    cache = kvjax.PromptCache(4, 64)
+    scheduler = Scheduler(eng, prompt_cache=cache)
+    reqs = [ServeRequest([1 + i, 2, 3, 4, 5, 6, 7, 8], max_tokens=4) for i in range(2)]
+    reqs += [ServeRequest([9 + i, 8, 7], max_tokens=18) for i in range(2)]
+    got = serve(scheduler, reqs, arrivals=[0, 0, 8, 8])
+    for i, req in enumerate(reqs):
+        assert got[i]["tokens"] == alone("unified", req)
+    assert cache.evictions > 0  # 2 x 11 parked + 2 x 20 running do not fit in 48 cells
+
+
 def test_thousands_of_queued_requests_are_refused_past_the_limit_and_cancelled_cleanly():
     scheduler = Scheduler(engine("unified"), max_queue=3000)
     ids = [scheduler.submit(ServeRequest([1 + i % 7, 2], max_tokens=4)) for i in range(3000)]

@@ -325,6 +325,18 @@ class PromptCache:
         self._last_evicted = victim
         return memory
 
+    def evict_lru(self, engine) -> int:
+        """Evict the least recently used parked sequence from ``engine``'s memory (to the host tier
+        when there is one); returns its id.
+
+        Raises:
+            ValueError: nothing is parked.
+        """
+        if not self.parked():
+            raise ValueError("evict_lru needs a parked sequence: nothing is parked")
+        engine.cache = self._evict(engine.cache, self.lru()[0])
+        return self._last_evicted
+
     # -- the host tier ------------------------------------------------------------------------------
 
     def to_host(self, engine, seq_ids: Optional[Sequence[int]] = None) -> List[int]:

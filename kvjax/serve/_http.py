@@ -158,12 +158,7 @@ def make_app(
                 ev = await queue.get()
                 if isinstance(ev, BaseException):
                     return _error(500, f"the model step failed: {ev}")
-                total.tokens += ev.tokens
-                total.text += ev.text
-                total.logprobs += ev.logprobs
-                if ev.finished:
-                    total.finish_reason, total.prompt_tokens = ev.finish_reason, ev.prompt_tokens
-                    total.completion_tokens, total.cached_tokens = ev.completion_tokens, ev.cached_tokens
+                if total.merge(ev).finished:
                     return JSONResponse(oa.response(parsed, name, created, total, piece))
         finally:
             if total.finish_reason is None:  # the client left (the handler was cancelled)

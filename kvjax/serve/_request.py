@@ -98,6 +98,16 @@ class ServeEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: "ServeEvent") -> "ServeEvent":
+        """Add a later event of the same request to this one (its tokens, text, logprobs, finish)."""
+        self.tokens += later.tokens
+        self.text += later.text
+        self.logprobs += later.logprobs
+        if later.finished:
+            self.finish_reason, self.prompt_tokens = later.finish_reason, later.prompt_tokens
+            self.completion_tokens, self.cached_tokens = later.completion_tokens, later.cached_tokens
+        return self
+
 
 def check_request(
     request: ServeRequest, vocab_size: Optional[int], n_ctx: Optional[int], has_tokenizer: bool

@@ -57,7 +57,7 @@ import numpy as np
 import kvjax
 from kvjax._errors import CacheFullError
 from kvjax._validate import check_count, check_flag
-from kvjax.engine._device_loop import device_sampling_exact, run_segment, stop_bucket
+from kvjax.engine._device_loop import run_segment, stop_bucket
 from kvjax.engine._engine import Engine
 from kvjax.engine._prompt_cache import PromptCache
 from kvjax.engine._sampling import SamplingConfig
@@ -186,6 +186,7 @@ class Scheduler:
         self._tasks: Deque[Tuple[Callable, concurrent.futures.Future]] = collections.deque()
         self._next_id = 0
         self._order = 0
+        self._greedy_key = jax.random.PRNGKey(0)  # made once: a key costs a dispatch
         self.waiting: Deque[_Live] = collections.deque()
         self.running: Dict[int, _Live] = {}  # admitted requests by id, in admission order
         #: counters since construction (``/metrics``)
@@ -297,14 +298,7 @@ class Scheduler:
             if self.idle:
                 return results
             for ev in self.step():
-                into = results.setdefault(ev.request_id, ServeEvent(ev.request_id))
-                into.tokens += ev.tokens
-                into.text += ev.text
-                into.logprobs += ev.logprobs
-                if ev.finished:
-                    into.finish_reason = ev.finish_reason
-                    into.prompt_tokens, into.completion_tokens = ev.prompt_tokens, ev.completion_tokens
-                    into.cached_tokens = ev.cached_tokens
+                results.setdefault(ev.request_id, ServeEvent(ev.request_id)).merge(ev)
         raise RuntimeError(f"the scheduler was still busy after max_steps={max_steps} steps")
 
     # -- arrivals, admission, finishing ----------------------------------------------------------
@@ -455,9 +449,7 @@ class Scheduler:
         if chunks:
             held_back.add(max(chunks, key=lambda w: w.order).rid)
         elif self.prompt_cache is not None and self.prompt_cache.parked():
-            victim = self.prompt_cache.lru()[0]
-            self.engine.cache, _ = self.engine.cache.seq_rm(np.int32(victim), np.int32(-1), np.int32(-1))
-            self.prompt_cache.forget(victim)
+            self.prompt_cache.evict_lru(self.engine)  # to its host tier, when it has one
             self.stats["evictions"] += 1
         elif len(self.running) > 1:
             self._preempt(max(self.running.values(), key=lambda w: w.order))
@@ -530,8 +522,7 @@ class Scheduler:
             and nothing_to_admit
             and len(lives) <= self.engine.n_ubatch
             and all(w.to_feed == 1 and w.req.sampling.greedy and w.req.logprobs is None for w in lives)
-            and device_sampling_exact(jax.random.PRNGKey(0), _GREEDY)
-        ):
+        ):  # greedy rows: the device loop picks what host steps pick (device_sampling_exact)
             return False
         budgets = []
         for w in lives:
@@ -557,7 +548,7 @@ class Scheduler:
                     budgets,
                     stop_bucket(stops),
                     None,
-                    jax.random.PRNGKey(0),
+                    self._greedy_key,  # unused by greedy sampling, but the loop carries a key
                     _GREEDY,
                     self.sync_every + 1,  # the budgets end the stretch: never a chunk that runs ahead
                     info,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Dict, Optional
 
 import kvjax
@@ -19,6 +20,8 @@ from kvjax.serve._scheduler import Scheduler
 __all__ = ["Worker"]
 
 log = logging.getLogger("kvjax.serve")
+#: seconds between two reads of the memory's used cells for ``/metrics`` (and after the last step)
+GAUGE_EVERY = 0.5
 
 
 class Worker:
@@ -73,6 +76,7 @@ class Worker:
 
     def _run(self) -> None:
         scheduler = self.scheduler
+        next_gauge = 0.0
         while not self._stop.is_set():
             if scheduler.idle:
                 self._wake.wait(self.idle_wait)
@@ -80,7 +84,9 @@ class Worker:
                 continue
             try:
                 events = scheduler.step()
-                scheduler.stats["cells_used"] = int(kvjax.used_cells(scheduler.engine.cache))
+                if time.monotonic() >= next_gauge or scheduler.idle:  # a device read: not every step
+                    scheduler.stats["cells_used"] = int(kvjax.used_cells(scheduler.engine.cache))
+                    next_gauge = time.monotonic() + GAUGE_EVERY
             except Exception as err:  # a failed step fails its requests, not the server
                 log.exception("a scheduler step failed")
                 self.last_error = err
