@@ -338,6 +338,16 @@ ROPE_CASES = {
         "mscale": 1.0,
         "mscale_all_dim": 0.5,
     },
+    # gpt-oss: the correction range keeps its fractional ends
+    "yarn-untruncated": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
 }
 
 
@@ -366,8 +376,12 @@ def test_rope_bad_parameters():
         rope_from_hf({"rope_type": "default", "partial_rotary_factor": 0.5}, 16)
     with pytest.raises(ValueError, match=r"lacks 'original_max_position_embeddings' for rope_type='yarn'"):
         rope_from_hf({"rope_type": "yarn", "factor": 2.0}, 16)
-    with pytest.raises(ValueError, match=r"truncate'\]=False is out of range"):
-        rope_from_hf({"rope_type": "yarn", "factor": 2.0, "truncate": False}, 16, 64)
+    with pytest.raises(
+        ValueError, match=r"truncate'\]='no' is out of range for rope_type='yarn': allowed True or False"
+    ):
+        rope_from_hf({"rope_type": "yarn", "factor": 2.0, "truncate": "no"}, 16, 64)
+    with pytest.raises(ValueError, match=r"yarn_truncate=1 is out of range: allowed True or False"):
+        kvjax.RopeConfig(n_rot=4, yarn_truncate=1)
 
 
 def test_attention_bias_option():

@@ -369,9 +369,10 @@ COLLECTIVE_CASES = {
 }
 
 
-def _attention_programs(memory, rng):
+def _attention_programs(memory, rng, sinks=False):
     """``(what, fn, args)`` for the attention of a 16-token prompt chunk of one sequence and of a
-    decode step of every sequence (the shapes that once all-gathered a streams memory's K/V)."""
+    decode step of every sequence (the shapes that once all-gathered a streams memory's K/V); with
+    ``sinks``, a learned sink per query head (split over ``"model"`` like the heads)."""
     streams = isinstance(memory, kvjax.StreamCache)
     heads, dim = memory.part(0).config.n_kv_heads[0], memory.part(0).config.head_dim[0]
     cases = []
@@ -386,13 +387,14 @@ def _attention_programs(memory, rng):
         placed, placement, ok = kvjax.find_slot(memory, ub)
         assert bool(ok)
         q = jnp.asarray(rng.normal(size=(ub.length, 2 * heads, dim)), jnp.float32)
+        sink = jnp.linspace(-1.0, 2.0, 2 * heads) if sinks else None
         if streams:
             mask = kvjax.stream_masks(placed, ub, placement, 384)
-            fn = lambda q, m, mask, p, ub=ub: kvjax.stream_attention(q, m, 0, mask, p, ub)
+            fn = lambda q, m, mask, p, ub=ub: kvjax.stream_attention(q, m, 0, mask, p, ub, sinks=sink)
             cases.append((what, fn, (q, placed, mask, placement)))
         else:
             mask = kvjax.kq_mask(placed, ub, 384)
-            cases.append((what, lambda q, m, mask: kvjax.attention(q, m, 0, mask), (q, placed, mask)))
+            cases.append((what, lambda q, m, mask: kvjax.attention(q, m, 0, mask, sinks=sink), (q, placed, mask)))
     return cases
 
 
@@ -441,12 +443,13 @@ def test_stream_attention_on_a_mesh_equals_one_device(mesh_shape):
     ub = kvjax.make_equal_ubatch([(list(range(12)), [s]) for s in range(8)])
     plain = kvjax.commit(kvjax.find_slot(plain, ub)[0], [ub])
     sharded = shard.reshard_like(plain, kvjax.init(config, mesh=shard.make_mesh(*mesh_shape)))
-    one_device = _attention_programs(plain, np.random.default_rng(3))
-    on_mesh = _attention_programs(sharded, np.random.default_rng(3))  # the same queries
-    for (what, fn, args), (_, fn_mesh, args_mesh) in zip(one_device, on_mesh):
-        np.testing.assert_allclose(
-            np.asarray(fn_mesh(*args_mesh)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-5, err_msg=what
-        )
+    for sinks in (False, True):  # learned sinks: each device's slots, heads split as the queries'
+        one_device = _attention_programs(plain, np.random.default_rng(3), sinks)
+        on_mesh = _attention_programs(sharded, np.random.default_rng(3), sinks)  # the same queries
+        for (what, fn, args), (_, fn_mesh, args_mesh) in zip(one_device, on_mesh):
+            np.testing.assert_allclose(
+                np.asarray(fn_mesh(*args_mesh)), np.asarray(fn(*args)), rtol=1e-5, atol=1e-5, err_msg=f"{what} {sinks}"
+            )
 
 
 @pytest.mark.parametrize("case", ["unified", "unified-q8_0", "streams"])

@@ -5,7 +5,9 @@
 per query head. Query head ``j`` uses kv head ``j // G`` with ``G = Hq / H`` (grouped-query
 attention, as ggml and llama.cpp lay heads out). Softmax and both contractions accumulate in
 float32 whatever the storage dtype; a row whose entries are all masked gives 0 and an lse of
-``-inf`` (not NaN).
+``-inf`` (not NaN). Learned attention sinks (gpt-oss: one logit per query head that joins every
+row's softmax denominator and weighs no value) are applied to any path's result with
+:func:`apply_sinks`, from its lse: ``out * sigmoid(lse - sink)``.
 
 Formulation (chosen by measurement on XLA's CPU backend, see ``docs/architecture.md`` and
 ``benchmarks/bench_attention.py``): the queries of one kv head are stacked into one matrix
@@ -395,15 +397,70 @@ def _attend(
     return out, lse
 
 
+def check_sinks(sinks, n_heads: int) -> Optional[Float[Array, " Hq"]]:
+    """``sinks`` as float32 ``[Hq]`` (one logit per query head), or None; raise ``ValueError`` otherwise.
+
+    Example:
+        >>> check_sinks(jnp.zeros(3, jnp.bfloat16), 3).dtype, check_sinks(None, 3)
+        (dtype('float32'), None)
+        >>> check_sinks(jnp.zeros(2), 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: sinks has shape (2,) and dtype float32: allowed a floating [Hq=4] array (one logit per query head) or None
+    """
+    if sinks is None:
+        return None
+    shape, dtype = getattr(sinks, "shape", None), getattr(sinks, "dtype", None)
+    if shape is None or tuple(shape) != (n_heads,) or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"sinks has shape {None if shape is None else tuple(shape)} and dtype {dtype}: allowed a floating "
+            f"[Hq={n_heads}] array (one logit per query head) or None"
+        )
+    return jnp.asarray(sinks, jnp.float32)
+
+
+def apply_sinks(
+    out: Float[Array, "... R Dv"], lse: Float[Array, "... R"], sinks: Optional[Float[Array, "... R"]]
+) -> Tuple[Float[Array, "... R Dv"], Float[Array, "... R"]]:
+    """Rows of an attention result with a sink logit per row joined to their softmax denominators.
+
+    A sink ``s`` adds ``exp(s)`` to the denominator of its row and weighs no value (gpt-oss's
+    learned sinks, llama.cpp's ``soft_max_ext`` sinks): the attention ``o / l`` over the cells
+    becomes ``o / (l + exp(s - m))``, which is ``out * sigmoid(lse - s)`` with ``lse = m + log l``,
+    and the row's lse becomes ``logaddexp(lse, s)``. Exact for any path that returns its lse (XLA
+    chunks, owned chunks, stream slots, Pallas), so the kernels themselves stay as they are. A fully
+    masked row (``out = 0``, ``lse = -inf``) keeps ``out = 0`` and gets ``lse = s``; ``s = -inf`` is
+    no sink; a NaN row stays NaN.
+
+    Args:
+        out: float32 ``[..., R, Dv]`` attention of each row over the cells alone.
+        lse: float32 ``[..., R]`` its log-sum-exp.
+        sinks: float32 broadcastable to ``[..., R]``, or None (``out``, ``lse`` unchanged).
+
+    Example:
+        >>> out, lse = apply_sinks(jnp.ones((2, 1)), jnp.array([0.0, -jnp.inf]), jnp.array([0.0, 1.0]))
+        >>> out[:, 0].tolist(), lse.tolist()          # half the weight goes to the sink; masked stays 0
+        ([0.5, 0.0], [0.6931471824645996, 1.0])
+    """
+    if sinks is None:
+        return out, lse
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32), lse.shape)
+    # where both are -inf (a masked row, no sink) the difference is NaN: the row keeps its 0
+    keep = jnp.where(lse == _NEG_INF, 0.0, jax.nn.sigmoid(lse - sinks))
+    return out * keep[..., None], jnp.logaddexp(lse, sinks)
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "n_kv", "chunk", "return_lse", "implementation"))
-def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, softcap=None, implementation="xla"):
+def _attention(
+    q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, softcap=None, implementation="xla", sinks=None
+):
     g_id, index = cache.config.locate(layer)
     k_all, v_all = cache.k[g_id], cache.v[g_id]  # [L, H, C, D], [L, H, C, Dv]
     n_heads = k_all.shape[1]
     t, hq, d = q.shape
     g = hq // n_heads
     if implementation == "pallas":
-        return _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap)
+        return _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap, sinks)
     # query head j = h * G + g' belongs to kv head h; its rows are ordered (g', t) so that one
     # [G * T, D] matrix per kv head meets that head's K and V once
     qr = q.astype(jnp.float32).reshape(t, n_heads, g, d).transpose(1, 2, 0, 3).reshape(n_heads, g * t, d)
@@ -434,10 +491,9 @@ def _attention(q, cache, mask, bias, scale, layer, n_kv, chunk, return_lse, soft
         owned=owned,
     )
     dv = out.shape[-1]
-    out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv).astype(q.dtype)
-    if return_lse:
-        return out, lse.reshape(n_heads, g, t).transpose(2, 0, 1).reshape(t, hq)
-    return out
+    out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv)
+    out, lse = apply_sinks(out, lse.reshape(n_heads, g, t).transpose(2, 0, 1).reshape(t, hq), sinks)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 
 
 #: The attention implementations: ``"xla"`` (the chunked XLA formulation above, the default on
@@ -452,7 +508,7 @@ ENV_IMPLEMENTATION = "KVJAX_ATTENTION"
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
-def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap):
+def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap, sinks=None):
     """The Pallas path: rows ``(t, g)`` per kv head (a block of rows is a block of tokens)."""
     n_heads = k_all.shape[1]
     t, hq, d = q.shape
@@ -465,10 +521,9 @@ def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, sof
         qr * scale, k_all, v_all, add.astype(jnp.float32), index=index, n_kv=n_kv, interpret=interpret, softcap=softcap
     )
     dv = out.shape[-1]
-    out = out.reshape(n_heads, t, g, dv).transpose(1, 0, 2, 3).reshape(t, hq, dv).astype(q.dtype)
-    if return_lse:
-        return out, lse.reshape(n_heads, t, g).transpose(1, 0, 2).reshape(t, hq)
-    return out
+    out = out.reshape(n_heads, t, g, dv).transpose(1, 0, 2, 3).reshape(t, hq, dv)
+    out, lse = apply_sinks(out, lse.reshape(n_heads, t, g).transpose(1, 0, 2).reshape(t, hq), sinks)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 
 
 def pick_implementation(implementation: Optional[str], cache, layer: int, bias) -> str:

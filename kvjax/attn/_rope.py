@@ -65,20 +65,25 @@ from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode
 
 
 def yarn_corr_dims(
-    n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float
+    n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float, truncate: bool = True
 ) -> Tuple[float, float]:
     """ggml's ``rope_yarn_corr_dims``: the pair range over which YaRN ramps (start, end).
+
+    ``truncate=False`` keeps the fractional ends (transformers' ``truncate: false``, gpt-oss).
 
     Example:
         >>> yarn_corr_dims(128, 4096, 10000.0, 32.0, 1.0)
         (20.0, 46.0)
+        >>> [round(x, 3) for x in yarn_corr_dims(128, 4096, 10000.0, 32.0, 1.0, truncate=False)]
+        [20.944, 45.027]
     """
 
     def corr_dim(n_rot_per_ctx: float) -> float:
         return n_dims * math.log(n_ctx_orig / (n_rot_per_ctx * 2 * math.pi)) / (2 * math.log(freq_base))
 
-    start = math.floor(corr_dim(beta_fast))
-    end = math.ceil(corr_dim(beta_slow))
+    start, end = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        start, end = math.floor(start), math.ceil(end)
     return float(max(0, start)), float(min(n_dims - 1, end))
 
 
@@ -95,7 +100,9 @@ def pair_frequencies(cfg: RopeConfig) -> np.ndarray:
     if cfg.freq_factors is not None:
         c = c / np.asarray(cfg.freq_factors, np.float64)
     if cfg.ext_factor != 0:
-        lo, hi = yarn_corr_dims(cfg.n_rot, cfg.n_ctx_orig, cfg.freq_base, cfg.beta_fast, cfg.beta_slow)
+        lo, hi = yarn_corr_dims(
+            cfg.n_rot, cfg.n_ctx_orig, cfg.freq_base, cfg.beta_fast, cfg.beta_slow, cfg.yarn_truncate
+        )
         ramp = 1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)
         mix = ramp * cfg.ext_factor
         return c * (cfg.freq_scale * (1.0 - mix) + mix)

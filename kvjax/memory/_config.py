@@ -86,6 +86,9 @@ class RopeConfig:
         beta_slow: YaRN ramp end (in rotations).
         n_ctx_orig: original training context for YaRN.
         freq_factors: optional per-pair frequency divisors (``n_rot // 2`` values > 0).
+        yarn_truncate: round YaRN's correction range out to whole pairs (ggml always does, and
+            transformers by default); False keeps its fractional ends, as gpt-oss's transformers
+            config asks (``truncate: false``).
 
     The math is in :mod:`kvjax.rope`. YaRN (``ext_factor != 0``) needs ``n_ctx_orig``,
     ``beta_fast`` and ``beta_slow`` > 0. The K-shift uses the same frequencies as a pure rotation
@@ -107,6 +110,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     n_ctx_orig: int = 0
     freq_factors: Optional[Tuple[float, ...]] = None
+    yarn_truncate: bool = True
 
     def __post_init__(self):
         require(
@@ -125,6 +129,8 @@ class RopeConfig:
             object.__setattr__(self, name, check_real(name, getattr(self, name), above=0))
         for name in ("ext_factor", "beta_fast", "beta_slow"):
             object.__setattr__(self, name, check_real(name, getattr(self, name)))
+        require(isinstance(self.yarn_truncate, (bool, np.bool_)), "yarn_truncate", self.yarn_truncate, "True or False")
+        object.__setattr__(self, "yarn_truncate", bool(self.yarn_truncate))
         require(is_int(self.n_ctx_orig) and self.n_ctx_orig >= 0, "n_ctx_orig", self.n_ctx_orig, "an integer >= 0")
         if self.ext_factor != 0:
             # YaRN's correction dims take log(n_ctx_orig / (2 pi beta)): all three must be positive

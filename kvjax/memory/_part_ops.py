@@ -19,7 +19,7 @@ import numpy as np
 from kvjax._jit import donating
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax._validate import check_count, check_flag, check_window
-from kvjax.attn._attention import _attention, chunk_size, pick_implementation
+from kvjax.attn._attention import _attention, check_sinks, chunk_size, pick_implementation
 from kvjax.attn._mask import T5_MAX_DISTANCE, _mask_additive, _mask_bool, _pos_bucket
 from kvjax.attn._rope import _shift
 from kvjax.memory._config import SwaType
@@ -272,6 +272,7 @@ def attention(
     return_lse: bool = False,
     softcap: Optional[float] = None,
     implementation: Optional[str] = None,
+    sinks: Optional[Float[Array, " Hq"]] = None,
 ) -> Union[Float[Array, "T Hq Dv"], Tuple[Float[Array, "T Hq Dv"], Float[Array, "T Hq"]]]:
     """Grouped-query attention of ``q`` over the first ``N = mask.shape[-1]`` cells of a layer.
 
@@ -292,16 +293,24 @@ def attention(
         implementation: ``"xla"``, ``"pallas"`` or None (the default: the environment variable
             ``KVJAX_ATTENTION`` when set, else by backend, see :func:`pick_implementation`). Both
             give the same results up to float rounding.
+        sinks: optional learned attention sinks (gpt-oss), one logit per query head, ``f32[Hq]``
+            (any floating dtype; a traced array, so new values do not recompile): head ``j``'s
+            ``exp(sinks[j])`` joins the softmax denominator of each of its rows and weighs no
+            value, so its rows' weights over the cells sum to less than 1 (``-inf``: no sink).
+            Applied exactly from the lse on every implementation
+            (:func:`kvjax.attn._attention.apply_sinks`).
 
     Returns:
-        ``out [T, Hq, Dv]`` in ``q.dtype`` (and ``lse f32[T, Hq]`` when ``return_lse``). Fully
-        masked rows give ``out = 0`` and ``lse = -inf``.
+        ``out [T, Hq, Dv]`` in ``q.dtype`` (and ``lse f32[T, Hq]`` when ``return_lse``, the sink
+        included in its sum). Fully masked rows give ``out = 0`` and ``lse = -inf`` (``lse`` the
+        sink's logit with ``sinks``).
 
     Raises:
         ValueError: bad shapes or dtypes, ``Hq`` not a multiple of ``H``, ``D`` not the layer's
             head size, a bad window, a bias that does not broadcast, a ``softcap`` that is not
             a finite number > 0, an unknown ``implementation`` or one that does not support
-            the call (``"pallas"`` with quantized K/V or a ``bias``).
+            the call (``"pallas"`` with quantized K/V or a ``bias``), ``sinks`` that are not a
+            floating ``[Hq]`` array.
 
     Example:
         >>> import jax.numpy as jnp, kvjax
@@ -365,6 +374,7 @@ def attention(
         ):
             raise ValueError(f"softcap={softcap!r} is out of range: allowed a finite number > 0 (or None)")
         softcap = np.float32(softcap)
+    sinks = check_sinks(sinks, hq)
     # scale (and softcap) travel as traced f32 scalars: a new value does not recompile
     chunk = chunk_size(n_kv, grp.n_kv_heads, (hq // grp.n_kv_heads) * t, cfg.padding)
     impl = pick_implementation(implementation, cache, layer, bias)
@@ -380,4 +390,5 @@ def attention(
         return_lse=bool(return_lse),
         softcap=softcap,
         implementation=impl,
+        sinks=sinks,
     )

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from kvjax._typing import Array, Bool, Float, Int
 from kvjax._validate import check_flag
-from kvjax.attn._attention import _attend, blocks_fit, chunk_size
+from kvjax.attn._attention import _attend, apply_sinks, blocks_fit, check_sinks, chunk_size
 from kvjax.attn._mask import _mask_additive
 from kvjax.attn._rope import rope as _rope
 from kvjax._mesh import DATA
@@ -127,6 +127,7 @@ def attention(
     scale: Optional[float] = None,
     slopes=None,
     softcap=None,
+    sinks=None,
 ) -> Float[Array, "T Hq Dv"]:
     """Grouped-query attention of each slot over its own stream (K/V of this ubatch written).
 
@@ -139,16 +140,18 @@ def attention(
         scale: softmax scale (default ``1 / sqrt(D)``).
         slopes: ``f32[Hq]`` ALiBi slopes (the masks then carry ALiBi distances), or None.
         softcap: attention-logit soft-capping, or None.
+        sinks: ``f32[Hq]`` learned attention sinks, or None (as :func:`kvjax.attention`).
 
     Returns:
         ``[T, Hq, Dv]`` in ``q.dtype``; rows of padding slots are 0.
     """
     cache = memory.cache
     g, index = cache.config.locate(int(layer))
+    sinks = check_sinks(sinks, q.shape[1])
     split = mesh_split(cache.k[g])
     if split is not None:  # each device over the streams it holds (a gather here fetched every stream)
         out, _ = _attend_on_mesh(
-            q, None, None, memory, layer, placement, ubatch, slot_masks, split, scale, slopes, softcap
+            q, None, None, memory, layer, placement, ubatch, slot_masks, split, scale, slopes, softcap, sinks
         )
         return out
     streams = _slot_streams(placement, ubatch)
@@ -166,6 +169,7 @@ def attention(
         scale,
         slopes,
         softcap,
+        sinks=sinks,
     )
     return out.astype(q.dtype)
 
@@ -229,6 +233,7 @@ def _slots_attention(
     softcap,
     *,
     batched: bool = True,
+    sinks=None,
 ) -> Float[Array, "T Hq Dv"]:
     """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
 
@@ -245,7 +250,9 @@ def _slots_attention(
     ``cond``; one long stream beside short ones read 4x the cells and ran 3-4x slower). Otherwise,
     and always when not ``batched``, slot by slot (``lax.map``), each over its own chunks, so a
     ``live = 0`` slot costs nothing: the mesh path's choice, where most slots belong to other
-    devices. Returns float32 ``[T, Hq, Dv]``.
+    devices. ``sinks`` (None or ``f32[Hq]``) join each row's softmax denominator
+    (:func:`kvjax.attn._attention.apply_sinks`; a ``live = 0`` slot still gives zeros). Returns
+    float32 ``[T, Hq, Dv]``.
     """
     n_stream, n_layer, n_heads = k_all.shape[:3]
     # slot j reads (stream_j, index) of the [S, L, H, C, D] storage, sliced chunk by chunk straight
@@ -263,6 +270,9 @@ def _slots_attention(
     qs = q.astype(jnp.float32).reshape(n_slots, t, n_heads, grp, d).transpose(0, 2, 3, 1, 4)
     qs = qs.reshape(n_slots, n_heads, grp * t, d) * jnp.float32(scale)
     cap = None if softcap is None else jnp.float32(softcap)
+    # rows are (kv head, group, token) per slot: each row's sink is its query head's
+    sink_rows = None if sinks is None else jnp.broadcast_to(sinks.reshape(n_heads, grp, 1), (n_heads, grp, t))
+    sink_rows = None if sink_rows is None else sink_rows.reshape(n_heads, grp * t)
 
     def mask_and_bias(mask):
         """A slot's (or every slot's) ``[.., t, N]`` mask as an additive mask and an ALiBi bias."""
@@ -284,10 +294,10 @@ def _slots_attention(
 
     def attend(qr, mask, idx, n_live, group):
         add, bias = mask_and_bias(mask)
-        out, _ = _attend(
+        out, lse = _attend(
             qr, k_all, v_all, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype, cfg.v_dtype, n_live=n_live
         )
-        return out  # [.., H, G * t, Dv]
+        return apply_sinks(out, lse, sink_rows)[0]  # [.., H, G * t, Dv]
 
     def slot_by_slot():
         return jax.lax.map(lambda a: attend(*a, 1), (qs, slot_masks, index_of, live))
@@ -332,7 +342,9 @@ def _write_rows(k_all, v_all, index: int, stream, cell, k, v, cfg):
 # -- on a device mesh --------------------------------------------------------------------------------
 
 
-def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, split, scale, slopes, softcap):
+def _attend_on_mesh(
+    q, k, v, memory, layer: int, placement, ubatch, slot_masks, split, scale, slopes, softcap, sinks=None
+):
     """Write (unless ``k`` is None) and attend per device, each over the streams it holds (no K/V
     leaves its device).
 
@@ -356,11 +368,15 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
         k, v = q[:, :0], q[:, :0]
     operands = [cache.k[g], cache.v[g], q, k, v, placement.stream, placement.cell, streams, live, slot_masks]
     specs = [buf, buf, rows, rows, rows, P(), P(), P(), P(), P()]
-    if slopes is not None:  # ALiBi slopes per query head: split like the heads
-        operands.append(jnp.asarray(slopes, jnp.float32))
+    per_head = [x for x in (slopes, sinks) if x is not None]
+    for x in per_head:  # ALiBi slopes and sinks per query head: split like the heads
+        operands.append(jnp.asarray(x, jnp.float32))
         specs.append(P(heads))
 
-    def local(k_all, v_all, q, k, v, stream, cell, streams, live, slot_masks, *slopes):
+    def local(k_all, v_all, q, k, v, stream, cell, streams, live, slot_masks, *per_head):
+        extra = iter(per_head)
+        local_slopes = next(extra) if slopes is not None else None
+        local_sinks = next(extra) if sinks is not None else None
         n_local = k_all.shape[0]
         first = jax.lax.axis_index(DATA) * n_local
         if writes:
@@ -378,9 +394,10 @@ def _attend_on_mesh(q, k, v, memory, layer: int, placement, ubatch, slot_masks, 
             slots,
             cfg,
             scale,
-            slopes[0] if slopes else None,
+            local_slopes,
             softcap,
             batched=False,
+            sinks=local_sinks,
         )
         out = jax.lax.psum(out, DATA)
         return (k_all, v_all, out) if writes else out
@@ -409,18 +426,20 @@ def attend(
     scale=None,
     softcap=None,
     mask=None,
+    sinks=None,
 ):
     """One layer's cached attention on a stream memory (what :func:`kvjax.nn.attend_cached` runs).
 
     RoPE at the ubatch positions, K/V written into each token's stream, then :func:`attention`
     with ``mask`` (the slots' masks the model computed once for this kind of layer) or masks built
-    here. Returns ``(out [T, Hq, Dv], memory)``.
+    here; ``sinks`` as :func:`kvjax.attention`'s. Returns ``(out [T, Hq, Dv], memory)``.
 
     When the streams are split over a mesh's ``"data"`` axis (:func:`mesh_split`), the write and
     the attention run per device over the streams it holds (:func:`_attend_on_mesh`): the K/V never
     leave their devices, only the ``[T, Hq, Dv]`` outputs are summed across ``"data"``.
     """
     ubatch, placement = inputs.ubatch, inputs.placement
+    sinks = check_sinks(sinks, q.shape[1])
     if rope is not None:
         q = _rope(q, ubatch.pos, rope)
         k = _rope(k, ubatch.pos, rope)
@@ -430,7 +449,7 @@ def attend(
         )
     split = mesh_split(memory.cache.k[memory.cache.config.locate(int(layer))[0]])
     if split is not None:
-        return _attend_on_mesh(q, k, v, memory, layer, placement, ubatch, mask, split, scale, alibi, softcap)
+        return _attend_on_mesh(q, k, v, memory, layer, placement, ubatch, mask, split, scale, alibi, softcap, sinks)
     memory = memory.replace(cache=write(memory.cache, layer, placement, k, v))
-    out = attention(q, memory, layer, mask, placement, ubatch, scale=scale, slopes=alibi, softcap=softcap)
+    out = attention(q, memory, layer, mask, placement, ubatch, scale=scale, slopes=alibi, softcap=softcap, sinks=sinks)
     return out, memory

@@ -37,7 +37,8 @@ def rope_from_hf(
     - ``llama3``: per-pair ``freq_factors`` (HF's smoothed wavelength rule, as divisors).
     - ``yarn``: ``freq_scale = 1 / factor``, ``ext_factor = 1``, ``beta_fast`` / ``beta_slow``,
       ``n_ctx_orig = original_max_position_embeddings``, and ``attn_factor`` such that ggml's
-      magnitude ``attn_factor * (1 + 0.1 ln factor)`` equals HF's ``attention_factor``.
+      magnitude ``attn_factor * (1 + 0.1 ln factor)`` equals HF's ``attention_factor``;
+      ``truncate`` (default True) as ``yarn_truncate``.
 
     Args:
         params: ``{"rope_type": ..., "rope_theta": ..., "factor": ..., ...}`` (``type`` is read
@@ -97,10 +98,11 @@ def rope_from_hf(
         new = np.where(medium, smoothed, scaled)
         return RopeConfig(**base, freq_factors=tuple((inv_freq / new).tolist()))
     if kind == "yarn":
-        if params.get("truncate", True) is not True:
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
             raise ValueError(
-                "hf_config rope_parameters['truncate']=False is out of range for rope_type='yarn': "
-                "allowed True (ggml floors/ceils the correction range)"
+                f"hf_config rope_parameters['truncate']={truncate!r} is out of range for rope_type='yarn': "
+                f"allowed True or False"
             )
         n_orig = params.get("original_max_position_embeddings") or max_position_embeddings
         if n_orig is None:
@@ -127,5 +129,6 @@ def rope_from_hf(
             beta_fast=float(params.get("beta_fast") or 32.0),
             beta_slow=float(params.get("beta_slow") or 1.0),
             n_ctx_orig=int(n_orig),
+            yarn_truncate=truncate,
         )
     raise AssertionError(f"rope_type={kind!r} is in ROPE_KINDS but has no mapping")
