@@ -1,4 +1,4 @@
-"""Loading Hugging Face Llama-family weights (Llama, Qwen2, Mistral, Gemma 2/3) into :class:`kvjax.nn.Llama`.
+"""Loading Hugging Face Llama-family weights (Llama, Qwen2, Mistral, Gemma 2/3, gpt-oss) into :class:`kvjax.nn.Llama`.
 
 One mapping serves every source: :func:`llama_plan` lists ``(variable, HF key, transform)`` for a
 model, :func:`load_plan` checks a source against it (missing keys, unexpected keys, shapes) and
@@ -7,8 +7,8 @@ copies the tensors one at a time. The source is any mapping from HF key to tenso
 :func:`kvjax.nn.from_pretrained`, which reads each tensor only when the plan asks for it.
 
 :func:`llama_config_from_hf` maps a ``transformers`` config (or a namespace read from
-``config.json``) onto :class:`~kvjax.nn.LlamaConfig`: Llama, Qwen2 and Mistral here (with the RoPE
-scaling kinds default, linear, llama3 and yarn, :func:`rope_from_hf`), Gemma 2/3 through
+``config.json``) onto :class:`~kvjax.nn.LlamaConfig`: Llama, Qwen2, Mistral and gpt-oss here (with
+the RoPE scaling kinds default, linear, llama3 and yarn, :func:`rope_from_hf`), Gemma 2/3 through
 :meth:`LlamaConfig.from_hf`. Norm weights are copied as stored (Gemma's ``(1 + w)`` is the model's
 ``norm_offset``), linear weights transposed (torch ``[out, in]`` to flax ``[in, out]``).
 
@@ -43,7 +43,7 @@ __all__ = [
 
 
 #: ``model_type`` values :func:`llama_config_from_hf` maps (Gemma's go through ``LlamaConfig.from_hf``).
-LLAMA_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "gemma3")
+LLAMA_TYPES = ("llama", "qwen2", "mistral", "gemma2", "gemma3_text", "gemma3", "gpt_oss")
 
 Plan = List[Tuple[nnx.Variable, str, Optional[Callable]]]
 
@@ -139,6 +139,8 @@ def llama_config_from_hf(hf_config, **overrides) -> LlamaConfig:
     model_type = getattr(hf_config, "model_type", None)
     if model_type in ("gemma2", "gemma3_text", "gemma3"):
         return LlamaConfig.from_hf(hf_config, **overrides)
+    if model_type == "gpt_oss":
+        return _gpt_oss_config(hf_config, **overrides)
     if model_type not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"hf_config.model_type={model_type!r} is out of range: allowed one of {list(LLAMA_TYPES)}")
     act = _get(hf_config, "hidden_act", "silu")
@@ -180,6 +182,50 @@ def llama_config_from_hf(hf_config, **overrides) -> LlamaConfig:
     return LlamaConfig(**args)
 
 
+def _gpt_oss_config(hf_config, **overrides) -> LlamaConfig:
+    """gpt-oss: q/k/v/o biases, a learned sink per query head, alternating window and full layers
+    (``layer_types``), YaRN (``truncate: false``), a top-k mixture of experts with biases and the
+    clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), untied embeddings."""
+    n_layer = int(hf_config.num_hidden_layers)
+    n_heads = int(hf_config.num_attention_heads)
+    head_dim = int(_get(hf_config, "head_dim", int(hf_config.hidden_size) // n_heads))
+    types = _get(hf_config, "layer_types", None)
+    if types is None:  # transformers' default: even layers slide
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad or len(types) != n_layer:
+        raise ValueError(
+            f"hf_config.layer_types={list(types)!r} is out of range: allowed {n_layer} entries of "
+            f"'sliding_attention' / 'full_attention'"
+        )
+    swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    args = dict(
+        vocab_size=int(hf_config.vocab_size),
+        d_model=int(hf_config.hidden_size),
+        n_layer=n_layer,
+        n_heads=n_heads,
+        n_kv_heads=int(_get(hf_config, "num_key_value_heads", n_heads)),
+        head_dim=head_dim,
+        d_ff=int(hf_config.intermediate_size),
+        norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-5)),
+        rope=rope_from_hf(_rope_params(hf_config), head_dim, _get(hf_config, "max_position_embeddings", None)),
+        swa_layers=swa_layers,
+        swa_type=SwaType.STANDARD,
+        n_swa=int(hf_config.sliding_window) if swa_layers else 0,
+        tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        attention_bias=bool(_get(hf_config, "attention_bias", True)),
+        attention_sinks=True,
+        n_experts=int(hf_config.num_local_experts),
+        n_experts_used=int(hf_config.num_experts_per_tok),
+        expert_bias=True,
+        activation="swiglu_oai",
+        swiglu_alpha=float(_get(hf_config, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(_get(hf_config, "swiglu_limit", 7.0)),
+    )
+    args.update(overrides)
+    return LlamaConfig(**args)
+
+
 # -- weights -------------------------------------------------------------------------------------
 
 
@@ -187,11 +233,40 @@ def _T(w):
     return w.T  # torch Linear [out, in] -> flax [in, out]
 
 
+def _evens(w):
+    return w[..., 0::2]  # gpt-oss interleaves gate and up columns: gate, up, gate, up, ...
+
+
+def _odds(w):
+    return w[..., 1::2]
+
+
+def _experts_plan(mlp, p: str) -> Plan:
+    """A :class:`kvjax.nn.MoE`'s weights under transformers' gpt-oss names (``[X, in, out]``, no
+    transpose; ``gate_up_proj`` holds gate and up interleaved by column)."""
+    e = p + "mlp.experts."
+    plan: Plan = [
+        (mlp.router.kernel, p + "mlp.router.weight", _T),
+        (mlp.gate, e + "gate_up_proj", _evens),
+        (mlp.up, e + "gate_up_proj", _odds),
+        (mlp.down, e + "down_proj", None),
+    ]
+    if mlp.router.bias is not None:
+        plan += [
+            (mlp.router.bias, p + "mlp.router.bias", None),
+            (mlp.gate_bias, e + "gate_up_proj_bias", _evens),
+            (mlp.up_bias, e + "gate_up_proj_bias", _odds),
+            (mlp.down_bias, e + "down_proj_bias", None),
+        ]
+    return plan
+
+
 def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
     """``(variable, HF key, transform)`` of every weight of ``model`` (HF keys without ``model.``).
 
     The Llama layout (``input_layernorm``, ``post_attention_layernorm`` before the MLP), or
-    Gemma's sandwich norms with ``config.sandwich_norms``. With ``attention_bias`` the q/k/v
+    Gemma's sandwich norms with ``config.sandwich_norms``; gpt-oss's router, experts and sinks
+    with ``n_experts`` and ``attention_sinks``. With ``attention_bias`` the q/k/v
     biases are listed, and the o bias when ``o_bias`` (Qwen2 has none: the caller zeroes it).
     """
     if is_fused(model):  # the checkpoint layout names q/k/v and gate/up apart
@@ -219,10 +294,17 @@ def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
             (a.k_proj.kernel, p + "self_attn.k_proj.weight", _T),
             (a.v_proj.kernel, p + "self_attn.v_proj.weight", _T),
             (a.o_proj.kernel, p + "self_attn.o_proj.weight", _T),
-            (block.mlp.gate.kernel, p + "mlp.gate_proj.weight", _T),
-            (block.mlp.up.kernel, p + "mlp.up_proj.weight", _T),
-            (block.mlp.down.kernel, p + "mlp.down_proj.weight", _T),
         ]
+        if cfg.n_experts:
+            plan += _experts_plan(block.mlp, p)
+        else:
+            plan += [
+                (block.mlp.gate.kernel, p + "mlp.gate_proj.weight", _T),
+                (block.mlp.up.kernel, p + "mlp.up_proj.weight", _T),
+                (block.mlp.down.kernel, p + "mlp.down_proj.weight", _T),
+            ]
+        if cfg.attention_sinks:
+            plan.append((a.sinks, p + "self_attn.sinks", None))
         if cfg.attention_bias:
             plan += [
                 (a.q_proj.bias, p + "self_attn.q_proj.bias", None),
@@ -295,7 +377,7 @@ def load_plan(
 
 
 def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **config_overrides) -> Llama:
-    """Load the weights of a Hugging Face Llama / Qwen2 / Mistral / Gemma 2 / Gemma 3 text model into a :class:`Llama`.
+    """Load the weights of a Hugging Face Llama / Qwen2 / Mistral / Gemma 2 / Gemma 3 text / gpt-oss model into a :class:`Llama`.
 
     Args:
         hf_model_or_state_dict: a ``transformers`` ``*ForCausalLM`` of those families (or their
@@ -336,8 +418,16 @@ def load_llama(
     plan = llama_plan(model, o_bias=o_bias)
     what = (
         f"n_layer={cfg.n_layer}, sandwich_norms={cfg.sandwich_norms}, qk_norm={cfg.qk_norm}, "
-        f"attention_bias={cfg.attention_bias}, tie_embeddings={cfg.tie_embeddings}"
+        f"attention_bias={cfg.attention_bias}, tie_embeddings={cfg.tie_embeddings}, n_experts={cfg.n_experts}, "
+        f"attention_sinks={cfg.attention_sinks}"
     )
+    packed = sorted(k for k in weights if k.endswith(("_blocks", "_scales")) and ".mlp.experts." in k)
+    if packed:
+        raise ValueError(
+            f"{source} stores its experts packed as MXFP4 ({packed[0]}, ...): allowed float expert "
+            f"weights; load the model with transformers' Mxfp4Config(dequantize=True) and save it, "
+            f"then load that folder"
+        )
     ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
     ignore += tuple(f"layers.{il}.self_attn.rotary_emb.inv_freq" for il in range(cfg.n_layer))
     load_plan(plan, weights, what, dtype=dtype, source=source, shapes=shapes, ignore=ignore)

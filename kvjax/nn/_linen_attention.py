@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from kvjax._typing import Array, Float, Int
+from kvjax._validate import check_flag
 from kvjax.memory._config import RopeConfig, SwaType
 from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import UbatchInputs
@@ -65,6 +66,7 @@ class LinenCachedAttention(nn.Module):
         qk_norm: RMSNorm each head of Q and K before RoPE (Gemma 3): ``q_norm`` / ``k_norm``.
         norm_offset: those norms scale by ``(1 + w)`` (Gemma) instead of ``w``.
         norm_eps: their epsilon.
+        sinks: a learned sink logit per query head (gpt-oss), the parameter ``sinks [n_heads]``.
     """
 
     d_model: int
@@ -83,6 +85,7 @@ class LinenCachedAttention(nn.Module):
     qk_norm: bool = False
     norm_offset: bool = False
     norm_eps: float = 1e-6
+    sinks: bool = False
 
     def setup(self):
         check_heads(self.n_heads, self.n_kv_heads, self.head_dim)
@@ -103,6 +106,8 @@ class LinenCachedAttention(nn.Module):
             norm = LinenOffsetRMSNorm if self.norm_offset else nn.RMSNorm
             self.q_norm = norm(epsilon=self.norm_eps, param_dtype=self.param_dtype)
             self.k_norm = norm(epsilon=self.norm_eps, param_dtype=self.param_dtype)
+        if check_flag("sinks", self.sinks):  # the field names the option; the parameter is "sinks" too
+            self.sink_logits = self.param("sinks", nn.initializers.zeros, (self.n_heads,), self.param_dtype)
 
     def _options(self):
         alibi = None if self.alibi_max_bias is None else alibi_slopes(self.n_heads, self.alibi_max_bias)
@@ -113,6 +118,7 @@ class LinenCachedAttention(nn.Module):
             n_swa=int(self.n_swa),
             scale=self.scale,
             softcap=self.softcap,
+            sinks=self.sink_logits if self.sinks else None,
         )
 
     def _qkv(self, x):

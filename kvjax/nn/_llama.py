@@ -33,11 +33,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Dict, Optional, Tuple, Union
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -50,13 +48,15 @@ from kvjax.nn._fused_layout import split_gate_up
 from kvjax.nn._inputs import MaskKind, UbatchInputs, check_token_rows, check_tokens, select_outputs
 from kvjax.nn._nnx_attention import CachedAttention, check_inputs
 from kvjax.nn._hf_rope import rope_from_hf
+from kvjax.nn._moe import GATED, MoE, gated_product
 from kvjax.nn._norm import OffsetRMSNorm
 
 __all__ = ["LlamaConfig", "Llama", "Block", "MLP", "ACTIVATIONS"]
 
-#: The gated MLP's activations: ``"silu"`` (SwiGLU, Llama) and ``"gelu_tanh"`` (GeGLU with the
-#: tanh approximation, Gemma's ``gelu_pytorch_tanh``).
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+#: The gated MLP's products by name, ``(gate, up, alpha, limit) -> hidden``: ``"silu"`` (SwiGLU,
+#: Llama), ``"gelu_tanh"`` (GeGLU with the tanh approximation, Gemma's ``gelu_pytorch_tanh``) and
+#: ``"swiglu_oai"`` (gpt-oss's clamped SwiGLU, the one that reads ``alpha`` and ``limit``).
+ACTIVATIONS = GATED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,18 @@ class LlamaConfig:
         attention_bias: biases on the q/k/v/o projections (Qwen2's q/k/v biases load with a zero
             o bias; HF Llama's ``attention_bias``).
 
+    gpt-oss options (learned sinks, a mixture of experts):
+
+    Attributes:
+        attention_sinks: a learned sink logit per query head in every layer's softmax
+            (``attn.sinks``, ``[n_heads]``; :func:`kvjax.attention`'s ``sinks``).
+        n_experts: X experts in every block's MLP (:class:`kvjax.nn.MoE`, top-k routing); 0 (the
+            default) for the dense gated MLP; otherwise >= 2.
+        n_experts_used: k, experts per token (1 <= k <= X with experts; 0 without).
+        expert_bias: biases on the router and every expert projection (gpt-oss); experts only.
+        swiglu_alpha, swiglu_limit: the constants of ``activation="swiglu_oai"`` (> 0; gpt-oss's
+            1.702 and 7.0).
+
     Example:
         >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layer=2, n_heads=4, n_kv_heads=2)
         >>> cfg.head_size, cfg.ff_size, cfg.rope_config.n_rot
@@ -136,6 +148,12 @@ class LlamaConfig:
     swa_rope: Optional[RopeConfig] = None
     qk_norm: bool = False
     attention_bias: bool = False
+    attention_sinks: bool = False
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layer", "n_heads", "n_kv_heads"):
@@ -171,8 +189,26 @@ class LlamaConfig:
                     "swa_type='none' is out of range with swa_layers: allowed 'standard', 'chunked' or 'symmetric'"
                 )
             object.__setattr__(self, "n_swa", check_count("n_swa", self.n_swa, 1))
-        for name in ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm", "attention_bias"):
+        flags = ("norm_offset", "sandwich_norms", "scale_embeddings", "qk_norm", "attention_bias", "attention_sinks")
+        for name in flags + ("expert_bias",):
             object.__setattr__(self, name, check_flag(name, getattr(self, name)))
+        object.__setattr__(self, "n_experts", check_count("n_experts", self.n_experts, 0))
+        object.__setattr__(self, "n_experts_used", check_count("n_experts_used", self.n_experts_used, 0))
+        if self.n_experts:
+            if self.n_experts < 2:
+                raise ValueError(f"n_experts={self.n_experts} is out of range: allowed 0 (a dense MLP) or >= 2")
+            if not 1 <= self.n_experts_used <= self.n_experts:
+                raise ValueError(
+                    f"n_experts_used={self.n_experts_used} is out of range: allowed 1 to n_experts={self.n_experts}"
+                )
+        elif self.n_experts_used or self.expert_bias:
+            name = "n_experts_used" if self.n_experts_used else "expert_bias"
+            raise ValueError(
+                f"{name}={getattr(self, name)!r} is out of range with n_experts=0: allowed "
+                f"{'0' if name == 'n_experts_used' else 'False'} (or set n_experts)"
+            )
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            object.__setattr__(self, name, check_real(name, getattr(self, name), above=0))
         if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r} is out of range: allowed one of {sorted(ACTIVATIONS)}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
@@ -407,12 +443,23 @@ _GEMMA_ROPE = ("default", "linear")
 
 
 class MLP(nnx.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))``, no biases (SwiGLU with ``"silu"``, GeGLU-tanh with ``"gelu_tanh"``)."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, no biases (SwiGLU with ``"silu"``, GeGLU-tanh with
+    ``"gelu_tanh"``, gpt-oss's clamped product with ``"swiglu_oai"``: :func:`kvjax.nn._moe.gated_product`)."""
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str = "silu", rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        rngs: nnx.Rngs,
+    ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is out of range: allowed one of {sorted(ACTIVATIONS)}")
         self.activation = activation
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
         self.gate = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
         self.up = nnx.Linear(d_model, d_ff, use_bias=False, rngs=rngs)
         self.down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
@@ -423,7 +470,23 @@ class MLP(nnx.Module):
             gate, up = split_gate_up(self.gate_up(x))
         else:
             gate, up = self.gate(x), self.up(x)
-        return self.down(ACTIVATIONS[self.activation](gate) * up)
+        return self.down(gated_product(self.activation, gate, up, self.swiglu_alpha, self.swiglu_limit))
+
+
+def make_mlp(config: LlamaConfig, rngs: nnx.Rngs):
+    """A block's MLP: :class:`MoE` when ``config.n_experts``, else the dense :class:`MLP`."""
+    glu = dict(activation=config.activation, swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+    if config.n_experts:
+        return MoE(
+            config.d_model,
+            config.ff_size,
+            n_experts=config.n_experts,
+            n_experts_used=config.n_experts_used,
+            use_bias=config.expert_bias,
+            rngs=rngs,
+            **glu,
+        )
+    return MLP(config.d_model, config.ff_size, rngs=rngs, **glu)
 
 
 def _post(norm, h):
@@ -464,6 +527,7 @@ def attention_options(config: LlamaConfig, layer: int) -> dict:
         norm_offset=config.norm_offset,
         norm_eps=config.norm_eps,
         use_bias=config.attention_bias,
+        sinks=config.attention_sinks,
     )
 
 
@@ -487,7 +551,7 @@ class Block(nnx.Module):
         )
         self.post_attn_norm = _nnx_norm(config, config.d_model, rngs) if config.sandwich_norms else None
         self.mlp_norm = _nnx_norm(config, config.d_model, rngs)
-        self.mlp = MLP(config.d_model, config.ff_size, activation=config.activation, rngs=rngs)
+        self.mlp = make_mlp(config, rngs)
         self.post_mlp_norm = _nnx_norm(config, config.d_model, rngs) if config.sandwich_norms else None
 
     def __call__(self, x, memory, inputs):

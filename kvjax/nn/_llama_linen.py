@@ -32,7 +32,6 @@ from kvjax.memory._protocol import Memory
 from kvjax.nn._inputs import UbatchInputs
 from kvjax.nn._linen_attention import LinenCachedAttention
 from kvjax.nn._llama import (
-    ACTIVATIONS,
     Llama,
     LlamaConfig,
     attention_options,
@@ -42,6 +41,7 @@ from kvjax.nn._llama import (
     model_uncached,
     output_logits,
 )
+from kvjax.nn._moe import gated_product, mix_experts, route
 from kvjax.nn._norm import LinenOffsetRMSNorm
 from kvjax.nn._ggml_linear import GGMLBlocks
 
@@ -52,6 +52,8 @@ class _MLP(nn.Module):
     d_ff: int
     d_model: int
     activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def setup(self):
         self.gate = nn.Dense(self.d_ff, use_bias=False)
@@ -59,7 +61,36 @@ class _MLP(nn.Module):
         self.down = nn.Dense(self.d_model, use_bias=False)
 
     def __call__(self, x):
-        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
+        hidden = gated_product(self.activation, self.gate(x), self.up(x), self.swiglu_alpha, self.swiglu_limit)
+        return self.down(hidden)
+
+
+class _MoE(nn.Module):
+    """The linen twin of :class:`kvjax.nn.MoE` (same parameter names and shapes)."""
+
+    config: LlamaConfig
+
+    def setup(self):
+        cfg = self.config
+        x, e, f = cfg.n_experts, cfg.d_model, cfg.ff_size
+        init = nn.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+        zeros = nn.initializers.zeros
+        self.router = nn.Dense(x, use_bias=cfg.expert_bias)
+        self.gate, self.up = self.param("gate", init, (x, e, f)), self.param("up", init, (x, e, f))
+        self.down = self.param("down", init, (x, f, e))
+        bias = cfg.expert_bias
+        self.gate_bias = self.param("gate_bias", zeros, (x, f)) if bias else None
+        self.up_bias = self.param("up_bias", zeros, (x, f)) if bias else None
+        self.down_bias = self.param("down_bias", zeros, (x, e)) if bias else None
+
+    def __call__(self, x):
+        cfg = self.config
+        flat = x.reshape(-1, x.shape[-1])
+        experts, w = route(self.router(flat), cfg.n_experts_used)
+        names = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+        params = {n: getattr(self, n) for n in names}
+        out = mix_experts(flat, experts, w, params, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        return out.reshape(x.shape)
 
 
 def _linen_norm(cfg: LlamaConfig):
@@ -83,7 +114,11 @@ class _Block(nn.Module):
         )
         self.post_attn_norm = _linen_norm(cfg) if cfg.sandwich_norms else None
         self.mlp_norm = _linen_norm(cfg)
-        self.mlp = _MLP(cfg.ff_size, cfg.d_model, cfg.activation)
+        self.mlp = (
+            _MoE(cfg)
+            if cfg.n_experts
+            else _MLP(cfg.ff_size, cfg.d_model, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+        )
         self.post_mlp_norm = _linen_norm(cfg) if cfg.sandwich_norms else None
 
     def __call__(self, x, memory, inputs):

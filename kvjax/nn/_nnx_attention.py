@@ -131,6 +131,7 @@ def attend_cached(
     n_swa: int = 0,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[Float[Array, " Hq"]] = None,
 ) -> Tuple[Float[Array, "T Hq Dv"], Memory]:
     """One layer's attention through a memory (any kind with attention parts).
 
@@ -154,6 +155,7 @@ def attend_cached(
         scale: softmax scale (default ``1 / sqrt(D)``).
         softcap: attention-logit soft-capping (``softcap * tanh(s / softcap)`` of the scaled
             scores before the mask; ``None`` for none), as ``kvjax.attention``.
+        sinks: ``[Hq]`` learned attention sinks (gpt-oss), or ``None``, as ``kvjax.attention``.
 
     Returns:
         ``(out [T, Hq, Dv], memory)``: rows of fully masked (padding) tokens are 0.
@@ -177,6 +179,7 @@ def attend_cached(
             scale=scale,
             softcap=softcap,
             mask=inputs.mask(kind) if kind in inputs.mask_kinds else None,
+            sinks=sinks,
         )
     if rope is not None:
         q = kvjax.rope(q, inputs.ubatch.pos, rope)
@@ -194,7 +197,7 @@ def attend_cached(
         # the visibility goes in as a boolean mask and the scaled distances as the bias
         bias = _alibi_bias(mask, alibi)
         mask = jnp.isfinite(mask)
-    out = kvjax.attention(q, cache, layer, mask, scale=scale, bias=bias, softcap=softcap)
+    out = kvjax.attention(q, cache, layer, mask, scale=scale, bias=bias, softcap=softcap, sinks=sinks)
     return out, memory.with_part(part, cache)
 
 
@@ -210,14 +213,17 @@ def attend_uncached(
     n_swa: int = 0,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[Float[Array, " Hq"]] = None,
 ) -> Float[Array, "B T Hq Dv"]:
     """Attention of each sequence (row b) over its own tokens, without any cache: the reference.
 
     Token ``i`` sees token ``j`` of its row when ``pos[j] <= pos[i]`` and ``pos[j]`` is inside
     ``pos[i]``'s sliding window; ALiBi adds ``-slope_h * |pos[i] - pos[j]|``. Built on
     ``jax.nn.dot_product_attention`` (GQA included), independent of ``kvjax.attention``; with
-    ``softcap`` (which that function does not offer) on a plain einsum softmax whose scaled scores
-    ``s`` become ``softcap * tanh(s / softcap)`` before the mask, as in Gemma 2.
+    ``softcap`` or ``sinks`` (which that function does not offer) on a plain einsum softmax: the
+    scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask, as in Gemma 2, and
+    each query head's sink logit is a column of its own in the softmax, dropped afterwards, as
+    transformers' gpt-oss writes it.
 
     Example:
         >>> q, k = jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 2, 8))      # [B, T, Hq, D], [B, T, H, D]
@@ -237,10 +243,9 @@ def attend_uncached(
     if alibi is not None:
         slopes = jnp.asarray(alibi, jnp.float32)
         bias = -slopes[None, :, None, None] * jnp.abs(p_tok - p_key).astype(jnp.float32)[:, None]
-    if softcap is not None:
-        out = _softcapped_attention(
-            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), bias, visible[:, None], scale, softcap
-        )
+    if softcap is not None or sinks is not None:
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        out = _einsum_attention(*f32, bias, visible[:, None], scale, softcap, sinks)
         return out.astype(v.dtype)
     out = jax.nn.dot_product_attention(
         q.astype(jnp.float32),
@@ -253,29 +258,37 @@ def attend_uncached(
     return out.astype(v.dtype)
 
 
-def _softcapped_attention(
+def _einsum_attention(
     q: Float[Array, "B T Hq D"],
     k: Float[Array, "B S H D"],
     v: Float[Array, "B S H Dv"],
     bias: Optional[Float[Array, "B Hq T S"]],
     visible: Bool[Array, "B 1 T S"],
     scale: Optional[float],
-    softcap: float,
+    softcap: Optional[float],
+    sinks: Optional[Float[Array, " Hq"]] = None,
 ) -> Float[Array, "B T Hq Dv"]:
-    """``softmax(cap(q k^T * scale) + bias, masked) v`` with ``cap(s) = softcap * tanh(s / softcap)``.
+    """``softmax([cap(q k^T * scale) + bias, sink], masked)`` without the sink column, times ``v``.
 
-    Query head ``j`` reads kv head ``j // G`` (``G = Hq / H``); a row that sees nothing gives 0.
+    ``cap(s) = softcap * tanh(s / softcap)`` (none when ``softcap`` is None); the sink column is
+    query head ``j``'s ``sinks[j]`` (none when ``sinks`` is None). Query head ``j`` reads kv head
+    ``j // G`` (``G = Hq / H``); a row that sees nothing gives 0.
     """
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = jnp.einsum("bthd,bshd->bhts", q, k) * scale
-    s = softcap * jnp.tanh(s / softcap)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     if bias is not None:
         s = s + bias
     s = jnp.where(visible, s, -jnp.inf)
     seen = jnp.any(visible, axis=-1, keepdims=True)
-    p = jax.nn.softmax(jnp.where(seen, s, 0.0), axis=-1) * seen
+    s = jnp.where(seen, s, 0.0)
+    if sinks is None:
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, axis=-1) * seen, v)
+    sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None, None], s.shape[:-1] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1] * seen
     return jnp.einsum("bhts,bshd->bthd", p, v)
 
 
@@ -283,7 +296,7 @@ def cached_attention_call(layer, x, memory, inputs, **options):
     """The cached call of an attention layer (shared by the NNX and linen layers).
 
     ``options`` are :func:`attend_cached`'s (``rope``, ``alibi``, ``swa_type``, ``n_swa``,
-    ``scale``, ``softcap``).
+    ``scale``, ``softcap``, ``sinks``).
     """
     check_layer_cache(memory, layer.layer, layer.n_kv_heads, layer.head_dim)
     check_inputs(inputs)
@@ -386,6 +399,8 @@ class CachedAttention(nnx.Module):
             weights ``q_norm.scale`` and ``k_norm.scale`` of shape ``[D]``.
         norm_offset: those norms scale by ``(1 + w)`` (Gemma) instead of ``w``.
         norm_eps: their epsilon (> 0).
+        sinks: a learned sink logit per query head (gpt-oss), the parameter ``sinks [n_heads]``
+            (initialised to 0), in the softmax of every row (``kvjax.attention``'s ``sinks``).
         rngs: NNX random streams.
     """
 
@@ -408,6 +423,7 @@ class CachedAttention(nnx.Module):
         qk_norm: bool = False,
         norm_offset: bool = False,
         norm_eps: float = 1e-6,
+        sinks: bool = False,
         rngs: nnx.Rngs,
     ):
         check_heads(n_heads, n_kv_heads, head_dim)
@@ -436,6 +452,10 @@ class CachedAttention(nnx.Module):
         make = lambda: norm(head_dim, epsilon=norm_eps, param_dtype=param_dtype, rngs=rngs)  # noqa: E731
         self.q_norm = make() if self.qk_norm else None
         self.k_norm = make() if self.qk_norm else None
+        self.sinks = nnx.Param(jnp.zeros((n_heads,), param_dtype)) if check_flag("sinks", sinks) else None
+
+    def _sinks(self):
+        return None if self.sinks is None else self.sinks[...]
 
     def _qkv(self, x):
         return project_qkv(self, x)
@@ -465,6 +485,7 @@ class CachedAttention(nnx.Module):
             n_swa=self.n_swa,
             scale=self.scale,
             softcap=self.softcap,
+            sinks=self._sinks(),
         )
 
     def uncached(self, x: Float[Array, "B T E"], pos: Int[Array, "B T"]) -> Float[Array, "B T E"]:
@@ -481,6 +502,7 @@ class CachedAttention(nnx.Module):
             n_swa=self.n_swa,
             scale=self.scale,
             softcap=self.softcap,
+            sinks=self._sinks(),
         )
         return self.o_proj(out.reshape(x.shape[:-1] + (-1,)))
 

@@ -438,12 +438,14 @@ def save_llama(
         ("final_logit_softcap", cfg.final_logit_softcap),
         ("attn_logit_softcap", cfg.attn_logit_softcap),
         ("query_pre_attn_scalar", cfg.query_pre_attn_scalar),
+        ("attention_sinks", cfg.attention_sinks),
+        ("n_experts", cfg.n_experts),
     ):
         if bad:
             raise ValueError(
                 f"model.config.{name}={getattr(cfg, name)!r} is out of range: allowed the plain Llama "
                 f"value (neox RoPE over the whole head with default scaling, no windows, no Gemma "
-                f"options)"
+                f"or gpt-oss options)"
             )
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is out of range: allowed an integer > 0 or None")

@@ -1,0 +1,192 @@
+"""A mixture-of-experts MLP (gpt-oss, Mixtral style): top-k routing and one grouped matmul per projection.
+
+Each token's router logits pick its ``k`` best experts; their softmax over those ``k`` weighs the
+experts' outputs (gpt-oss's router; Mixtral's softmax-then-renormalise over the top ``k`` is the
+same numbers). The experts run as grouped matmuls (``jax.lax.ragged_dot``): the ``T * k``
+(token, expert) pairs are sorted by expert, so each expert's weights meet only the rows routed to
+it and the work follows ``T * k``, not ``T * n_experts``; the weighted results are added back to
+their tokens. Shapes are static whatever the routing, so the step compiles once.
+
+The gated product is the dense MLP's (:data:`GATED`): ``act(gate) * up`` for SwiGLU / GeGLU, or
+gpt-oss's clamped ``swiglu_oai``: ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``,
+``gate * sigmoid(alpha * gate) * (up + 1)``.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> moe = MoE(8, 16, n_experts=4, n_experts_used=2, rngs=nnx.Rngs(0))
+    >>> x = jax.random.normal(jax.random.PRNGKey(1), (3, 8))
+    >>> y = moe(x)
+    >>> dense = sum(w[:, None] * moe.expert(x, e) for e, w in enumerate(moe.weights(x).T))
+    >>> y.shape, bool(jnp.allclose(y, dense, atol=1e-5))      # equal to every expert, weighted
+    ((3, 8), True)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax._typing import Array, Float, Int
+from kvjax._validate import check_count, check_real, require
+
+__all__ = ["GATED", "MoE", "gated_product", "route", "mix_experts"]
+
+
+def _swiglu_oai(gate, up, *, alpha: float, limit: float):
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + 1)
+
+
+#: The gated products of an MLP, ``(gate, up, alpha, limit) -> hidden``: ``"silu"`` (SwiGLU),
+#: ``"gelu_tanh"`` (GeGLU with the tanh approximation) and ``"swiglu_oai"`` (gpt-oss's clamped
+#: SwiGLU; the only one that reads ``alpha`` and ``limit``).
+GATED: Dict[str, Callable] = {
+    "silu": lambda gate, up, alpha, limit: jax.nn.silu(gate) * up,
+    "gelu_tanh": lambda gate, up, alpha, limit: jax.nn.gelu(gate, approximate=True) * up,
+    "swiglu_oai": lambda gate, up, alpha, limit: _swiglu_oai(gate, up, alpha=alpha, limit=limit),
+}
+
+
+def gated_product(activation: str, gate, up, alpha: float = 1.702, limit: float = 7.0):
+    """The hidden ``[..., F]`` of a gated MLP from its ``gate`` and ``up`` projections (:data:`GATED`).
+
+    Example:
+        >>> gated_product("swiglu_oai", jnp.array([9.0, 0.0]), jnp.array([-9.0, 1.0])).tolist()  # clamped
+        [-42.0, 0.0]
+    """
+    return GATED[activation](gate, up, alpha, limit)
+
+
+def route(logits: Float[Array, "T X"], k: int) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    """``(experts, weights)``: each token's ``k`` largest router logits and their softmax.
+
+    Example:
+        >>> experts, weights = route(jnp.array([[0.0, 2.0, 1.0, 2.0]]), 2)
+        >>> experts.tolist(), weights.round(3).tolist()
+        ([[1, 3]], [[0.5, 0.5]])
+    """
+    top, experts = jax.lax.top_k(logits.astype(jnp.float32), k)
+    return experts, jax.nn.softmax(top, axis=-1)
+
+
+def mix_experts(
+    x: Float[Array, "T E"],
+    experts: Int[Array, "T k"],
+    weights: Float[Array, "T k"],
+    params: Dict[str, Array],
+    activation: str,
+    alpha: float,
+    limit: float,
+) -> Float[Array, "T E"]:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` as grouped matmuls over the routed pairs.
+
+    ``params``: ``gate``, ``up`` ``[X, E, F]``, ``down`` ``[X, F, E]`` and optional biases
+    ``gate_bias``, ``up_bias`` ``[X, F]``, ``down_bias`` ``[X, E]`` (None for none).
+    """
+    n_tok, k = experts.shape
+    n_experts = params["gate"].shape[0]
+    flat = experts.reshape(-1)  # pair i = (token i // k, its (i % k)-th expert)
+    order = jnp.argsort(flat, stable=True)
+    by_expert = flat[order]
+    token = order // k
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    rows = x[token]  # [T * k, E], grouped by expert
+    dot = functools.partial(jax.lax.ragged_dot, group_sizes=sizes, preferred_element_type=jnp.float32)
+
+    def biased(h, name):
+        b = params.get(name)
+        return h if b is None else h + b[by_expert].astype(jnp.float32)
+
+    gate = biased(dot(rows, params["gate"]), "gate_bias")
+    up = biased(dot(rows, params["up"]), "up_bias")
+    hidden = gated_product(activation, gate, up, alpha, limit).astype(x.dtype)
+    out = biased(dot(hidden, params["down"]), "down_bias")
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n_tok, x.shape[-1]), jnp.float32).at[token].add(out).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    """A mixture-of-experts gated MLP with a linear router (see the module docstring).
+
+    Args:
+        d_model: E, the input and output width.
+        d_ff: F, each expert's hidden width.
+        n_experts: X, the experts (>= 2).
+        n_experts_used: k, experts per token (1 <= k <= X).
+        activation: the gated product (:data:`GATED`).
+        use_bias: biases on the router and every expert projection (gpt-oss).
+        swiglu_alpha, swiglu_limit: ``swiglu_oai``'s constants (gpt-oss: 1.702 and 7.0).
+        param_dtype: parameter dtype.
+        rngs: NNX random streams.
+
+    Parameters: ``router`` (an ``nnx.Linear`` E -> X), ``gate`` / ``up`` ``[X, E, F]``, ``down``
+    ``[X, F, E]``, and with ``use_bias`` ``gate_bias`` / ``up_bias`` ``[X, F]``, ``down_bias`` ``[X, E]``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        n_experts: int,
+        n_experts_used: int,
+        activation: str = "silu",
+        use_bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        d_model, d_ff = check_count("d_model", d_model, 1), check_count("d_ff", d_ff, 1)
+        n_experts = check_count("n_experts", n_experts, 2)
+        n_used = check_count("n_experts_used", n_experts_used, 1)
+        require(n_used <= n_experts, "n_experts_used", n_used, f"at most n_experts={n_experts}")
+        require(activation in GATED, "activation", activation, f"one of {sorted(GATED)}")
+        self.n_experts_used, self.activation = n_used, activation
+        self.swiglu_alpha = check_real("swiglu_alpha", swiglu_alpha, above=0)
+        self.swiglu_limit = check_real("swiglu_limit", swiglu_limit, above=0)
+        self.router = nnx.Linear(d_model, n_experts, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+
+        def weight(shape):
+            return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+        def bias(shape):
+            return nnx.Param(jnp.zeros(shape, param_dtype)) if use_bias else None
+
+        self.gate, self.up = weight((n_experts, d_model, d_ff)), weight((n_experts, d_model, d_ff))
+        self.down = weight((n_experts, d_ff, d_model))
+        self.gate_bias, self.up_bias = bias((n_experts, d_ff)), bias((n_experts, d_ff))
+        self.down_bias = bias((n_experts, d_model))
+
+    def _params(self) -> Dict[str, Array]:
+        names = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+        return {n: None if getattr(self, n) is None else getattr(self, n)[...] for n in names}
+
+    def weights(self, x: Float[Array, "T E"]) -> Float[Array, "T X"]:
+        """Each token's weight on every expert (0 for those not routed to): for inspection and tests."""
+        experts, w = route(self.router(x), self.n_experts_used)
+        return (
+            jnp.zeros(x.shape[:-1] + (self.gate.shape[0],), w.dtype).at[jnp.arange(x.shape[0])[:, None], experts].set(w)
+        )
+
+    def expert(self, x: Float[Array, "T E"], e: int) -> Float[Array, "T E"]:
+        """Expert ``e`` alone on every row (dense, for the tests' reference)."""
+        p = self._params()
+        bias = lambda name: 0.0 if p[name] is None else p[name][e]  # noqa: E731
+        gate, up = x @ p["gate"][e] + bias("gate_bias"), x @ p["up"][e] + bias("up_bias")
+        hidden = gated_product(self.activation, gate, up, self.swiglu_alpha, self.swiglu_limit)
+        return hidden @ p["down"][e] + bias("down_bias")
+
+    def __call__(self, x: Float[Array, "... E"]) -> Float[Array, "... E"]:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        experts, w = route(self.router(flat), self.n_experts_used)
+        out = mix_experts(flat, experts, w, self._params(), self.activation, self.swiglu_alpha, self.swiglu_limit)
+        return out.reshape(lead + (x.shape[-1],))
