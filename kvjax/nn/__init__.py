@@ -37,6 +37,7 @@ from kvjax.nn._linen_attention import LinenCachedAttention
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._hf import llama_from_hf
 from kvjax.nn._llama import ACTIVATIONS, Block, Llama, LlamaConfig, MLP
+from kvjax.nn._moe import MoE
 from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
 from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step
 from kvjax.nn._mamba_hf import params_from_hf
@@ -75,6 +76,7 @@ __all__ = [
     "LlamaLinen",
     "Block",
     "MLP",
+    "MoE",
     "params_from_nnx",
     "ACTIVATIONS",
     "llama_from_hf",
