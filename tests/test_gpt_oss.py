@@ -194,7 +194,7 @@ def _hf_config():
     return transformers.GptOssConfig(
         vocab_size=48,
         hidden_size=32,
-        intermediate_size=24,
+        intermediate_size=32,  # a multiple of MXFP4's 32-value blocks (the down experts' rows)
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -290,3 +290,102 @@ def test_packed_mxfp4_experts_are_refused_by_name():
     sd["model.layers.0.mlp.experts.gate_up_proj_scales"] = w
     with pytest.raises(ValueError, match=r"stores its experts packed as MXFP4 .*Mxfp4Config\(dequantize=True\)"):
         llama_from_hf(sd, model=model)
+
+
+# -- a GGUF twin, as llama.cpp's converter writes gpt-oss ---------------------------------------------
+
+
+def _write_gguf(path, hf, expert_type):
+    """``hf``'s weights under llama.cpp's gpt-oss names and metadata, the expert tensors in ``expert_type``."""
+    gguf = pytest.importorskip("gguf")
+    hc = hf.config
+    sd = {k.removeprefix("model."): v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_context_length(256)
+    w.add_embedding_length(hc.hidden_size)
+    w.add_block_count(hc.num_hidden_layers)
+    w.add_feed_forward_length(hc.intermediate_size)
+    w.add_expert_feed_forward_length(hc.intermediate_size)
+    w.add_head_count(hc.num_attention_heads)
+    w.add_head_count_kv(hc.num_key_value_heads)
+    w.add_key_length(hc.head_dim)
+    w.add_value_length(hc.head_dim)
+    w.add_layer_norm_rms_eps(hc.rms_norm_eps)
+    w.add_rope_freq_base(hc.rope_parameters["rope_theta"])
+    w.add_expert_count(hc.num_local_experts)
+    w.add_expert_used_count(hc.num_experts_per_tok)
+    w.add_sliding_window(hc.sliding_window)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(hc.rope_parameters["factor"])
+    w.add_rope_scaling_orig_ctx_len(hc.rope_parameters["original_max_position_embeddings"])
+    tensors = {
+        "token_embd.weight": sd["embed_tokens.weight"],
+        "output_norm.weight": sd["norm.weight"],
+        "output.weight": sd["lm_head.weight"],
+    }
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+        "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+    }
+    for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
+        names[f"self_attn.{proj}_proj.weight"] = f"attn_{short}.weight"
+        names[f"self_attn.{proj}_proj.bias"] = f"attn_{short}.bias"
+    for il in range(hc.num_hidden_layers):
+        p, b = f"layers.{il}.", f"blk.{il}."
+        for key, name in names.items():
+            tensors[b + name] = sd[p + key]
+        gate_up = np.swapaxes(sd[p + "mlp.experts.gate_up_proj"], -1, -2)  # [X, 2F, E]: each expert [out, in]
+        tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"] = gate_up[:, ::2], gate_up[:, 1::2]
+        tensors[b + "ffn_down_exps.weight"] = np.swapaxes(sd[p + "mlp.experts.down_proj"], -1, -2)
+        bias = sd[p + "mlp.experts.gate_up_proj_bias"]
+        tensors[b + "ffn_gate_exps.bias"], tensors[b + "ffn_up_exps.bias"] = bias[..., ::2], bias[..., 1::2]
+    for name, value in tensors.items():
+        value = np.ascontiguousarray(value, np.float32)
+        if name.endswith("_exps.weight") and expert_type != "F32":
+            kind = gguf.GGMLQuantizationType[expert_type]
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_twin_gives_the_transformers_logits(tmp_path):
+    from kvjax.nn import from_gguf
+
+    model = from_gguf(_write_gguf(tmp_path / "g.gguf", _hf_model(), "F32"))
+    cfg = model.config
+    assert (cfg.swa_layers, cfg.n_swa, cfg.n_experts, cfg.n_experts_used) == ((0, 2), 4, 4, 2)
+    assert cfg.attention_sinks and cfg.rope.yarn_truncate  # ggml rounds YaRN's range out, as llama.cpp runs it
+    ids = np.random.default_rng(6).integers(0, 48, (1, 14))
+    np.testing.assert_allclose(np.asarray(model.forward(jnp.asarray(ids))), _hf_logits(ids), atol=ATOL_HF)
+    assert model.gguf_architecture == "gpt-oss"
+
+
+def test_mxfp4_experts_load_as_their_dequantized_values(tmp_path):
+    """Real gpt-oss files store the experts as MXFP4: the model equals the transformers weights with each
+    expert matrix through MXFP4 and back, whether the other matrices stay compact or not."""
+    gguf = pytest.importorskip("gguf")
+    from kvjax.nn import from_gguf
+
+    path = _write_gguf(tmp_path / "m.gguf", _hf_model(), "MXFP4")
+    compact, floats = from_gguf(path), from_gguf(path, dtype=jnp.float32)
+    hf = llama_from_hf(_hf_model())
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for block in hf.layers:  # each expert's [out, in] rows through MXFP4, as the file holds them
+        for var in (block.mlp.gate, block.mlp.up, block.mlp.down):
+            rows = np.ascontiguousarray(np.swapaxes(np.asarray(var[...]), -1, -2))
+            back = gguf.quants.dequantize(gguf.quants.quantize(rows, mx), mx)
+            var.set_value(jnp.asarray(np.swapaxes(back, -1, -2)))
+    ids = np.random.default_rng(7).integers(0, 48, (1, 14))
+    want = np.asarray(hf.forward(jnp.asarray(ids)))
+    np.testing.assert_allclose(np.asarray(floats.forward(jnp.asarray(ids))), want, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(compact.forward(jnp.asarray(ids))), want, atol=2e-5)
+    assert np.abs(want - _hf_logits(ids)).max() > 1e-3  # MXFP4 is lossy: the test sees the round trip

@@ -74,6 +74,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "neox",
     "gemma2": "neox",
     "gemma3": "neox",
+    "gpt-oss": "neox",
     "mamba": None,
 }
 
@@ -119,7 +120,9 @@ def _config(reader, tensors) -> LlamaConfig:
         raise ValueError(f"general.architecture={arch!r} is out of range: allowed one of {sorted(GGUF_ARCHITECTURES)}")
     n_layer = int(_field(reader, f"{arch}.block_count", required=True))
     d_model = int(_field(reader, f"{arch}.embedding_length", required=True))
-    d_ff = int(_field(reader, f"{arch}.feed_forward_length", required=True))
+    # gpt-oss: every block's MLP is the experts', whose width is the expert length
+    d_ff = _field(reader, f"{arch}.expert_feed_forward_length") if arch == "gpt-oss" else None
+    d_ff = int(d_ff if d_ff is not None else _field(reader, f"{arch}.feed_forward_length", required=True))
     n_heads = int(_field(reader, f"{arch}.attention.head_count", required=True))
     n_kv_heads = _field(reader, f"{arch}.attention.head_count_kv", n_heads)
     if isinstance(n_kv_heads, list):  # llama.cpp allows one count per layer; the reference model has one for all
@@ -200,6 +203,8 @@ def _config(reader, tensors) -> LlamaConfig:
         args.update(_gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, scale))
     if arch == "qwen3":  # Qwen3: per-head RMSNorm of q and k before RoPE, no projection biases
         args["qk_norm"] = True
+    if arch == "gpt-oss":
+        args.update(_gpt_oss_options(reader, arch, n_layer))
     try:
         return LlamaConfig(**args)
     except ValueError as e:
@@ -243,6 +248,26 @@ def _gemma_options(reader, arch, n_layer, d_model, n_heads, head_dim, n_rot, sca
         out["swa_rope"] = RopeConfig(n_rot=n_rot, mode="neox", freq_base=base_swa)
         out["qk_norm"] = True
     return out
+
+
+def _gpt_oss_options(reader, arch, n_layer) -> dict:
+    """gpt-oss as llama.cpp runs it: every even layer a window layer (its swa pattern 2), biases on
+    every projection, learned sinks, a mixture of ``expert_count`` experts of which
+    ``expert_used_count`` run (softmax over the chosen logits), the clamped SwiGLU with llama.cpp's
+    constants 1.702 and 7.0."""
+    n_swa = int(_field(reader, f"{arch}.attention.sliding_window", 0))
+    return dict(
+        swa_layers=tuple(range(0, n_layer, 2)) if n_swa else (),
+        n_swa=n_swa,
+        attention_bias=True,
+        attention_sinks=True,
+        n_experts=int(_field(reader, f"{arch}.expert_count", required=True)),
+        n_experts_used=int(_field(reader, f"{arch}.expert_used_count", required=True)),
+        expert_bias=True,
+        activation="swiglu_oai",
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+    )
 
 
 def _shape(t) -> Tuple[int, ...]:
@@ -295,18 +320,46 @@ def _plan(model: Llama) -> List[Tuple[Any, str, bool, Optional[Tuple[Any, str]]]
             (a.k_proj.kernel, p + "attn_k.weight", True, (a, "k_proj")),
             (a.v_proj.kernel, p + "attn_v.weight", True, (a, "v_proj")),
             (a.o_proj.kernel, p + "attn_output.weight", True, (a, "o_proj")),
-            (block.mlp_norm.scale, p + "ffn_norm.weight", False, None),
-            (m.gate.kernel, p + "ffn_gate.weight", True, (m, "gate")),
-            (m.up.kernel, p + "ffn_up.weight", True, (m, "up")),
-            (m.down.kernel, p + "ffn_down.weight", True, (m, "down")),
         ]
+        if cfg.n_experts:  # gpt-oss: the norm before the MLP is llama.cpp's post_attention_norm
+            plan.append((block.mlp_norm.scale, p + "post_attention_norm.weight", False, None))
+            plan += _experts_plan(m, p)
+        else:
+            plan += [
+                (block.mlp_norm.scale, p + "ffn_norm.weight", False, None),
+                (m.gate.kernel, p + "ffn_gate.weight", True, (m, "gate")),
+                (m.up.kernel, p + "ffn_up.weight", True, (m, "up")),
+                (m.down.kernel, p + "ffn_down.weight", True, (m, "down")),
+            ]
         if cfg.attention_bias:
             plan += [
                 (a.q_proj.bias, p + "attn_q.bias", False, None),
                 (a.k_proj.bias, p + "attn_k.bias", False, None),
                 (a.v_proj.bias, p + "attn_v.bias", False, None),
             ]
+        if cfg.attention_sinks:  # gpt-oss also has the output projection's bias
+            plan += [
+                (a.o_proj.bias, p + "attn_output.bias", False, None),
+                (a.sinks, p + "attn_sinks.weight", False, None),
+            ]
     return plan
+
+
+def _experts_plan(m, p: str):
+    """A :class:`kvjax.nn.MoE`'s tensors as llama.cpp's converter writes gpt-oss: the router
+    ``ffn_gate_inp`` ``[X, E]`` and the experts ``ffn_{gate,up}_exps`` ``[X, F, E]``, ``ffn_down_exps``
+    ``[X, E, F]`` (each expert's matrix ``[out, in]``, so transposed per expert), with their biases.
+    Expert tensors always load as float (the compact load keeps 2-d matrices only)."""
+    return [
+        (m.router.kernel, p + "ffn_gate_inp.weight", True, None),
+        (m.router.bias, p + "ffn_gate_inp.bias", False, None),
+        (m.gate, p + "ffn_gate_exps.weight", True, None),
+        (m.up, p + "ffn_up_exps.weight", True, None),
+        (m.down, p + "ffn_down_exps.weight", True, None),
+        (m.gate_bias, p + "ffn_gate_exps.bias", False, None),
+        (m.up_bias, p + "ffn_up_exps.bias", False, None),
+        (m.down_bias, p + "ffn_down_exps.bias", False, None),
+    ]
 
 
 def _compact(t) -> bool:
@@ -335,7 +388,8 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
         t = tensors[name]
         check_tensor_type(name, t.type_name)
         shape = _shape(t)
-        want = tuple(reversed(var.shape)) if transpose else tuple(var.shape)
+        # transposed: the last two axes swap (a matrix's [in, out], or each expert's of [X, in, out])
+        want = tuple(var.shape[:-2]) + (var.shape[-1], var.shape[-2]) if transpose else tuple(var.shape)
         if shape != want:
             raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
     # matrices kept in their file type (dtype None): their biases go inside their GGMLLinear
@@ -362,7 +416,7 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
         w = _dequantize(t)
         fn = convert.get(name.split(".")[-1])
         w = fn(w, name) if fn is not None else w
-        var.set_value(jnp.asarray(w.T if transpose else w, dt or jnp.float32))
+        var.set_value(jnp.asarray(np.swapaxes(w, -1, -2) if transpose else w, dt or jnp.float32))
 
 
 def from_gguf(path, *, dtype=None):
@@ -405,7 +459,7 @@ def from_gguf(path, *, dtype=None):
     what = f"a {arch} model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
     # rope_freqs is read into the config, not a weight
     _load(model, _plan(model), tensors, dt, what, ignore=("rope_freqs.weight",))
-    if cfg.attention_bias:  # qwen2 has no output-projection bias: the model's o bias is zero
+    if cfg.attention_bias and not cfg.attention_sinks:  # qwen2 has no output-projection bias: zero
         for block in model.layers:
             o = block.attn.o_proj
             if isinstance(o, nnx.Linear):
