@@ -37,7 +37,9 @@ dequantized once at load with the ``gguf`` package's numpy dequantizers: faster 
 **Architectures, further.** ``qwen3`` (per-head q/k norms, no biases); tied embeddings wherever a
 file has no ``output.weight`` (Llama 3.2, Gemma); ``head_count_kv`` given per layer is accepted when
 every layer has the same count; ``mamba`` loads into :class:`kvjax.nn.Mamba`
-(:mod:`kvjax.nn._gguf_mamba`). Any other ``general.architecture`` is refused by name.
+(:mod:`kvjax.nn._gguf_mamba`); ``gpt-oss`` (biases, learned sinks, every even layer a window
+layer, a mixture of experts whose 3-d expert tensors, MXFP4 in real files, always load as float).
+Any other ``general.architecture`` is refused by name.
 
 Example:
     >>> model = from_gguf("tinyllama-q8_0.gguf")                        # doctest: +SKIP
