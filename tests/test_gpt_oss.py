@@ -34,7 +34,7 @@ GPT_OSS = dict(
     n_heads=4,
     n_kv_heads=2,
     head_dim=8,
-    d_ff=24,
+    d_ff=32,  # a multiple of MXFP4's 32-value blocks (the down experts' rows)
     rope=kvjax.RopeConfig(
         n_rot=8,
         mode="neox",
@@ -295,29 +295,70 @@ def test_packed_mxfp4_experts_are_refused_by_name():
 # -- a GGUF twin, as llama.cpp's converter writes gpt-oss ---------------------------------------------
 
 
-def _write_gguf(path, hf, expert_type):
-    """``hf``'s weights under llama.cpp's gpt-oss names and metadata, the expert tensors in ``expert_type``."""
+def _hf_state(hf) -> dict:
+    """A transformers model's weights as numpy, keys without ``model.``."""
+    return {k.removeprefix("model."): v.detach().float().numpy() for k, v in hf.state_dict().items()}
+
+
+def _hf_state_of(model: Llama) -> dict:
+    """A kvjax gpt-oss model's weights under transformers' names (gate and up interleaved again)."""
+    from kvjax.nn._hf import llama_plan
+
+    sd = {}
+    for var, key, fn in llama_plan(model):
+        value = np.asarray(var[...])
+        if fn is not None and fn.__name__ == "_T":
+            value = value.T
+        if fn is not None and fn.__name__ in ("_evens", "_odds"):
+            both = sd.setdefault(key, np.zeros(value.shape[:-1] + (2 * value.shape[-1],), np.float32))
+            both[..., 0 if fn.__name__ == "_evens" else 1 :: 2] = value
+            continue
+        sd[key] = value
+    return sd
+
+
+def _dims(model: Llama) -> dict:
+    cfg = model.config
+    rope = cfg.rope_config
+    return dict(
+        d_model=cfg.d_model,
+        n_layer=cfg.n_layer,
+        d_ff=cfg.ff_size,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_size,
+        eps=cfg.norm_eps,
+        theta=rope.freq_base,
+        n_experts=cfg.n_experts,
+        n_used=cfg.n_experts_used,
+        n_swa=cfg.n_swa,
+        factor=1 / rope.freq_scale,
+        n_ctx_orig=rope.n_ctx_orig,
+    )
+
+
+def _write_gguf(path, sd, dims, expert_type):
+    """Weights ``sd`` (transformers' gpt-oss names) under llama.cpp's gpt-oss names and metadata, as
+    its converter writes them, the expert tensors in ``expert_type``."""
     gguf = pytest.importorskip("gguf")
-    hc = hf.config
-    sd = {k.removeprefix("model."): v.detach().float().numpy() for k, v in hf.state_dict().items()}
     w = gguf.GGUFWriter(str(path), "gpt-oss")
     w.add_context_length(256)
-    w.add_embedding_length(hc.hidden_size)
-    w.add_block_count(hc.num_hidden_layers)
-    w.add_feed_forward_length(hc.intermediate_size)
-    w.add_expert_feed_forward_length(hc.intermediate_size)
-    w.add_head_count(hc.num_attention_heads)
-    w.add_head_count_kv(hc.num_key_value_heads)
-    w.add_key_length(hc.head_dim)
-    w.add_value_length(hc.head_dim)
-    w.add_layer_norm_rms_eps(hc.rms_norm_eps)
-    w.add_rope_freq_base(hc.rope_parameters["rope_theta"])
-    w.add_expert_count(hc.num_local_experts)
-    w.add_expert_used_count(hc.num_experts_per_tok)
-    w.add_sliding_window(hc.sliding_window)
+    w.add_embedding_length(dims["d_model"])
+    w.add_block_count(dims["n_layer"])
+    w.add_feed_forward_length(dims["d_ff"])
+    w.add_expert_feed_forward_length(dims["d_ff"])
+    w.add_head_count(dims["n_heads"])
+    w.add_head_count_kv(dims["n_kv_heads"])
+    w.add_key_length(dims["head_dim"])
+    w.add_value_length(dims["head_dim"])
+    w.add_layer_norm_rms_eps(dims["eps"])
+    w.add_rope_freq_base(dims["theta"])
+    w.add_expert_count(dims["n_experts"])
+    w.add_expert_used_count(dims["n_used"])
+    w.add_sliding_window(dims["n_swa"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(hc.rope_parameters["factor"])
-    w.add_rope_scaling_orig_ctx_len(hc.rope_parameters["original_max_position_embeddings"])
+    w.add_rope_scaling_factor(dims["factor"])
+    w.add_rope_scaling_orig_ctx_len(dims["n_ctx_orig"])
     tensors = {
         "token_embd.weight": sd["embed_tokens.weight"],
         "output_norm.weight": sd["norm.weight"],
@@ -334,7 +375,7 @@ def _write_gguf(path, hf, expert_type):
     for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
         names[f"self_attn.{proj}_proj.weight"] = f"attn_{short}.weight"
         names[f"self_attn.{proj}_proj.bias"] = f"attn_{short}.bias"
-    for il in range(hc.num_hidden_layers):
+    for il in range(dims["n_layer"]):
         p, b = f"layers.{il}.", f"blk.{il}."
         for key, name in names.items():
             tensors[b + name] = sd[p + key]
@@ -357,10 +398,84 @@ def _write_gguf(path, hf, expert_type):
     return path
 
 
+def _hf_dims(hf) -> dict:
+    hc = hf.config
+    return dict(
+        d_model=hc.hidden_size,
+        n_layer=hc.num_hidden_layers,
+        d_ff=hc.intermediate_size,
+        n_heads=hc.num_attention_heads,
+        n_kv_heads=hc.num_key_value_heads,
+        head_dim=hc.head_dim,
+        eps=hc.rms_norm_eps,
+        theta=hc.rope_parameters["rope_theta"],
+        n_experts=hc.num_local_experts,
+        n_used=hc.num_experts_per_tok,
+        n_swa=hc.sliding_window,
+        factor=hc.rope_parameters["factor"],
+        n_ctx_orig=hc.rope_parameters["original_max_position_embeddings"],
+    )
+
+
+def _through_mxfp4(model: Llama) -> Llama:
+    """``model`` with each expert matrix's ``[out, in]`` rows through MXFP4 and back, as a file holds them."""
+    gguf = pytest.importorskip("gguf")
+    mx = gguf.GGMLQuantizationType.MXFP4
+    for block in model.layers:
+        for var in (block.mlp.gate, block.mlp.up, block.mlp.down):
+            rows = np.ascontiguousarray(np.swapaxes(np.asarray(var[...]), -1, -2))
+            back = gguf.quants.dequantize(gguf.quants.quantize(rows, mx), mx)
+            var.set_value(jnp.asarray(np.swapaxes(back, -1, -2)))
+    return model
+
+
+@pytest.mark.parametrize("gather", [True, False], ids=["experts gathered per pair", "grouped product"])
+def test_mxfp4_experts_stay_compact_and_equal_their_round_trip(tmp_path, monkeypatch, gather):
+    """A file's MXFP4 experts stay resident as its blocks (kvjax.nn.GGMLExperts); the model equals the
+    float load and the source weights through MXFP4, uncached and decoding through the iSWA pair, with
+    each pair dequantizing only its own expert's blocks or the layer's experts dequantized at once."""
+    from kvjax.nn import GGMLExperts, from_gguf
+    from kvjax.nn import _ggml_linear
+
+    if not gather:
+        monkeypatch.setattr(_ggml_linear, "GATHER_ELEMENTS", 0)
+    path = _write_gguf(tmp_path / "m.gguf", _hf_state_of(_model()), _dims(_model()), "MXFP4")
+    compact, floats = from_gguf(path), from_gguf(path, dtype=jnp.float32)
+    assert isinstance(compact.layers[0].mlp.gate, GGMLExperts) and compact.layers[0].mlp.gate.type_name == "MXFP4"
+    assert not isinstance(floats.layers[0].mlp.gate, GGMLExperts)
+    experts = lambda m: sum(  # noqa: E731
+        x.size * x.dtype.itemsize
+        for b in m.layers
+        for v in (b.mlp.gate, b.mlp.up, b.mlp.down)
+        for x in [v.blocks[...] if isinstance(v, GGMLExperts) else v[...]]
+    )
+    assert experts(compact) * 7 < experts(floats)  # 4.25 bits a weight against 32
+    # the file's config is the model's, but for YaRN's range, rounded out as ggml (llama.cpp) does, and
+    # the epsilon, which GGUF stores as a float32
+    got = floats.config
+    assert got == LlamaConfig(**{**GPT_OSS, "rope": got.rope, "norm_eps": got.norm_eps}) and got.rope.yarn_truncate
+    want_model = Llama(floats.config, rngs=nnx.Rngs(0))
+    nnx.update(want_model, nnx.state(_model()))
+    want_model = _through_mxfp4(want_model)
+    tokens = [5, 3, 8, 1, 9, 2, 7, 4, 6, 10, 12, 3, 3, 7]
+    want = np.asarray(want_model.forward(jnp.asarray(tokens)))
+    np.testing.assert_allclose(np.asarray(floats.forward(jnp.asarray(tokens))), want, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(compact.forward(jnp.asarray(tokens))), want, atol=2e-5)
+    cfg = compact.config
+    iswa = kvjax.init(
+        kvjax.IswaConfig(cfg.cache_config(size=64, n_seq_max=1, padding=16), swa_layers=cfg.swa_layers, n_swa=cfg.n_swa)
+    )
+    engine = Engine(compact, iswa, n_ubatch=8)
+    out = np.asarray(engine.decode(tokens[:10], list(range(10)), [[0]] * 10))
+    for i, t in enumerate(tokens[10:]):
+        out = np.asarray(engine.decode([t], [10 + i], [[0]]))
+    np.testing.assert_allclose(out[0], want[-1], atol=5e-5)
+
+
 def test_a_gguf_twin_gives_the_transformers_logits(tmp_path):
     from kvjax.nn import from_gguf
 
-    model = from_gguf(_write_gguf(tmp_path / "g.gguf", _hf_model(), "F32"))
+    model = from_gguf(_write_gguf(tmp_path / "g.gguf", _hf_state(_hf_model()), _hf_dims(_hf_model()), "F32"))
     cfg = model.config
     assert (cfg.swa_layers, cfg.n_swa, cfg.n_experts, cfg.n_experts_used) == ((0, 2), 4, 4, 2)
     assert cfg.attention_sinks and cfg.rope.yarn_truncate  # ggml rounds YaRN's range out, as llama.cpp runs it
@@ -369,23 +484,13 @@ def test_a_gguf_twin_gives_the_transformers_logits(tmp_path):
     assert model.gguf_architecture == "gpt-oss"
 
 
-def test_mxfp4_experts_load_as_their_dequantized_values(tmp_path):
-    """Real gpt-oss files store the experts as MXFP4: the model equals the transformers weights with each
-    expert matrix through MXFP4 and back, whether the other matrices stay compact or not."""
-    gguf = pytest.importorskip("gguf")
+def test_mxfp4_experts_of_a_transformers_model(tmp_path):
+    """The transformers weights through a GGUF with MXFP4 experts: the transformers logits moved only
+    by the experts' round trip (the compact load's)."""
     from kvjax.nn import from_gguf
 
-    path = _write_gguf(tmp_path / "m.gguf", _hf_model(), "MXFP4")
-    compact, floats = from_gguf(path), from_gguf(path, dtype=jnp.float32)
-    hf = llama_from_hf(_hf_model())
-    mx = gguf.GGMLQuantizationType.MXFP4
-    for block in hf.layers:  # each expert's [out, in] rows through MXFP4, as the file holds them
-        for var in (block.mlp.gate, block.mlp.up, block.mlp.down):
-            rows = np.ascontiguousarray(np.swapaxes(np.asarray(var[...]), -1, -2))
-            back = gguf.quants.dequantize(gguf.quants.quantize(rows, mx), mx)
-            var.set_value(jnp.asarray(np.swapaxes(back, -1, -2)))
+    path = _write_gguf(tmp_path / "m.gguf", _hf_state(_hf_model()), _hf_dims(_hf_model()), "MXFP4")
     ids = np.random.default_rng(7).integers(0, 48, (1, 14))
-    want = np.asarray(hf.forward(jnp.asarray(ids)))
-    np.testing.assert_allclose(np.asarray(floats.forward(jnp.asarray(ids))), want, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(compact.forward(jnp.asarray(ids))), want, atol=2e-5)
+    want = np.asarray(_through_mxfp4(llama_from_hf(_hf_model())).forward(jnp.asarray(ids)))
+    np.testing.assert_allclose(np.asarray(from_gguf(path).forward(jnp.asarray(ids))), want, atol=2e-5)
     assert np.abs(want - _hf_logits(ids)).max() > 1e-3  # MXFP4 is lossy: the test sees the round trip

@@ -58,7 +58,7 @@ from kvjax.nn._hf_rope import rope_from_hf
 from kvjax.nn._pretrained import from_pretrained, memory_config_for
 from kvjax.nn._tokenizer import Tokenizer
 from kvjax.nn._gguf import from_gguf, gguf_config
-from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
+from kvjax.nn._ggml_linear import GGMLEmbed, GGMLExperts, GGMLLinear
 from kvjax.nn._gguf_vocab import GGUFVocab, gguf_tokenizer
 from kvjax.nn._fuse import fuse_projections, is_fused
 
@@ -106,6 +106,7 @@ __all__ = [
     "gguf_tokenizer",
     "GGUFVocab",
     "GGMLLinear",
+    "GGMLExperts",
     "GGMLEmbed",
     "fuse_projections",
     "is_fused",

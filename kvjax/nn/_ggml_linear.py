@@ -40,7 +40,16 @@ from flax import nnx
 
 from kvjax._ggml_blocks import check_type, dequantize, row_bytes
 
-__all__ = ["GGMLBlocks", "GGMLLinear", "GGMLEmbed", "ggml_matmul", "CHUNK_ROWS", "CHUNK_ELEMENTS"]
+__all__ = [
+    "GGMLBlocks",
+    "GGMLLinear",
+    "GGMLEmbed",
+    "GGMLExperts",
+    "ggml_matmul",
+    "CHUNK_ROWS",
+    "CHUNK_ELEMENTS",
+    "GATHER_ELEMENTS",
+]
 
 #: matrices of more weights than this are dequantized and contracted in chunks of rows
 CHUNK_ELEMENTS = 1 << 24
@@ -153,6 +162,70 @@ class GGMLEmbed(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """``f32[..., V]``: ``x @ E.T`` (the logits of a model with tied embeddings)."""
         return ggml_matmul(x, self.blocks[...], self.type_name, self.features)
+
+
+#: a mixture's routed pairs gather their own experts' blocks while ``pairs * out * in`` stays under
+#: this many dequantized weights (decode, small prompt chunks); above it the layer's experts are
+#: dequantized once for the grouped product (a prompt touches most experts anyway)
+GATHER_ELEMENTS = 1 << 24
+
+
+class GGMLExperts(nnx.Module):
+    """A mixture's stacked expert matrices ``[X, out, in]`` kept as ggml blocks (gpt-oss's ``ffn_*_exps``).
+
+    Stands in for a :class:`kvjax.nn.MoE`'s ``gate`` / ``up`` / ``down`` parameter (a float
+    ``[X, in, out]``) in a compact :func:`kvjax.nn.from_gguf` load, so the experts stay resident as
+    the file's bytes (MXFP4 in real gpt-oss files: 4.25 bits a weight). :meth:`product` forms the
+    routed rows' products: with few pairs each pair dequantizes only its own expert's blocks
+    (:data:`GATHER_ELEMENTS`), so a decode step reads the ``k`` experts a token uses; with many, the
+    layer's experts are dequantized once and contracted as the float path does
+    (``jax.lax.ragged_dot``). Both equal the float load's product up to the order of float sums.
+
+    Args:
+        raw: ``u8[X, out, row_bytes]``, expert ``x``'s row ``o`` the blocks of its output ``o``.
+        name: the tensor's ggml type name.
+        n_in: values per row.
+
+    Example:
+        >>> w = np.arange(2 * 3 * 32, dtype=np.float32).reshape(2, 3, 32) / 64    # [X, out, in]
+        >>> experts = GGMLExperts(w.astype(np.float16).view(np.uint8), "F16", 32)
+        >>> rows, pairs = jnp.ones((3, 32)), jnp.array([1, 0, 1])                 # each row's expert
+        >>> got = experts.product(rows, pairs, jnp.array([1, 2], jnp.int32))
+        >>> bool(jnp.allclose(got, jnp.stack([w[1] @ np.ones(32), w[0] @ np.ones(32), w[1] @ np.ones(32)])))
+        True
+    """
+
+    def __init__(self, raw, name: str, n_in: int):
+        check_type(name)
+        raw = np.asarray(raw)
+        if raw.ndim != 3:
+            raise ValueError(f"raw must be a 3-d array [X, out, row bytes], got shape {raw.shape}")
+        n_experts, n_out = raw.shape[:2]
+        flat = _raw(name, raw.reshape(n_experts * n_out, -1), n_in)
+        self.type_name = name
+        self.in_features, self.out_features, self.n_experts = int(n_in), int(n_out), int(n_experts)
+        self.blocks = GGMLBlocks(jnp.asarray(flat.reshape(n_experts, n_out, -1)))
+
+    @property
+    def shape(self):
+        """``(X, in, out)``: the shape of the float parameter this stands in for."""
+        return (self.n_experts, self.in_features, self.out_features)
+
+    def product(self, rows: jax.Array, experts: jax.Array, sizes: jax.Array) -> jax.Array:
+        """``f32[P, out]``: row ``p`` times expert ``experts[p]``'s matrix.
+
+        Args:
+            rows: ``f[P, in]``, grouped by expert (``experts`` sorted).
+            experts: ``i32[P]`` each row's expert.
+            sizes: ``i32[X]`` rows per expert (for the grouped product).
+        """
+        blocks = self.blocks[...]
+        x = rows.astype(jnp.float32)
+        if rows.shape[0] * self.out_features * self.in_features <= GATHER_ELEMENTS:
+            w = dequantize(jnp.take(blocks, experts, axis=0), self.type_name)  # [P, out, in]
+            return jnp.einsum("pi,poi->po", x, w)
+        w = dequantize(blocks, self.type_name)  # [X, out, in]
+        return jax.lax.ragged_dot(x, jnp.swapaxes(w, -1, -2), sizes, preferred_element_type=jnp.float32)
 
 
 def resident_bytes(model) -> int:

@@ -38,7 +38,8 @@ dequantized once at load with the ``gguf`` package's numpy dequantizers: faster 
 file has no ``output.weight`` (Llama 3.2, Gemma); ``head_count_kv`` given per layer is accepted when
 every layer has the same count; ``mamba`` loads into :class:`kvjax.nn.Mamba`
 (:mod:`kvjax.nn._gguf_mamba`); ``gpt-oss`` (biases, learned sinks, every even layer a window
-layer, a mixture of experts whose 3-d expert tensors, MXFP4 in real files, always load as float).
+layer, a mixture of experts whose expert tensors, MXFP4 in real files, stay compact too:
+:class:`kvjax.nn.GGMLExperts`).
 Any other ``general.architecture`` is refused by name.
 
 Example:
@@ -57,7 +58,7 @@ from flax import nnx
 from kvjax.memory._config import RopeConfig
 from kvjax._ggml_blocks import WEIGHT_TYPES, check_type
 from kvjax.nn._gguf_file import _field, _gguf, _open
-from kvjax.nn._ggml_linear import GGMLEmbed, GGMLLinear
+from kvjax.nn._ggml_linear import GGMLEmbed, GGMLExperts, GGMLLinear
 from kvjax.nn._gguf_mamba import _neg_exp_inverse, mamba_config, mamba_plan
 from kvjax.nn._llama import Llama, LlamaConfig
 from kvjax.nn._mamba import Mamba
@@ -351,13 +352,14 @@ def _experts_plan(m, p: str):
     """A :class:`kvjax.nn.MoE`'s tensors as llama.cpp's converter writes gpt-oss: the router
     ``ffn_gate_inp`` ``[X, E]`` and the experts ``ffn_{gate,up}_exps`` ``[X, F, E]``, ``ffn_down_exps``
     ``[X, E, F]`` (each expert's matrix ``[out, in]``, so transposed per expert), with their biases.
-    Expert tensors always load as float (the compact load keeps 2-d matrices only)."""
+    A compact load keeps the expert tensors as ggml blocks (:class:`kvjax.nn.GGMLExperts`); the
+    router and the biases load as float."""
     return [
         (m.router.kernel, p + "ffn_gate_inp.weight", True, None),
         (m.router.bias, p + "ffn_gate_inp.bias", False, None),
-        (m.gate, p + "ffn_gate_exps.weight", True, None),
-        (m.up, p + "ffn_up_exps.weight", True, None),
-        (m.down, p + "ffn_down_exps.weight", True, None),
+        (m.gate, p + "ffn_gate_exps.weight", True, (m, "gate")),
+        (m.up, p + "ffn_up_exps.weight", True, (m, "up")),
+        (m.down, p + "ffn_down_exps.weight", True, (m, "down")),
         (m.gate_bias, p + "ffn_gate_exps.bias", False, None),
         (m.up_bias, p + "ffn_up_exps.bias", False, None),
         (m.down_bias, p + "ffn_down_exps.bias", False, None),
@@ -365,8 +367,9 @@ def _experts_plan(m, p: str):
 
 
 def _compact(t) -> bool:
-    """Whether a compact load keeps tensor ``t`` in its file type (every matrix not stored as F32)."""
-    return len(t.shape) == 2 and t.type_name != "F32"
+    """Whether a compact load keeps tensor ``t`` in its file type (every matrix, or stack of expert
+    matrices, not stored as F32)."""
+    return len(t.shape) in (2, 3) and t.type_name != "F32"
 
 
 def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> None:
@@ -399,12 +402,19 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
     biases = {
         name: _dequantize(tensors[name])
         for _, name, _, _ in plan
-        if name.endswith(".bias") and name[: -len("bias")] + "weight" in compact
+        if name.endswith(".bias")
+        and name[: -len("bias")] + "weight" in compact
+        and len(tensors[name[: -len("bias")] + "weight"].shape) == 2  # experts keep their biases apart
     }
     for var, name, transpose, slot in plan:  # one tensor at a time: host copy, device copy, freed
         t = tensors[name]
         if name in compact:
             parent, attr = slot
+            if len(t.shape) == 3:  # a mixture's experts [X, out, in]
+                n_experts, rows, n_in = _shape(t)
+                raw = np.asarray(t.data).view(np.uint8).reshape(n_experts, rows, -1)
+                setattr(parent, attr, GGMLExperts(raw, t.type_name, n_in))
+                continue
             rows, n_in = _shape(t)
             raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
             if attr == "embed":

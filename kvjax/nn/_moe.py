@@ -86,8 +86,9 @@ def mix_experts(
 ) -> Float[Array, "T E"]:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` as grouped matmuls over the routed pairs.
 
-    ``params``: ``gate``, ``up`` ``[X, E, F]``, ``down`` ``[X, F, E]`` and optional biases
-    ``gate_bias``, ``up_bias`` ``[X, F]``, ``down_bias`` ``[X, E]`` (None for none).
+    ``params``: ``gate``, ``up`` ``[X, E, F]``, ``down`` ``[X, F, E]`` (float arrays, or
+    :class:`kvjax.nn.GGMLExperts` kept as ggml blocks) and optional biases ``gate_bias``,
+    ``up_bias`` ``[X, F]``, ``down_bias`` ``[X, E]`` (None for none).
     """
     n_tok, k = experts.shape
     n_experts = params["gate"].shape[0]
@@ -97,7 +98,12 @@ def mix_experts(
     token = order // k
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     rows = x[token]  # [T * k, E], grouped by expert
-    dot = functools.partial(jax.lax.ragged_dot, group_sizes=sizes, preferred_element_type=jnp.float32)
+    grouped = functools.partial(jax.lax.ragged_dot, group_sizes=sizes, preferred_element_type=jnp.float32)
+
+    def dot(h, w):
+        if hasattr(w, "product"):  # experts kept as ggml blocks (kvjax.nn.GGMLExperts)
+            return w.product(h, by_expert, sizes)
+        return grouped(h, w)
 
     def biased(h, name):
         b = params.get(name)
@@ -166,8 +172,10 @@ class MoE(nnx.Module):
         self.down_bias = bias((n_experts, d_model))
 
     def _params(self) -> Dict[str, Array]:
-        names = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
-        return {n: None if getattr(self, n) is None else getattr(self, n)[...] for n in names}
+        def value(v):  # a parameter's array; experts kept as ggml blocks go as they are
+            return None if v is None else v if isinstance(v, nnx.Module) else v[...]
+
+        return {n: value(getattr(self, n)) for n in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
 
     def weights(self, x: Float[Array, "T E"]) -> Float[Array, "T X"]:
         """Each token's weight on every expert (0 for those not routed to): for inspection and tests."""
