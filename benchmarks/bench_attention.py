@@ -348,6 +348,7 @@ def _bench_attention(quick: bool, rng) -> str:
     windows = (1024, 4096) if quick else (4096, 32768)
     cache = _attention_cache(size, 1, size, rng)
     hq, h, d = 32, 8, 64
+    sinks = jnp.asarray(rng.standard_normal(hq), jnp.float32)
     rows, frows = [], []
     for n in windows:
         kv_bytes = 2 * h * n * d * 4
@@ -358,6 +359,8 @@ def _bench_attention(quick: bool, rng) -> str:
             ub = kvjax.make_ubatch([size - 1] * t, [[0]] * t, length=t)
             mask = kvjax.kq_mask(cache, ub, n)
             t_kv = median_time(lambda: kvjax.attention(q, cache, 0, mask), repeats=7)
+            # learned sinks (gpt-oss): one more elementwise pass over the [T, Hq, D] result
+            t_sinks = median_time(lambda: kvjax.attention(q, cache, 0, mask, sinks=sinks), repeats=7)
             rows.append(
                 [
                     t,
@@ -367,6 +370,7 @@ def _bench_attention(quick: bool, rng) -> str:
                     fmt_rate(kv_bytes / t_kv),
                     _pct(kv_bytes / t_kv / read),
                     _pct(kv_bytes / t_kv / fresh),
+                    f"{t_sinks / t_kv:.2f}x",
                 ]
             )
             if n == windows[-1]:
@@ -419,7 +423,10 @@ def _bench_attention(quick: bool, rng) -> str:
             "32 query heads over 8 kv heads, head size 64, float32, every cell visible; public eager "
             "`kvjax.attention`; \"read\" = a jitted sum over the same K+V bytes, measured in this run.",
             "",
-            table(["T", "n_kv", "K+V bytes", "kvjax", "K+V bytes/s", "of read", "of fresh copy"], rows),
+            table(
+                ["T", "n_kv", "K+V bytes", "kvjax", "K+V bytes/s", "of read", "of fresh copy", "with sinks / without"],
+                rows,
+            ),
             "",
             f"Formulations tried (n_kv = {windows[-1]}, same inputs):",
             "",
