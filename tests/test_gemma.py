@@ -133,7 +133,10 @@ def test_offset_rms_norm_nnx_and_linen():
         (dict(attn_logit_softcap=float("inf")), r"attn_logit_softcap=inf is out of range"),
         (dict(final_logit_softcap=-30), r"final_logit_softcap=-30 is out of range: allowed a finite number > 0"),
         (dict(final_logit_softcap="30"), r"final_logit_softcap='30' is out of range"),
-        (dict(activation="relu"), r"activation='relu' is out of range: allowed one of \['gelu_tanh', 'silu', 'swiglu_oai'\]"),
+        (
+            dict(activation="relu"),
+            r"activation='relu' is out of range: allowed one of \['gelu_tanh', 'silu', 'swiglu_oai'\]",
+        ),
         (dict(norm_offset="yes"), r"norm_offset='yes' is out of range: allowed True or False"),
         (dict(sandwich_norms=1), r"sandwich_norms=1 is out of range: allowed True or False"),
         (dict(scale_embeddings=None), r"scale_embeddings=None is out of range: allowed True or False"),

@@ -398,25 +398,6 @@ def _write_gguf(path, sd, dims, expert_type):
     return path
 
 
-def _hf_dims(hf) -> dict:
-    hc = hf.config
-    return dict(
-        d_model=hc.hidden_size,
-        n_layer=hc.num_hidden_layers,
-        d_ff=hc.intermediate_size,
-        n_heads=hc.num_attention_heads,
-        n_kv_heads=hc.num_key_value_heads,
-        head_dim=hc.head_dim,
-        eps=hc.rms_norm_eps,
-        theta=hc.rope_parameters["rope_theta"],
-        n_experts=hc.num_local_experts,
-        n_used=hc.num_experts_per_tok,
-        n_swa=hc.sliding_window,
-        factor=hc.rope_parameters["factor"],
-        n_ctx_orig=hc.rope_parameters["original_max_position_embeddings"],
-    )
-
-
 def _through_mxfp4(model: Llama) -> Llama:
     """``model`` with each expert matrix's ``[out, in]`` rows through MXFP4 and back, as a file holds them."""
     gguf = pytest.importorskip("gguf")
@@ -475,7 +456,9 @@ def test_mxfp4_experts_stay_compact_and_equal_their_round_trip(tmp_path, monkeyp
 def test_a_gguf_twin_gives_the_transformers_logits(tmp_path):
     from kvjax.nn import from_gguf
 
-    model = from_gguf(_write_gguf(tmp_path / "g.gguf", _hf_state(_hf_model()), _hf_dims(_hf_model()), "F32"))
+    model = from_gguf(
+        _write_gguf(tmp_path / "g.gguf", _hf_state(_hf_model()), _dims(llama_from_hf(_hf_model())), "F32")
+    )
     cfg = model.config
     assert (cfg.swa_layers, cfg.n_swa, cfg.n_experts, cfg.n_experts_used) == ((0, 2), 4, 4, 2)
     assert cfg.attention_sinks and cfg.rope.yarn_truncate  # ggml rounds YaRN's range out, as llama.cpp runs it
@@ -489,7 +472,7 @@ def test_mxfp4_experts_of_a_transformers_model(tmp_path):
     by the experts' round trip (the compact load's)."""
     from kvjax.nn import from_gguf
 
-    path = _write_gguf(tmp_path / "m.gguf", _hf_state(_hf_model()), _hf_dims(_hf_model()), "MXFP4")
+    path = _write_gguf(tmp_path / "m.gguf", _hf_state(_hf_model()), _dims(llama_from_hf(_hf_model())), "MXFP4")
     ids = np.random.default_rng(7).integers(0, 48, (1, 14))
     want = np.asarray(_through_mxfp4(llama_from_hf(_hf_model())).forward(jnp.asarray(ids)))
     np.testing.assert_allclose(np.asarray(from_gguf(path).forward(jnp.asarray(ids))), want, atol=2e-5)

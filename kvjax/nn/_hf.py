@@ -162,24 +162,31 @@ def llama_config_from_hf(hf_config, **overrides) -> LlamaConfig:
             swa_layers = tuple(range(first, n_layer))
         else:
             swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    args = dict(
+    args = _common_args(hf_config, head_dim, swa_layers, window, eps=1e-6)
+    args["attention_bias"] = model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False))
+    args.update(overrides)
+    return LlamaConfig(**args)
+
+
+def _common_args(hf_config, head_dim: int, swa_layers: Tuple[int, ...], window, *, eps: float) -> dict:
+    """The :class:`LlamaConfig` fields every non-Gemma config maps alike: sizes, norm epsilon (``eps``
+    when the config has none), the one RoPE, the window layers (``window`` cells) and tied embeddings."""
+    n_heads = int(hf_config.num_attention_heads)
+    return dict(
         vocab_size=int(hf_config.vocab_size),
         d_model=int(hf_config.hidden_size),
-        n_layer=n_layer,
+        n_layer=int(hf_config.num_hidden_layers),
         n_heads=n_heads,
         n_kv_heads=int(_get(hf_config, "num_key_value_heads", n_heads)),
         head_dim=head_dim,
         d_ff=int(hf_config.intermediate_size),
-        norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        norm_eps=float(_get(hf_config, "rms_norm_eps", eps)),
         rope=rope_from_hf(_rope_params(hf_config), head_dim, _get(hf_config, "max_position_embeddings", None)),
         swa_layers=swa_layers,
         swa_type=SwaType.STANDARD,
         n_swa=int(window) if swa_layers else 0,
         tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
     )
-    args.update(overrides)
-    return LlamaConfig(**args)
 
 
 def _gpt_oss_config(hf_config, **overrides) -> LlamaConfig:
@@ -192,27 +199,9 @@ def _gpt_oss_config(hf_config, **overrides) -> LlamaConfig:
     types = _get(hf_config, "layer_types", None)
     if types is None:  # transformers' default: even layers slide
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
-    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if bad or len(types) != n_layer:
-        raise ValueError(
-            f"hf_config.layer_types={list(types)!r} is out of range: allowed {n_layer} entries of "
-            f"'sliding_attention' / 'full_attention'"
-        )
-    swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    args = dict(
-        vocab_size=int(hf_config.vocab_size),
-        d_model=int(hf_config.hidden_size),
-        n_layer=n_layer,
-        n_heads=n_heads,
-        n_kv_heads=int(_get(hf_config, "num_key_value_heads", n_heads)),
-        head_dim=head_dim,
-        d_ff=int(hf_config.intermediate_size),
-        norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-5)),
-        rope=rope_from_hf(_rope_params(hf_config), head_dim, _get(hf_config, "max_position_embeddings", None)),
-        swa_layers=swa_layers,
-        swa_type=SwaType.STANDARD,
-        n_swa=int(hf_config.sliding_window) if swa_layers else 0,
-        tie_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+    swa_layers = LlamaConfig.window_layers(types, n_layer)
+    args = _common_args(hf_config, head_dim, swa_layers, _get(hf_config, "sliding_window", 0), eps=1e-5)
+    args.update(
         attention_bias=bool(_get(hf_config, "attention_bias", True)),
         attention_sinks=True,
         n_experts=int(hf_config.num_local_experts),

@@ -239,6 +239,22 @@ class LlamaConfig:
         n_layer, every = check_count("n_layer", n_layer, 1), check_count("every", every, 1)
         return tuple(i for i in range(n_layer) if (i + 1) % every)
 
+    @staticmethod
+    def window_layers(layer_types, n_layer: int) -> Tuple[int, ...]:
+        """The window layers of a transformers ``layer_types`` list (``"sliding_attention"`` entries).
+
+        Example:
+            >>> LlamaConfig.window_layers(["sliding_attention", "full_attention"] * 2, 4)
+            (0, 2)
+        """
+        bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+        if bad or len(layer_types) != n_layer:
+            raise ValueError(
+                f"hf_config.layer_types={list(layer_types)!r} is out of range: allowed {n_layer} "
+                f"entries of 'sliding_attention' / 'full_attention'"
+            )
+        return tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+
     @classmethod
     def from_hf(cls, hf_config, **overrides) -> "LlamaConfig":
         """The config of a ``transformers`` ``Gemma2Config`` or ``Gemma3TextConfig`` (or ``Gemma3Config``).
@@ -283,13 +299,7 @@ class LlamaConfig:
             every = getattr(hf_config, "sliding_window_pattern", None) or (2 if model_type == "gemma2" else 6)
             swa_layers = cls.window_pattern(n_layer, int(every))
         else:
-            bad = sorted(set(types) - {"sliding_attention", "full_attention"})
-            if bad or len(types) != n_layer:
-                raise ValueError(
-                    f"hf_config.layer_types={list(types)!r} is out of range: allowed {n_layer} "
-                    f"entries of 'sliding_attention' / 'full_attention'"
-                )
-            swa_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            swa_layers = cls.window_layers(types, n_layer)
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads)
         params = getattr(hf_config, "rope_parameters", None) or {}
         if model_type == "gemma3_text":
