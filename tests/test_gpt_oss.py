@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -317,6 +320,27 @@ def _hf_state_of(model: Llama) -> dict:
     return sd
 
 
+#: llama.cpp's logits for the file :func:`write_llamacpp_gpt_oss` writes (scripts/make_gpt_oss_gguf_fixture.py)
+FIXTURE = pathlib.Path(__file__).parent / "data" / "gpt_oss_llamacpp.json"
+FIXTURE_TOKENS = [1, 40, 300, 7, 512, 99, 12, 640, 250, 33, 401, 5, 77, 18, 600, 2]
+
+
+def write_llamacpp_gpt_oss(path):
+    """The tiny random gpt-oss (vocabulary of 664 SentencePiece tokens) that llama.cpp ran."""
+    model = Llama(LlamaConfig(**{**GPT_OSS, "vocab_size": 664}), rngs=nnx.Rngs(0))
+    # every weight drawn by numpy, so that the bytes do not depend on XLA's flags (the suite's differ)
+    rng = np.random.default_rng(6)
+
+    def draw(path_, x):
+        value = 0.3 * rng.standard_normal(x.shape)
+        if "norm" in jax.tree_util.keystr(path_):
+            value = 1 + value
+        return jnp.asarray(value.astype(np.float32))
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model, nnx.Param)))
+    return _write_gguf(path, _hf_state_of(model), _dims(model), "F32", vocab=True)
+
+
 def _dims(model: Llama) -> dict:
     cfg = model.config
     rope = cfg.rope_config
@@ -337,11 +361,16 @@ def _dims(model: Llama) -> dict:
     )
 
 
-def _write_gguf(path, sd, dims, expert_type):
+def _write_gguf(path, sd, dims, expert_type, *, vocab=False):
     """Weights ``sd`` (transformers' gpt-oss names) under llama.cpp's gpt-oss names and metadata, as
-    its converter writes them, the expert tensors in ``expert_type``."""
+    its converter writes them, the expert tensors in ``expert_type``; with ``vocab`` the SentencePiece
+    fixture vocabulary, so that llama.cpp loads the file."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), "gpt-oss")
+    if vocab:
+        from tests.vocab_fixtures import add_spm_vocab
+
+        assert add_spm_vocab(w) == sd["embed_tokens.weight"].shape[0]
     w.add_context_length(256)
     w.add_embedding_length(dims["d_model"])
     w.add_block_count(dims["n_layer"])
@@ -477,3 +506,25 @@ def test_mxfp4_experts_of_a_transformers_model(tmp_path):
     want = np.asarray(_through_mxfp4(llama_from_hf(_hf_model())).forward(jnp.asarray(ids)))
     np.testing.assert_allclose(np.asarray(from_gguf(path).forward(jnp.asarray(ids))), want, atol=2e-5)
     assert np.abs(want - _hf_logits(ids)).max() > 1e-3  # MXFP4 is lossy: the test sees the round trip
+
+
+def test_logits_equal_llama_cpp_on_the_same_file(tmp_path):
+    """kvjax's gpt-oss from the file against llama.cpp's logits for it (one batch, and token by token
+    through its cache: sinks, the window layers, the experts and YaRN as llama.cpp runs them)."""
+    from kvjax.nn import from_gguf
+
+    data = json.loads(FIXTURE.read_text())
+    path = write_llamacpp_gpt_oss(tmp_path / "g.gguf")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == data["gguf_sha256"], "the fixture file changed"
+    model = from_gguf(path, dtype=jnp.float32)
+    got = np.asarray(model.forward(jnp.asarray([data["tokens"]])))[0]
+    cfg = model.config
+    iswa = kvjax.init(
+        kvjax.IswaConfig(cfg.cache_config(size=64, n_seq_max=1, padding=16), swa_layers=cfg.swa_layers, n_swa=cfg.n_swa)
+    )
+    engine = Engine(model, iswa, n_ubatch=8)
+    cached = np.concatenate([np.asarray(engine.decode([t], [i], [[0]])) for i, t in enumerate(data["tokens"])])
+    for key in ("logits_batch", "logits_stepwise"):
+        want = np.asarray(data[key])
+        for what, ours in (("uncached", got), ("cached", cached)):
+            np.testing.assert_allclose(ours, want, atol=2e-5 * np.abs(want).max(), rtol=0, err_msg=f"{key} {what}")
