@@ -232,7 +232,7 @@ def _hf_model():
 
 
 def _hf_logits(ids):
-    import torch
+    torch = pytest.importorskip("torch")
 
     with torch.no_grad():
         return _hf_model()(torch.as_tensor(ids)).logits.numpy()
