@@ -135,7 +135,11 @@ def test_linen_step_equals_nnx():
     np.testing.assert_allclose(np.asarray(logits)[:9], _uncached()(tokens[0]), atol=ATOL_CACHE)
 
 
-def test_moe_equals_its_experts_weighted_and_does_not_recompile():
+@pytest.mark.parametrize("group_rows", [64, 2])
+def test_moe_equals_its_experts_weighted_and_does_not_recompile(monkeypatch, group_rows):
+    from kvjax.nn import _moe
+
+    monkeypatch.setattr(_moe, "GROUP_ROWS", group_rows)  # 2: several products in each expert's group
     moe = MoE(16, 8, n_experts=5, n_experts_used=3, use_bias=True, activation="swiglu_oai", rngs=nnx.Rngs(2))
     graphdef, state = nnx.split(moe)
     state = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(jax.random.PRNGKey(3), x.shape), state)
@@ -439,16 +443,15 @@ def _through_mxfp4(model: Llama) -> Llama:
     return model
 
 
-@pytest.mark.parametrize("gather", [True, False], ids=["experts gathered per pair", "grouped product"])
-def test_mxfp4_experts_stay_compact_and_equal_their_round_trip(tmp_path, monkeypatch, gather):
+@pytest.mark.parametrize("group_rows", [64, 3], ids=["one block an expert", "several blocks an expert"])
+def test_mxfp4_experts_stay_compact_and_equal_their_round_trip(tmp_path, monkeypatch, group_rows):
     """A file's MXFP4 experts stay resident as its blocks (kvjax.nn.GGMLExperts); the model equals the
     float load and the source weights through MXFP4, uncached and decoding through the iSWA pair, with
-    each pair dequantizing only its own expert's blocks or the layer's experts dequantized at once."""
+    each expert's group in one product or in several (a partial last block included)."""
     from kvjax.nn import GGMLExperts, from_gguf
-    from kvjax.nn import _ggml_linear
+    from kvjax.nn import _moe
 
-    if not gather:
-        monkeypatch.setattr(_ggml_linear, "GATHER_ELEMENTS", 0)
+    monkeypatch.setattr(_moe, "GROUP_ROWS", group_rows)
     path = _write_gguf(tmp_path / "m.gguf", _hf_state_of(_model()), _dims(_model()), "MXFP4")
     compact, floats = from_gguf(path), from_gguf(path, dtype=jnp.float32)
     assert isinstance(compact.layers[0].mlp.gate, GGMLExperts) and compact.layers[0].mlp.gate.type_name == "MXFP4"

@@ -48,7 +48,6 @@ __all__ = [
     "ggml_matmul",
     "CHUNK_ROWS",
     "CHUNK_ELEMENTS",
-    "GATHER_ELEMENTS",
 ]
 
 #: matrices of more weights than this are dequantized and contracted in chunks of rows
@@ -164,22 +163,16 @@ class GGMLEmbed(nnx.Module):
         return ggml_matmul(x, self.blocks[...], self.type_name, self.features)
 
 
-#: a mixture's routed pairs gather their own experts' blocks while ``pairs * out * in`` stays under
-#: this many dequantized weights (decode, small prompt chunks); above it the layer's experts are
-#: dequantized once for the grouped product (a prompt touches most experts anyway)
-GATHER_ELEMENTS = 1 << 24
-
-
 class GGMLExperts(nnx.Module):
     """A mixture's stacked expert matrices ``[X, out, in]`` kept as ggml blocks (gpt-oss's ``ffn_*_exps``).
 
     Stands in for a :class:`kvjax.nn.MoE`'s ``gate`` / ``up`` / ``down`` parameter (a float
     ``[X, in, out]``) in a compact :func:`kvjax.nn.from_gguf` load, so the experts stay resident as
-    the file's bytes (MXFP4 in real gpt-oss files: 4.25 bits a weight). :meth:`product` forms the
-    routed rows' products: with few pairs each pair dequantizes only its own expert's blocks
-    (:data:`GATHER_ELEMENTS`), so a decode step reads the ``k`` experts a token uses; with many, the
-    layer's experts are dequantized once and contracted as the float path does
-    (``jax.lax.ragged_dot``). Both equal the float load's product up to the order of float sums.
+    the file's bytes (MXFP4 in real gpt-oss files: 4.25 bits a weight). :meth:`product` runs the
+    float path's loop over the experts (:func:`kvjax.nn._moe.grouped_products`), each expert that
+    some row is routed to dequantized once, right before its products: a decode step reads only the
+    ``k`` experts a token uses, and no more than one expert is ever float at a time. It equals the
+    float load's product up to the order of float sums.
 
     Args:
         raw: ``u8[X, out, row_bytes]``, expert ``x``'s row ``o`` the blocks of its output ``o``.
@@ -189,9 +182,9 @@ class GGMLExperts(nnx.Module):
     Example:
         >>> w = np.arange(2 * 3 * 32, dtype=np.float32).reshape(2, 3, 32) / 64    # [X, out, in]
         >>> experts = GGMLExperts(w.astype(np.float16).view(np.uint8), "F16", 32)
-        >>> rows, pairs = jnp.ones((3, 32)), jnp.array([1, 0, 1])                 # each row's expert
+        >>> rows, pairs = jnp.ones((3, 32)), jnp.array([0, 1, 1])                 # rows sorted by expert
         >>> got = experts.product(rows, pairs, jnp.array([1, 2], jnp.int32))
-        >>> bool(jnp.allclose(got, jnp.stack([w[1] @ np.ones(32), w[0] @ np.ones(32), w[1] @ np.ones(32)])))
+        >>> bool(jnp.allclose(got, jnp.stack([w[0] @ np.ones(32), w[1] @ np.ones(32), w[1] @ np.ones(32)])))
         True
     """
 
@@ -217,15 +210,18 @@ class GGMLExperts(nnx.Module):
         Args:
             rows: ``f[P, in]``, grouped by expert (``experts`` sorted).
             experts: ``i32[P]`` each row's expert.
-            sizes: ``i32[X]`` rows per expert (for the grouped product).
+            sizes: ``i32[X]`` rows per expert.
         """
+        from kvjax.nn._moe import (
+            grouped_products,
+        )  # the float path's loop (kvjax.nn._moe imports nothing of this module)
+
         blocks = self.blocks[...]
-        x = rows.astype(jnp.float32)
-        if rows.shape[0] * self.out_features * self.in_features <= GATHER_ELEMENTS:
-            w = dequantize(jnp.take(blocks, experts, axis=0), self.type_name)  # [P, out, in]
-            return jnp.einsum("pi,poi->po", x, w)
-        w = dequantize(blocks, self.type_name)  # [X, out, in]
-        return jax.lax.ragged_dot(x, jnp.swapaxes(w, -1, -2), sizes, preferred_element_type=jnp.float32)
+
+        def weight_of(e):  # expert e's [out, in] blocks, dequantized only when a row is routed to it
+            return dequantize(jax.lax.dynamic_index_in_dim(blocks, e, keepdims=False), self.type_name).T
+
+        return grouped_products(rows, sizes, weight_of, self.out_features)
 
 
 def resident_bytes(model) -> int:
