@@ -226,6 +226,19 @@ def test_write_and_attention_equal_unsharded(config, mesh_shape):
 
 MODEL = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8)
 ALIBI_MODEL = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8, position="alibi")
+GPT_OSS_MODEL = LlamaConfig(
+    vocab_size=64,
+    d_model=64,
+    n_layer=2,
+    n_heads=16,
+    n_kv_heads=8,
+    attention_bias=True,
+    attention_sinks=True,
+    n_experts=4,
+    n_experts_used=2,
+    expert_bias=True,
+    activation="swiglu_oai",
+)
 _COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(")
 
 
@@ -262,11 +275,23 @@ def _decode(streams: bool):
             pytest.param(True, m.values[0], "alibi", id=f"streams-alibi-{m.id}", marks=m.marks)
             for m in meshes("2x4", "1x8")
         ],
+        # gpt-oss: sinks split like the query heads, every expert by MLP columns
+        *[
+            pytest.param(s, m.values[0], "gpt-oss", id=f"{'streams' if s else 'unified'}-gpt-oss-{m.id}", marks=m.marks)
+            for m in meshes("2x4")
+            for s in (False, True)
+        ],
     ],
 )
 def test_sharded_model_step_equals_unsharded(streams, mesh_shape, variant):
-    config = ALIBI_MODEL if variant == "alibi" else MODEL
+    config = {"alibi": ALIBI_MODEL, "gpt-oss": GPT_OSS_MODEL}.get(variant, MODEL)
     model = make_model(config)
+    if variant == "gpt-oss":  # sinks and biases start at 0: make them matter
+        leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
+        keys = jax.random.split(jax.random.PRNGKey(3), len(leaves))
+        nnx.update(
+            model, jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+        )
     step = plain_step = make_step(model)
     plain_state = nnx.state(model)
     mesh = shard.make_mesh(*mesh_shape)

@@ -3,7 +3,8 @@
 Megatron-style tensor parallelism, by parameter name (the NNX model and its linen twin use the
 same names): the Q/K/V projections are split by output columns (whole heads per device, in the
 order ggml lays heads out, so query head ``j`` sits on the device of kv head ``j // G``), the
-output projection by input rows; the MLP's gate/up by columns and down by rows. Each block then
+output projection by input rows; the MLP's gate/up by columns and down by rows (each expert of
+a mixture the same way; gpt-oss's learned sinks with their query heads). Each block then
 needs one all-reduce after the output projection and one after the MLP; the K/V a device writes
 and reads are its own heads' only. Everything else (norms, embeddings) is replicated, which is
 also what happens to any parameter these names do not match (a Mamba block's, for example).
@@ -44,6 +45,13 @@ PARAM_RULES: Tuple[Tuple[Tuple[str, ...], P], ...] = (
     (("v_proj", "bias"), P(HEADS)),
     (("o_proj", "kernel"), P(HEADS, EMBED)),
     (("o_proj", "bias"), P(EMBED)),
+    (("attn", "sinks"), P(HEADS)),  # learned sinks (gpt-oss): one per query head, with its head
+    # a mixture's experts [X, E, F] / [X, F, E]: every expert split by MLP columns as a dense MLP is
+    (("mlp", "gate"), P(None, EMBED, FF)),
+    (("mlp", "up"), P(None, EMBED, FF)),
+    (("mlp", "down"), P(None, FF, EMBED)),
+    (("mlp", "gate_bias"), P(None, FF)),
+    (("mlp", "up_bias"), P(None, FF)),
     # fused projections (kvjax.nn.fuse_projections): columns grouped by kv head / by MLP column
     (("qkv_proj", "kernel"), P(EMBED, HEADS)),
     (("qkv_proj", "bias"), P(HEADS)),
