@@ -12,49 +12,18 @@ recurrent state carried between calls), and stores both in ``tests/data/mamba_ll
 
 from __future__ import annotations
 
-import hashlib
-import json
 import pathlib
 import sys
-import tempfile
-
-import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-    import llama_cpp
-
+    from scripts.llamacpp_fixture import record
     from tests.test_gguf_mamba import FIXTURE, TOKENS, write_llamacpp_mamba
 
-    with tempfile.TemporaryDirectory() as folder:
-        path = write_llamacpp_mamba(pathlib.Path(folder) / "mamba.gguf")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=2, logits_all=True, verbose=False)
-        llm.reset()
-        llm.eval(TOKENS)
-        batch = np.asarray(llm.scores[: len(TOKENS)], np.float64)
-        llm.reset()
-        for t in TOKENS:
-            llm.eval([t])
-        stepwise = np.asarray(llm.scores[: len(TOKENS)], np.float64)
-    FIXTURE.write_text(
-        json.dumps(
-            {
-                "llama_cpp_python": llama_cpp.__version__,
-                "gguf_sha256": digest,
-                "tokens": TOKENS,
-                "logits_batch": np.round(batch, 6).tolist(),
-                "logits_stepwise": np.round(stepwise, 6).tolist(),
-            },
-            indent=1,
-        )
-        + "\n"
-    )
-    print(f"wrote {FIXTURE} (batch against one-by-one: max difference {np.abs(batch - stepwise).max():.2e})")
-    return 0
+    return record(write_llamacpp_mamba, TOKENS, FIXTURE, "mamba.gguf")
 
 
 if __name__ == "__main__":

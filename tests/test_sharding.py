@@ -34,6 +34,7 @@ from kvjax import shard
 from kvjax.nn import LlamaConfig, make_step
 from tests.test_memory_contract import _streams_program, apply_op, leaves_equal, random_program
 from tests.helpers import USER_HLO, no_recompile
+from tests.test_gpt_oss import GPT_OSS
 from tests.test_nn_nnx import make_model
 
 MESH_SHAPES = {"8x1": (8, 1), "1x8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
@@ -226,18 +227,9 @@ def test_write_and_attention_equal_unsharded(config, mesh_shape):
 
 MODEL = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8)
 ALIBI_MODEL = LlamaConfig(vocab_size=64, d_model=64, n_layer=2, n_heads=16, n_kv_heads=8, position="alibi")
+# gpt-oss (tests/test_gpt_oss.py's options: sinks, experts, windows, YaRN) with heads to split
 GPT_OSS_MODEL = LlamaConfig(
-    vocab_size=64,
-    d_model=64,
-    n_layer=2,
-    n_heads=16,
-    n_kv_heads=8,
-    attention_bias=True,
-    attention_sinks=True,
-    n_experts=4,
-    n_experts_used=2,
-    expert_bias=True,
-    activation="swiglu_oai",
+    **{**GPT_OSS, "vocab_size": 64, "d_model": 64, "n_layer": 2, "swa_layers": (0,), "n_heads": 16, "n_kv_heads": 8}
 )
 _COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(")
 
