@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax._ggml_blocks import check_type, dequantize, row_bytes
+from kvjax.nn._moe import grouped_products  # the float experts' loop, which these experts share
 
 __all__ = [
     "GGMLBlocks",
@@ -212,10 +213,6 @@ class GGMLExperts(nnx.Module):
             experts: ``i32[P]`` each row's expert.
             sizes: ``i32[X]`` rows per expert.
         """
-        from kvjax.nn._moe import (
-            grouped_products,
-        )  # the float path's loop (kvjax.nn._moe imports nothing of this module)
-
         blocks = self.blocks[...]
 
         def weight_of(e):  # expert e's [out, in] blocks, dequantized only when a row is routed to it
