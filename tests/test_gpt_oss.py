@@ -309,16 +309,16 @@ def _hf_state(hf) -> dict:
 
 def _hf_state_of(model: Llama) -> dict:
     """A kvjax gpt-oss model's weights under transformers' names (gate and up interleaved again)."""
-    from kvjax.nn._hf import llama_plan
+    from kvjax.nn import _hf
 
     sd = {}
-    for var, key, fn in llama_plan(model):
+    for var, key, fn in _hf.llama_plan(model):
         value = np.asarray(var[...])
-        if fn is not None and fn.__name__ == "_T":
+        if fn is _hf._T:
             value = value.T
-        if fn is not None and fn.__name__ in ("_evens", "_odds"):
+        if fn in (_hf._evens, _hf._odds):  # gate and up columns interleave in one tensor
             both = sd.setdefault(key, np.zeros(value.shape[:-1] + (2 * value.shape[-1],), np.float32))
-            both[..., 0 if fn.__name__ == "_evens" else 1 :: 2] = value
+            both[..., 0 if fn is _hf._evens else 1 :: 2] = value
             continue
         sd[key] = value
     return sd
@@ -342,32 +342,12 @@ def write_llamacpp_gpt_oss(path):
         return jnp.asarray(value.astype(np.float32))
 
     nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model, nnx.Param)))
-    return _write_gguf(path, _hf_state_of(model), _dims(model), "F32", vocab=True)
+    return _write_gguf(path, _hf_state_of(model), model.config, "F32", vocab=True)
 
 
-def _dims(model: Llama) -> dict:
-    cfg = model.config
-    rope = cfg.rope_config
-    return dict(
-        d_model=cfg.d_model,
-        n_layer=cfg.n_layer,
-        d_ff=cfg.ff_size,
-        n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_size,
-        eps=cfg.norm_eps,
-        theta=rope.freq_base,
-        n_experts=cfg.n_experts,
-        n_used=cfg.n_experts_used,
-        n_swa=cfg.n_swa,
-        factor=1 / rope.freq_scale,
-        n_ctx_orig=rope.n_ctx_orig,
-    )
-
-
-def _write_gguf(path, sd, dims, expert_type, *, vocab=False):
-    """Weights ``sd`` (transformers' gpt-oss names) under llama.cpp's gpt-oss names and metadata, as
-    its converter writes them, the expert tensors in ``expert_type``; with ``vocab`` the SentencePiece
+def _write_gguf(path, sd, cfg: LlamaConfig, expert_type, *, vocab=False):
+    """Weights ``sd`` (transformers' gpt-oss names) of a model with config ``cfg`` under llama.cpp's
+    gpt-oss names and metadata, as its converter writes them, the expert tensors in ``expert_type``; with ``vocab`` the SentencePiece
     fixture vocabulary, so that llama.cpp loads the file."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), "gpt-oss")
@@ -376,22 +356,22 @@ def _write_gguf(path, sd, dims, expert_type, *, vocab=False):
 
         assert add_spm_vocab(w) == sd["embed_tokens.weight"].shape[0]
     w.add_context_length(256)
-    w.add_embedding_length(dims["d_model"])
-    w.add_block_count(dims["n_layer"])
-    w.add_feed_forward_length(dims["d_ff"])
-    w.add_expert_feed_forward_length(dims["d_ff"])
-    w.add_head_count(dims["n_heads"])
-    w.add_head_count_kv(dims["n_kv_heads"])
-    w.add_key_length(dims["head_dim"])
-    w.add_value_length(dims["head_dim"])
-    w.add_layer_norm_rms_eps(dims["eps"])
-    w.add_rope_freq_base(dims["theta"])
-    w.add_expert_count(dims["n_experts"])
-    w.add_expert_used_count(dims["n_used"])
-    w.add_sliding_window(dims["n_swa"])
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.ff_size)
+    w.add_expert_feed_forward_length(cfg.ff_size)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_size)
+    w.add_value_length(cfg.head_size)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope_config.freq_base)
+    w.add_expert_count(cfg.n_experts)
+    w.add_expert_used_count(cfg.n_experts_used)
+    w.add_sliding_window(cfg.n_swa)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(dims["factor"])
-    w.add_rope_scaling_orig_ctx_len(dims["n_ctx_orig"])
+    w.add_rope_scaling_factor(1 / cfg.rope_config.freq_scale)
+    w.add_rope_scaling_orig_ctx_len(cfg.rope_config.n_ctx_orig)
     tensors = {
         "token_embd.weight": sd["embed_tokens.weight"],
         "output_norm.weight": sd["norm.weight"],
@@ -408,7 +388,7 @@ def _write_gguf(path, sd, dims, expert_type, *, vocab=False):
     for proj, short in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
         names[f"self_attn.{proj}_proj.weight"] = f"attn_{short}.weight"
         names[f"self_attn.{proj}_proj.bias"] = f"attn_{short}.bias"
-    for il in range(dims["n_layer"]):
+    for il in range(cfg.n_layer):
         p, b = f"layers.{il}.", f"blk.{il}."
         for key, name in names.items():
             tensors[b + name] = sd[p + key]
@@ -457,7 +437,7 @@ def test_mxfp4_experts_stay_compact_and_equal_their_round_trip(tmp_path, monkeyp
     from kvjax.nn import _moe
 
     monkeypatch.setattr(_moe, "GROUP_ROWS", group_rows)
-    path = _write_gguf(tmp_path / "m.gguf", _hf_state_of(_model()), _dims(_model()), "MXFP4")
+    path = _write_gguf(tmp_path / "m.gguf", _hf_state_of(_model()), _model().config, "MXFP4")
     compact, floats = from_gguf(path), from_gguf(path, dtype=jnp.float32)
     assert isinstance(compact.layers[0].mlp.gate, GGMLExperts) and compact.layers[0].mlp.gate.type_name == "MXFP4"
     assert not isinstance(floats.layers[0].mlp.gate, GGMLExperts)
@@ -494,7 +474,7 @@ def test_a_gguf_twin_gives_the_transformers_logits(tmp_path):
     from kvjax.nn import from_gguf
 
     model = from_gguf(
-        _write_gguf(tmp_path / "g.gguf", _hf_state(_hf_model()), _dims(llama_from_hf(_hf_model())), "F32")
+        _write_gguf(tmp_path / "g.gguf", _hf_state(_hf_model()), llama_from_hf(_hf_model()).config, "F32")
     )
     cfg = model.config
     assert (cfg.swa_layers, cfg.n_swa, cfg.n_experts, cfg.n_experts_used) == ((0, 2), 4, 4, 2)
@@ -509,7 +489,7 @@ def test_mxfp4_experts_of_a_transformers_model(tmp_path):
     by the experts' round trip (the compact load's)."""
     from kvjax.nn import from_gguf
 
-    path = _write_gguf(tmp_path / "m.gguf", _hf_state(_hf_model()), _dims(llama_from_hf(_hf_model())), "MXFP4")
+    path = _write_gguf(tmp_path / "m.gguf", _hf_state(_hf_model()), llama_from_hf(_hf_model()).config, "MXFP4")
     ids = np.random.default_rng(7).integers(0, 48, (1, 14))
     want = np.asarray(_through_mxfp4(llama_from_hf(_hf_model())).forward(jnp.asarray(ids)))
     np.testing.assert_allclose(np.asarray(from_gguf(path).forward(jnp.asarray(ids))), want, atol=2e-5)

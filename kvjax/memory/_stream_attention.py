@@ -271,8 +271,7 @@ def _slots_attention(
     qs = qs.reshape(n_slots, n_heads, grp * t, d) * jnp.float32(scale)
     cap = None if softcap is None else jnp.float32(softcap)
     # rows are (kv head, group, token) per slot: each row's sink is its query head's
-    sink_rows = None if sinks is None else jnp.broadcast_to(sinks.reshape(n_heads, grp, 1), (n_heads, grp, t))
-    sink_rows = None if sink_rows is None else sink_rows.reshape(n_heads, grp * t)
+    sink_rows = None if sinks is None else jnp.repeat(sinks.reshape(n_heads, grp), t, axis=-1)
 
     def mask_and_bias(mask):
         """A slot's (or every slot's) ``[.., t, N]`` mask as an additive mask and an ALiBi bias."""

@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 from kvjax._ggml_blocks import check_type, dequantize, row_bytes
-from kvjax.nn._moe import grouped_products  # the float experts' loop, which these experts share
 
 __all__ = [
     "GGMLBlocks",
@@ -169,11 +168,11 @@ class GGMLExperts(nnx.Module):
 
     Stands in for a :class:`kvjax.nn.MoE`'s ``gate`` / ``up`` / ``down`` parameter (a float
     ``[X, in, out]``) in a compact :func:`kvjax.nn.from_gguf` load, so the experts stay resident as
-    the file's bytes (MXFP4 in real gpt-oss files: 4.25 bits a weight). :meth:`product` runs the
-    float path's loop over the experts (:func:`kvjax.nn._moe.grouped_products`), each expert that
-    some row is routed to dequantized once, right before its products: a decode step reads only the
-    ``k`` experts a token uses, and no more than one expert is ever float at a time. It equals the
-    float load's product up to the order of float sums.
+    the file's bytes (MXFP4 in real gpt-oss files: 4.25 bits a weight). The mixture's loop over the
+    experts (:func:`kvjax.nn._moe.grouped_products`) takes each expert some row is routed to from
+    :meth:`matrix`, dequantized right before its products: a decode step reads only the ``k``
+    experts a token uses, and no more than one expert is ever float at a time. The products equal
+    the float load's up to the order of float sums.
 
     Args:
         raw: ``u8[X, out, row_bytes]``, expert ``x``'s row ``o`` the blocks of its output ``o``.
@@ -183,10 +182,8 @@ class GGMLExperts(nnx.Module):
     Example:
         >>> w = np.arange(2 * 3 * 32, dtype=np.float32).reshape(2, 3, 32) / 64    # [X, out, in]
         >>> experts = GGMLExperts(w.astype(np.float16).view(np.uint8), "F16", 32)
-        >>> rows, pairs = jnp.ones((3, 32)), jnp.array([0, 1, 1])                 # rows sorted by expert
-        >>> got = experts.product(rows, pairs, jnp.array([1, 2], jnp.int32))
-        >>> bool(jnp.allclose(got, jnp.stack([w[0] @ np.ones(32), w[1] @ np.ones(32), w[1] @ np.ones(32)])))
-        True
+        >>> experts.shape, bool(jnp.array_equal(experts.matrix(jnp.int32(1)), w[1].T))
+        ((2, 32, 3), True)
     """
 
     def __init__(self, raw, name: str, n_in: int):
@@ -205,20 +202,9 @@ class GGMLExperts(nnx.Module):
         """``(X, in, out)``: the shape of the float parameter this stands in for."""
         return (self.n_experts, self.in_features, self.out_features)
 
-    def product(self, rows: jax.Array, experts: jax.Array, sizes: jax.Array) -> jax.Array:
-        """``f32[P, out]``: row ``p`` times expert ``experts[p]``'s matrix.
-
-        Args:
-            rows: ``f[P, in]``, grouped by expert (``experts`` sorted).
-            experts: ``i32[P]`` each row's expert.
-            sizes: ``i32[X]`` rows per expert.
-        """
-        blocks = self.blocks[...]
-
-        def weight_of(e):  # expert e's [out, in] blocks, dequantized only when a row is routed to it
-            return dequantize(jax.lax.dynamic_index_in_dim(blocks, e, keepdims=False), self.type_name).T
-
-        return grouped_products(rows, sizes, weight_of, self.out_features)
+    def matrix(self, e) -> jax.Array:
+        """``f32[in, out]``: expert ``e``'s matrix (``e`` may be traced), only its blocks dequantized."""
+        return dequantize(jax.lax.dynamic_index_in_dim(self.blocks[...], e, keepdims=False), self.type_name).T
 
 
 def resident_bytes(model) -> int:

@@ -399,25 +399,24 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
             raise ValueError(f"tensor {name!r} has shape {shape}: allowed {want} for {what}")
     # matrices kept in their file type (dtype None): their biases go inside their GGMLLinear
     compact = {name for _, name, _, slot in plan if dt is None and slot is not None and _compact(tensors[name])}
-    biases = {
+
+    def weight_of(bias_name):
+        return bias_name[: -len("bias")] + "weight"
+
+    biases = {  # a mixture's experts keep their biases apart (as MoE parameters)
         name: _dequantize(tensors[name])
         for _, name, _, _ in plan
-        if name.endswith(".bias")
-        and name[: -len("bias")] + "weight" in compact
-        and len(tensors[name[: -len("bias")] + "weight"].shape) == 2  # experts keep their biases apart
+        if name.endswith(".bias") and weight_of(name) in compact and len(tensors[weight_of(name)].shape) == 2
     }
     for var, name, transpose, slot in plan:  # one tensor at a time: host copy, device copy, freed
         t = tensors[name]
         if name in compact:
             parent, attr = slot
-            if len(t.shape) == 3:  # a mixture's experts [X, out, in]
-                n_experts, rows, n_in = _shape(t)
-                raw = np.asarray(t.data).view(np.uint8).reshape(n_experts, rows, -1)
+            *rows, n_in = _shape(t)  # [out, in], or a mixture's experts [X, out, in]
+            raw = np.asarray(t.data).view(np.uint8).reshape(*rows, -1)
+            if len(rows) == 2:
                 setattr(parent, attr, GGMLExperts(raw, t.type_name, n_in))
-                continue
-            rows, n_in = _shape(t)
-            raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
-            if attr == "embed":
+            elif attr == "embed":
                 setattr(parent, attr, GGMLEmbed(raw, t.type_name, n_in))
             else:
                 bias = biases.get(name[: -len("weight")] + "bias")

@@ -41,7 +41,7 @@ from kvjax.nn._llama import (
     model_uncached,
     output_logits,
 )
-from kvjax.nn._moe import gated_product, mix_experts, route
+from kvjax.nn._moe import EXPERT_PARAMS, gated_product, moe_forward
 from kvjax.nn._norm import LinenOffsetRMSNorm
 from kvjax.nn._ggml_linear import GGMLBlocks
 
@@ -85,12 +85,10 @@ class _MoE(nn.Module):
 
     def __call__(self, x):
         cfg = self.config
-        flat = x.reshape(-1, x.shape[-1])
-        experts, w = route(self.router(flat), cfg.n_experts_used)
-        names = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
-        params = {n: getattr(self, n) for n in names}
-        out = mix_experts(flat, experts, w, params, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
-        return out.reshape(x.shape)
+        params = {n: getattr(self, n) for n in EXPERT_PARAMS}
+        return moe_forward(
+            x, self.router, params, cfg.n_experts_used, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit
+        )
 
 
 def _linen_norm(cfg: LlamaConfig):

@@ -33,7 +33,11 @@ from flax import nnx
 from kvjax._typing import Array, Float, Int
 from kvjax._validate import check_count, check_real, require
 
-__all__ = ["GATED", "MoE", "gated_product", "route", "mix_experts"]
+__all__ = ["GATED", "EXPERT_PARAMS", "MoE", "gated_product", "route", "mix_experts", "grouped_products", "moe_forward"]
+
+#: The experts' parameters of a mixture (NNX and linen alike): ``gate`` / ``up`` ``[X, E, F]``,
+#: ``down`` ``[X, F, E]`` and their optional biases.
+EXPERT_PARAMS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 
 
 def _swiglu_oai(gate, up, *, alpha: float, limit: float):
@@ -88,10 +92,10 @@ def grouped_products(
     matrix once (``weight_of(e) -> f[I, O]``: a slice of a float stack, or a GGML expert dequantized
     right there) and runs its group in products of about an expert's share of the rows (a power of
     two, at most :data:`GROUP_ROWS`), so the work follows the routed rows (plus at most one partial
-    block an expert) and a decode step reads only the ``k`` experts it uses. Chosen by measurement on XLA:CPU (docs/speed.md): ``jax.lax.ragged_dot`` ran
-    15x slower at one token and 3-5x slower for prompts than this loop, and a dense product over
-    every expert does ``X / k`` times the work. Dynamic trip counts: inference only (no reverse-mode
-    autodiff through it).
+    block an expert) and a decode step reads only the ``k`` experts it uses. Chosen by measurement
+    on XLA:CPU (``benchmarks/bench_moe.py``, docs/speed.md section 14): ``jax.lax.ragged_dot`` ran
+    2-16x slower than this loop, and a dense product over every expert does ``X / k`` times the
+    work. Dynamic trip counts: inference only (no reverse-mode autodiff through it).
 
     Example:
         >>> w = jnp.arange(2 * 2 * 3.0).reshape(2, 2, 3)                  # two experts [I=2, O=3]
@@ -153,8 +157,8 @@ def mix_experts(
     rows = x[token]  # [T * k, E], grouped by expert
 
     def dot(h, w):
-        if hasattr(w, "product"):  # experts kept as ggml blocks (kvjax.nn.GGMLExperts)
-            return w.product(h, by_expert, sizes)
+        if hasattr(w, "matrix"):  # experts kept as ggml blocks (kvjax.nn.GGMLExperts)
+            return grouped_products(h, sizes, w.matrix, w.shape[-1])
         return grouped_products(h, sizes, lambda e: jax.lax.dynamic_index_in_dim(w, e, keepdims=False), w.shape[-1])
 
     def biased(h, name):
@@ -167,6 +171,16 @@ def mix_experts(
     out = biased(dot(hidden, params["down"]), "down_bias")
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros((n_tok, x.shape[-1]), jnp.float32).at[token].add(out).astype(x.dtype)
+
+
+def moe_forward(
+    x: Float[Array, "... E"], router: Callable, params: Dict[str, Array], k: int, activation: str, alpha, limit
+) -> Float[Array, "... E"]:
+    """A mixture's output for ``x`` of any leading shape: ``router`` (a callable giving the logits
+    ``[T, X]``), :func:`route`, then :func:`mix_experts` (shared by the NNX module and its linen twin)."""
+    flat = x.reshape(-1, x.shape[-1])
+    experts, w = route(router(flat), k)
+    return mix_experts(flat, experts, w, params, activation, alpha, limit).reshape(x.shape)
 
 
 class MoE(nnx.Module):
@@ -227,7 +241,7 @@ class MoE(nnx.Module):
         def value(v):  # a parameter's array; experts kept as ggml blocks go as they are
             return None if v is None else v if isinstance(v, nnx.Module) else v[...]
 
-        return {n: value(getattr(self, n)) for n in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")}
+        return {n: value(getattr(self, n)) for n in EXPERT_PARAMS}
 
     def weights(self, x: Float[Array, "T E"]) -> Float[Array, "T X"]:
         """Each token's weight on every expert (0 for those not routed to): for inspection and tests."""
@@ -245,8 +259,6 @@ class MoE(nnx.Module):
         return hidden @ p["down"][e] + bias("down_bias")
 
     def __call__(self, x: Float[Array, "... E"]) -> Float[Array, "... E"]:
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1])
-        experts, w = route(self.router(flat), self.n_experts_used)
-        out = mix_experts(flat, experts, w, self._params(), self.activation, self.swiglu_alpha, self.swiglu_limit)
-        return out.reshape(lead + (x.shape[-1],))
+        return moe_forward(
+            x, self.router, self._params(), self.n_experts_used, self.activation, self.swiglu_alpha, self.swiglu_limit
+        )
