@@ -140,6 +140,45 @@ def _random_hybrid(memory, seed):
 STREAMS = kvjax.StreamsConfig(UNIFIED.replace(size=24, padding=8))
 
 
+# -- the latent (MLA) cache: one K row [latent 32 | RoPE key 8] per cell, V a view of its latent ------
+
+MLA = kvjax.CacheConfig(
+    size=48,
+    n_seq_max=4,
+    n_layer=2,
+    n_kv_heads=1,
+    head_dim=40,
+    head_dim_v=32,
+    padding=16,
+    mla=True,
+    rope=kvjax.RopeConfig(n_rot=8),
+)
+MLA_Q8 = MLA.replace(head_dim=64, k_dtype="q8_0", rope=kvjax.RopeConfig(n_rot=32))
+MLA_STREAMS = kvjax.StreamsConfig(MLA.replace(size=24, padding=8))
+
+
+def _unified_row(name, config):
+    return MemoryUnderTest(
+        name,
+        lambda: kvjax.init(config),
+        lambda: UnifiedRef(config.size, config.n_seq_max, config.padding),
+        _compare_unified,
+        _random_unified,
+    )
+
+
+def _streams_row(name, config):
+    return MemoryUnderTest(
+        name,
+        lambda: kvjax.init(config),
+        lambda: StreamsRef(config.size, config.n_seq_max, config.base.padding),
+        _compare_streams,
+        lambda m, seed: m.replace(cache=_random_unified(m.cache, seed)),
+        equal_split=True,
+        adapt=lambda ops: _streams_program(ops, config),
+    )
+
+
 def _compare_streams(memory, ref):
     for s, st in enumerate(ref.streams):
         _compare_unified(memory.stream(s), st)
@@ -160,13 +199,9 @@ def _streams_program(ops, config: kvjax.StreamsConfig = STREAMS):
 
 
 MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
-    MemoryUnderTest(
-        "unified",
-        lambda: kvjax.init(UNIFIED),
-        lambda: UnifiedRef(UNIFIED.size, UNIFIED.n_seq_max, UNIFIED.padding),
-        _compare_unified,
-        _random_unified,
-    ),
+    _unified_row("unified", UNIFIED),
+    _unified_row("mla", MLA),
+    _unified_row("mla-q8_0", MLA_Q8),
     MemoryUnderTest("iswa-standard", *_iswa("standard"), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-chunked", *_iswa("chunked", n_swa=4), _compare_iswa, _random_iswa),
     MemoryUnderTest("iswa-symmetric", *_iswa("symmetric", n_swa=4), _compare_iswa, _random_iswa),
@@ -187,15 +222,8 @@ MEMORIES_UNDER_TEST: List[MemoryUnderTest] = [
         _random_hybrid,
         equal_split=True,
     ),
-    MemoryUnderTest(
-        "streams",
-        lambda: kvjax.init(STREAMS),
-        lambda: StreamsRef(STREAMS.size, STREAMS.n_seq_max, STREAMS.base.padding),
-        _compare_streams,
-        lambda m, seed: m.replace(cache=_random_unified(m.cache, seed)),
-        equal_split=True,
-        adapt=_streams_program,
-    ),
+    _streams_row("streams", STREAMS),
+    _streams_row("mla-streams", MLA_STREAMS),
 ]
 ROWS = [pytest.param(m, id=m.name) for m in MEMORIES_UNDER_TEST]
 

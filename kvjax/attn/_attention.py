@@ -248,6 +248,7 @@ def _attend(
     n_live=None,
     skip_masked=False,
     owned=False,
+    v_cols=None,
 ):
     """Online-softmax attention over the first ``n_kv`` cells of layer ``index`` of a group.
 
@@ -272,6 +273,8 @@ def _attend(
     classified by how many tokens see its columns: none (skipped, also inside the visible span),
     at most one each (:func:`_owned_step`), or two somewhere (the dense step). Under ``vmap`` the
     per-chunk ``switch`` is a select that runs all three, slower than the dense loop alone.
+    ``v_cols`` (a latent (MLA) cache): V is the first ``v_cols`` columns of each K block, read
+    once for both products; ``v_all`` is then not read.
 
     Batched over slots: with ``qr [B, H, R, D]``, ``index i32[B]`` (slot ``b`` reads layer
     ``index[b]``), ``add [B, T, N]`` and ``bias`` None or ``[B, 1 | H * G, 1 | T, 1 | N]``, every
@@ -284,11 +287,12 @@ def _attend(
     nb = len(lead)
     n_heads, n_rows, _ = qr.shape[-3:]
     n_tok = n_rows // group
-    dv = (
-        v_all.shape[-1]
-        if not _quant.is_quantized(v_type)
-        else v_all.shape[-1] // _quant.QUANT_TYPES[v_type].type_size * _quant.QUANT_TYPES[v_type].block
-    )
+    if v_cols is not None:
+        dv = v_cols
+    elif _quant.is_quantized(v_type):
+        dv = v_all.shape[-1] // _quant.QUANT_TYPES[v_type].type_size * _quant.QUANT_TYPES[v_type].block
+    else:
+        dv = v_all.shape[-1]
     n_steps = -(-n_kv // chunk)
     batch = tuple(range(nb + 1))
     qk_dims = (((nb + 2,), (nb + 2,)), (batch, batch))  # [.., H, R, D] x [.., H, C, D] -> [.., H, R, C]
@@ -311,6 +315,11 @@ def _attend(
         xc = jax.vmap(one)(index) if nb else one(index)
         return _quant.from_storage(xc, name)  # this chunk only, as float32
 
+    def blocks(start):
+        """The step's K and V blocks (a latent cache's V: the K block's first ``v_cols`` columns)."""
+        kc = block(k_all, start, k_type)
+        return (kc, kc[..., :v_cols]) if v_cols is not None else (kc, block(v_all, start, v_type))
+
     def by_row(x):
         """``[.., T, chunk]`` (or a bias ``[.., 1 | H * G, 1 | T, chunk]``) against ``[.., H, G, T, chunk]``."""
         heads = (1, 1) if x.ndim == nb + 2 or x.shape[nb] == 1 else (n_heads, group)
@@ -319,7 +328,7 @@ def _attend(
     def step(i, carry):
         m0, l0, o0 = carry
         start = jnp.minimum(i * chunk, n_kv - chunk)
-        kc, vc = block(k_all, start, k_type), block(v_all, start, v_type)
+        kc, vc = blocks(start)
         ac = cells_of(add, start)  # [.., T, chunk]
         if n_kv % chunk:
             fresh = start + jnp.arange(chunk) >= i * chunk  # columns not seen by an earlier step
@@ -368,9 +377,7 @@ def _attend(
                     ac = jnp.where(start + jnp.arange(chunk) >= i * chunk, ac, _NEG_INF)
                 owner = jnp.min(jnp.where(ac > _NEG_INF, t_ids, n_tok), axis=0)  # [chunk], n_tok: unseen
                 bc = None if bias is None else cells_of(bias, start)
-                return _owned_step(
-                    qr, block(k_all, start, k_type), block(v_all, start, v_type), ac, bc, owner, group, softcap, carry
-                )
+                return _owned_step(qr, *blocks(start), ac, bc, owner, group, softcap, carry)
 
             # per chunk, by the most tokens that see one of its columns: 0 skip, 1 owned, 2+ dense;
             # a fixed trip count, as below
@@ -459,8 +466,10 @@ def _attention(
     n_heads = k_all.shape[1]
     t, hq, d = q.shape
     g = hq // n_heads
+    cfg = cache.config
+    v_cols = cfg.groups[g_id].head_dim_v if cfg.mla else None  # a latent cache's V: K's first columns
     if implementation == "pallas":
-        return _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap, sinks)
+        return _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap, sinks, v_cols)
     # query head j = h * G + g' belongs to kv head h; its rows are ordered (g', t) so that one
     # [G * T, D] matrix per kv head meets that head's K and V once
     qr = q.astype(jnp.float32).reshape(t, n_heads, g, d).transpose(1, 2, 0, 3).reshape(n_heads, g * t, d)
@@ -489,6 +498,7 @@ def _attention(
         cache.config.v_dtype,
         skip_masked=True,
         owned=owned,
+        v_cols=v_cols,
     )
     dv = out.shape[-1]
     out = out.reshape(n_heads, g, t, dv).transpose(2, 0, 1, 3).reshape(t, hq, dv)
@@ -508,8 +518,12 @@ ENV_IMPLEMENTATION = "KVJAX_ATTENTION"
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
-def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap, sinks=None):
-    """The Pallas path: rows ``(t, g)`` per kv head (a block of rows is a block of tokens)."""
+def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, softcap, sinks=None, v_cols=None):
+    """The Pallas path: rows ``(t, g)`` per kv head (a block of rows is a block of tokens).
+
+    A latent cache (``v_cols``) gives the kernel K as V with a block of its first ``v_cols``
+    columns, so V is read from K's buffer, never copied out of it.
+    """
     n_heads = k_all.shape[1]
     t, hq, d = q.shape
     g = hq // n_heads
@@ -518,7 +532,15 @@ def _attention_pallas(q, k_all, v_all, mask, scale, index, n_kv, return_lse, sof
     # a backend without a Pallas compiler for this kernel (CPU) runs it in the interpreter
     interpret = jax.default_backend() not in _GPU_BACKENDS
     out, lse = _pallas.attend(
-        qr * scale, k_all, v_all, add.astype(jnp.float32), index=index, n_kv=n_kv, interpret=interpret, softcap=softcap
+        qr * scale,
+        k_all,
+        k_all if v_cols is not None else v_all,
+        add.astype(jnp.float32),
+        index=index,
+        n_kv=n_kv,
+        interpret=interpret,
+        softcap=softcap,
+        v_cols=v_cols,
     )
     dv = out.shape[-1]
     out = out.reshape(n_heads, t, g, dv).transpose(1, 0, 2, 3).reshape(t, hq, dv)

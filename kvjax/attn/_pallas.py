@@ -98,7 +98,7 @@ def _kernel(*refs, group, block, n_kv, has_softcap):
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG_INF)
 
 
-@functools.partial(jax.jit, static_argnames=("index", "n_kv", "interpret"))
+@functools.partial(jax.jit, static_argnames=("index", "n_kv", "interpret", "v_cols"))
 def attend(
     qr: Float[Array, "H R D"],
     k_all: Float[Array, "L H C D"],
@@ -109,6 +109,7 @@ def attend(
     n_kv: int,
     interpret: bool,
     softcap=None,
+    v_cols=None,
 ):
     """Online-softmax attention of ``qr`` over the first ``n_kv`` cells of layer ``index`` of a group.
 
@@ -121,6 +122,8 @@ def attend(
         n_kv: static window.
         interpret: run in Pallas' interpreter (any backend) instead of compiling the kernel.
         softcap: None or an f32 scalar (Gemma 2's logit soft-capping).
+        v_cols: None, or (a latent cache, ``v_all`` being K itself) V's width: the kernel's V
+            block is the first ``v_cols`` columns of K's rows, read in place.
 
     Returns:
         ``(out f32[H, T * G, Dv], lse f32[H, T * G])``, rows as in ``qr``.
@@ -128,7 +131,7 @@ def attend(
     n_heads, n_rows, d = qr.shape
     n_tok = add.shape[0]
     group = n_rows // n_tok
-    dv = v_all.shape[-1]
+    dv = v_all.shape[-1] if v_cols is None else v_cols
     # tokens per program: all of them for a decode ubatch, else blocks of ~ROW_BLOCK rows (T padded
     # with fully masked rows, cut off again below)
     bt = n_tok if n_rows <= ROW_BLOCK else max(1, ROW_BLOCK // group)

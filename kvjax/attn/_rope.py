@@ -320,10 +320,26 @@ def _shift_impl(ks, cells, config: CacheConfig):
     """(rotated K of every group, cells with the deltas cleared)."""
     delta = cells.delta
     new_k = tuple(
-        _shift_group(ks[g], delta, tuple(config.rope[il] for il in grp.layers), config)
+        _shift_columns(
+            ks[g], delta, tuple(config.rope[il] for il in grp.layers), config, config.rope_start(grp.layers[0])
+        )
         for g, grp in enumerate(config.groups)
     )
     return new_k, cells.replace(delta=jnp.zeros_like(delta))
+
+
+def _shift_columns(stored, delta, ropes, config: CacheConfig, start: int):
+    """:func:`_shift_group` on K's columns from ``start`` on (a latent cache's RoPE key, its last
+    ``n_rot`` columns, the same in every layer: the config checks it); 0 is the whole row.
+
+    Only those columns are read and written (in a block type, their own blocks): the latent is
+    never requantized, and a shift costs ``n_rot / D`` of one over whole rows.
+    """
+    if start == 0:
+        return _shift_group(stored, delta, ropes, config)
+    first = _quant.stored_width(config.k_dtype, start)
+    rotated = _shift_group(stored[..., first:], delta, ropes, config)
+    return stored.at[..., first:].set(rotated)
 
 
 _shift = JitTwins(_shift_impl, static_argnums=2, donate_argnums=0)

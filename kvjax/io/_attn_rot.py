@@ -72,7 +72,8 @@ def rotation_sizes(config: CacheConfig) -> Tuple[int, int]:
         while head_k % (2 * n_k) == 0:
             n_k *= 2
     head_v = _uniform(config.head_dim_v[il] for il in cached)
-    if _quant.is_quantized(config.v_dtype) and head_v and head_v % 64 == 0:
+    # a latent (MLA) cache has no V rows: its V is (rotated with) K's first columns
+    if _quant.is_quantized(config.v_dtype) and head_v and head_v % 64 == 0 and not config.mla:
         n_v = 64
     return n_k, n_v
 
@@ -93,8 +94,9 @@ def _rotate_rows(rows: memoryview, n_cells: int, name: str, n_rot: int) -> bytes
     return np.asarray(_quant.quantize(turned, name), np.uint8).tobytes()
 
 
-def _rotate_data(data: memoryview, n_cells: int, n_k: int, n_v: int) -> bytes:
-    """One stream's data section (``v_trans, n_layer``, K rows, V rows) with its quantized rows rotated."""
+def _rotate_data(data: memoryview, n_cells: int, n_k: int, n_v: int, has_v: bool = True) -> bytes:
+    """One stream's data section (``v_trans, n_layer``, K rows, V rows unless a latent cache's:
+    ``has_v=False``) with its quantized rows rotated."""
     out = bytearray(data)
     v_trans, n_layer = struct.unpack_from("<II", data)
     off = 8
@@ -106,7 +108,7 @@ def _rotate_data(data: memoryview, n_cells: int, n_k: int, n_v: int) -> bytes:
                 data[off : off + k_row * n_cells], n_cells, _QUANT_BY_ID[k_type], n_k
             )
         off += k_row * n_cells
-    for il in range(n_layer):
+    for il in range(n_layer if has_v else 0):
         v_type = struct.unpack_from("<i", data, off)[0]
         if v_trans:  # a transposed V is never block-quantized (ggml's blocks run along a row)
             el, width = struct.unpack_from("<II", data, off + 4)
@@ -132,7 +134,7 @@ def rotate_streams(streams, config: CacheConfig) -> None:
     n_k, n_v = rotation_sizes(config)
     if n_k or n_v:
         for st in streams:
-            st.data = memoryview(_rotate_data(st.data, st.n, n_k, n_v))
+            st.data = memoryview(_rotate_data(st.data, st.n, n_k, n_v, not config.mla))
 
 
 def rotate_section(blob, config: CacheConfig) -> bytes:
@@ -140,7 +142,7 @@ def rotate_section(blob, config: CacheConfig) -> bytes:
     if not any(rotation_sizes(config)):
         return bytes(blob)
     r = Cursor(blob)
-    streams = parse_streams(r, single=False)
+    streams = parse_streams(r, single=False, has_v=not config.mla)
     out = bytearray(r.buf[: r.off])
     starts = [st.offset for st in streams]
     rotate_streams(streams, config)

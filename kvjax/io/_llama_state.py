@@ -308,7 +308,7 @@ def _blob_v_trans(streams: List[Stream]):
 def _read_unified_part(part: KVCache, r: Cursor, seq_id: int, label: str, attn_rot: bool):
     """Parse one unified cache's section; return a function that restores it (nothing is read yet)."""
     try:
-        streams = parse_streams(r, single=seq_id >= 0)
+        streams = parse_streams(r, single=seq_id >= 0, has_v=not part.config.mla)
     except StateError as e:
         raise StateError(f"{label}{e}") from None
     if attn_rot:
@@ -339,7 +339,7 @@ def _read_memory_section(memory, r: Cursor, seq_id: int, options):
         rest = bytes(r.take(len(r.buf) - r.off, "memory"))
         if attn_rot:
             rest = rotate_section(rest, memory.config.base)
-        streams = parse_streams(Cursor(rest), single=seq_id >= 0)
+        streams = parse_streams(Cursor(rest), single=seq_id >= 0, has_v=not memory.config.base.mla)
         flag = _blob_v_trans(streams)
         out = read_streams(
             _with_v_trans(memory, None if flag is None else bool(flag)),

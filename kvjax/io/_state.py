@@ -233,8 +233,8 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
         )
         v_shape = (
             (n_l, grp.n_kv_heads * grp.head_dim_v, rows)
-            if config.v_trans
-            else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v))
+            if v_rows_transposed(config)
+            else (n_l, rows, grp.n_kv_heads, 0 if config.mla else _quant.stored_width(config.v_dtype, grp.head_dim_v))
         )
         v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
     for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
@@ -242,7 +242,7 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
         kb[:n] = k
         kb[n:] = 0
         vb = v_bufs[lay.group][lay.index]
-        if config.v_trans:
+        if v_rows_transposed(config):
             vb[:, :n] = v
             vb[:, n:] = 0
         else:
@@ -250,8 +250,13 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
             vb[n:] = 0
     return (
         tuple(_rows_on(b, like, False) for b, like in zip(k_bufs, cache.k)),
-        tuple(_rows_on(b, like, config.v_trans) for b, like in zip(v_bufs, cache.v)),
+        tuple(_rows_on(b, like, v_rows_transposed(config)) for b, like in zip(v_bufs, cache.v)),
     )
+
+
+def v_rows_transposed(config: CacheConfig) -> bool:
+    """Whether a blob's V rows are transposed: ``v_trans``, unless the cache is latent (it has no V rows)."""
+    return config.v_trans and not config.mla
 
 
 # -- host side ----------------------------------------------------------------------------------
@@ -315,14 +320,14 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
     if n:
         padded = np.zeros(rows, np.int32)
         padded[:n] = idx
-        ks, vs = _gather(cache.k, cache.v, jnp.asarray(padded), full=n == cfg.size, v_trans=cfg.v_trans)
+        ks, vs = _gather(cache.k, cache.v, jnp.asarray(padded), full=n == cfg.size, v_trans=v_rows_transposed(cfg))
         k_host = [host_array(x) for x in ks]  # views of the device buffers on the CPU backend
         v_host = [host_array(x) for x in vs]
     for lay in layouts:
         pieces.append(struct.pack("<iQ", lay.k_type, lay.k_row))
         if n:
             pieces.append(memoryview(k_host[lay.group][lay.index, :n]))
-    for lay in layouts:
+    for lay in layouts if not cfg.mla else ():  # a latent cache has no V section (llama.cpp's MLA state)
         if not cfg.v_trans:
             pieces.append(struct.pack("<iQ", lay.v_type, lay.v_row))
             if n:
@@ -411,7 +416,7 @@ def _read_whole(cache: KVCache, parsed: _Parsed, donate: bool) -> KVCache:
     if n == 0:
         return cache.replace(cells=cells)
     k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size), cache)
-    k, v = _assemble(cache.k, cache.v, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
+    k, v = _assemble(cache.k, cache.v, k_rows, v_rows, v_trans=v_rows_transposed(cfg), donate=bool(donate))
     return cache.replace(cells=cells, k=k, v=v)
 
 
@@ -443,7 +448,7 @@ def _read_seq(
             f"contiguous=False to place the cells in any free cells"
         )
     k_rows, v_rows = _host_rows(cfg, parsed, rows, cache)
-    k, v = _place(cache.k, cache.v, slot, k_rows, v_rows, v_trans=cfg.v_trans, donate=bool(donate))
+    k, v = _place(cache.k, cache.v, slot, k_rows, v_rows, v_trans=v_rows_transposed(cfg), donate=bool(donate))
     return placed.replace(k=k, v=v)
 
 

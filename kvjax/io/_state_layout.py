@@ -71,7 +71,7 @@ class LayerLayout:
         v_type: ggml type id of V.
         v_size: bytes per V element.
         k_width: stored K elements per head (D, or ``D / 32 * block bytes`` for a block type).
-        v_width: stored V elements per head.
+        v_width: stored V elements per head (0 in a latent cache: it stores no V).
     """
 
     layer: int
@@ -131,7 +131,7 @@ def layer_layouts(config: CacheConfig) -> Tuple[LayerLayout, ...]:
                 GGML_TYPE_IDS[config.v_dtype],
                 v_size,
                 _quant.stored_width(config.k_dtype, config.head_dim[il]),
-                _quant.stored_width(config.v_dtype, config.head_dim_v[il]),
+                0 if config.mla else _quant.stored_width(config.v_dtype, config.head_dim_v[il]),
             )
         )
     return tuple(out)
@@ -157,6 +157,7 @@ def layout_fingerprint(config: CacheConfig) -> bytes:
         "k_dtype": config.k_dtype,
         "v_dtype": config.v_dtype,
         "v_trans": config.v_trans,
+        **({"mla": True} if config.mla else {}),  # absent otherwise: older fingerprints stay as they were
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()
 
@@ -224,7 +225,9 @@ def _parse(
         )
         rows = cur.array(_UINT[lay.k_size], n * lay.n_kv_heads * lay.k_width, f"{name} K rows")
         ks.append(rows.reshape(n, lay.n_kv_heads, lay.k_width))
-    for lay in layouts:
+    if config.mla:  # a latent cache's blob has no V section: V is K's first columns
+        vs = [np.zeros((n, lay.n_kv_heads, 0), _UINT[lay.v_size]) for lay in layouts]
+    for lay in layouts if not config.mla else ():
         name = f"layer {lay.layer}"
         check_type(f"{name} V type", lay.v_type, cur.scalar("<i", f"{name} V type"))
         if not config.v_trans:

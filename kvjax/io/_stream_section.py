@@ -61,8 +61,12 @@ class Stream:
         self.n, self.pos, self.ids, self.data, self.offset = n, pos, ids, data, offset
 
 
-def walk_data(r: Cursor, n: int, s: int) -> memoryview:
-    """Skip one stream's data section (checking only what its length needs); return its bytes."""
+def walk_data(r: Cursor, n: int, s: int, has_v: bool = True) -> memoryview:
+    """Skip one stream's data section (checking only what its length needs); return its bytes.
+
+    ``has_v=False``: a latent (MLA) cache's section, K rows only (llama.cpp writes no V section
+    for a cache without V storage).
+    """
     start = r.off
     v_trans = r.u32(f"stream {s} v_trans")
     n_layer = r.u32(f"stream {s} n_layer")
@@ -70,7 +74,7 @@ def walk_data(r: Cursor, n: int, s: int) -> memoryview:
         r.i32(f"stream {s} layer {il} K type")
         row = r.u64(f"stream {s} layer {il} K row size")
         r.take(row * n, f"stream {s} layer {il} K rows")
-    for il in range(n_layer):
+    for il in range(n_layer if has_v else 0):
         r.i32(f"stream {s} layer {il} V type")
         if v_trans == 1:
             el = r.u32(f"stream {s} layer {il} V element size")
@@ -82,9 +86,9 @@ def walk_data(r: Cursor, n: int, s: int) -> memoryview:
     return r.buf[start : r.off]
 
 
-def parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[Stream]:
+def parse_streams(r: Cursor, single: bool, keep_empty: bool = False, has_v: bool = True) -> List[Stream]:
     """The streams of a memory blob that hold cells (every stream, None for an empty one, with
-    ``keep_empty``)."""
+    ``keep_empty``); ``has_v`` as :func:`walk_data`'s."""
     n_stream = r.u32("n_stream")
     if not 1 <= n_stream <= 4096:
         raise StateError(f"n_stream: expected a stream count in [1, 4096], found {n_stream}")
@@ -109,12 +113,12 @@ def parse_streams(r: Cursor, single: bool, keep_empty: bool = False) -> List[Str
                 raise StateError(f"stream {s} cell {i} n_seq_id: expected at most 4096, found {k}")
             ids.append(np.frombuffer(r.take(4 * k, f"stream {s} cell {i} seq ids"), "<i4"))
         start = r.off
-        streams.append(Stream(n, pos, ids, walk_data(r, n, s), start))
+        streams.append(Stream(n, pos, ids, walk_data(r, n, s, has_v), start))
     return streams
 
 
-def merge_data(streams: List[Stream]) -> bytes:
-    """One data section holding the rows of every stream, in stream order."""
+def merge_data(streams: List[Stream], has_v: bool = True) -> bytes:
+    """One data section holding the rows of every stream, in stream order (``has_v`` as :func:`walk_data`'s)."""
     if len(streams) == 1:
         return bytes(streams[0].data)
     parts, heads = [], None
@@ -133,7 +137,7 @@ def merge_data(streams: List[Stream]) -> bytes:
             t, row = r.i32("K type"), r.u64("K row size")
             ks.append((t, row, bytes(r.take(row * st.n, "K rows"))))
         vs = []
-        for il in range(n_layer):
+        for il in range(n_layer if has_v else 0):
             t = r.i32("V type")
             if v_trans == 1:
                 el, width = r.u32("V element size"), r.u32("V width")
@@ -191,4 +195,4 @@ def to_seed(streams: List[Stream], seq_id: int, cache: KVCache) -> bytes:
     for st in streams:
         for p, ids in zip(st.pos, st.ids):
             meta.append(struct.pack("<iI", int(p), len(ids)) + ids.tobytes())
-    return struct.pack("<I", n) + b"".join(meta) + merge_data(streams)
+    return struct.pack("<I", n) + b"".join(meta) + merge_data(streams, not cache.config.mla)

@@ -50,7 +50,7 @@ def write_streams(memory, seq_id: int = -1) -> bytes:
 def _parse(memory, data, seq_id: int) -> List[Optional[Stream]]:
     """Each stream's parsed section (None: no cells), checked against this memory's stream count."""
     r = Cursor(data)
-    streams = parse_streams(r, single=seq_id >= 0, keep_empty=True)
+    streams = parse_streams(r, single=seq_id >= 0, keep_empty=True, has_v=not memory.config.base.mla)
     r.finish("blob")
     if seq_id >= 0:
         held = [st for st in streams if st is not None]

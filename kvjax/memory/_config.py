@@ -207,6 +207,13 @@ class CacheConfig:
         n_swa: sliding-window size (required > 0 when ``swa_type`` is not ``"none"``).
         rope: RoPE parameters the K-shift needs: one :class:`RopeConfig` for every layer, a tuple
             with one per model layer, or ``None`` (then the cache cannot shift).
+        mla: a latent cache for multi-head latent attention (DeepSeek's MLA, llama.cpp's
+            ``is_mla``): each cell's K row is ``[latent (head_dim_v) | RoPE key (n_rot)]`` and
+            there is no V storage: V is a view of K's first ``head_dim_v`` columns, and the
+            K-shift rotates K's last ``n_rot`` columns only. Needs ``head_dim_v < head_dim``,
+            ``n_rot <= head_dim - head_dim_v`` (the latent never rotates) and ``v_dtype`` left at
+            its default or equal to ``k_dtype`` (V is read from K's storage). See
+            ``docs/architecture.md`` (the latent layout).
 
     Derived (read-only) attributes: ``cached_layers``, ``groups``, ``n_words``.
     """
@@ -225,6 +232,7 @@ class CacheConfig:
     swa_type: Union[SwaType, str] = SwaType.NONE
     n_swa: int = 0
     rope: Union[None, RopeConfig, Tuple[RopeConfig, ...]] = None
+    mla: bool = False
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -253,6 +261,10 @@ class CacheConfig:
         for name in ("k_dtype", "v_dtype"):
             set_(name, _dtype_name(name, getattr(self, name)))
         set_("layer_filter", self._normalize_filter(self.layer_filter))
+        check_flag("mla", self.mla)
+        set_("mla", bool(self.mla))
+        if self.mla:
+            self._check_latent()
         for name, dims in (("k_dtype", "head_dim"), ("v_dtype", "head_dim_v")):
             if getattr(self, name) in QUANT_TYPES:
                 for il in self.cached_layers:
@@ -275,7 +287,7 @@ class CacheConfig:
             require(self.n_swa > 0, "n_swa", self.n_swa, f"> 0 when swa_type={self.swa_type.value!r}")
         check_flag("v_trans", self.v_trans)
         set_("v_trans", bool(self.v_trans))
-        if self.v_trans and self.v_dtype in QUANT_TYPES:
+        if self.v_trans and self.v_dtype in QUANT_TYPES and not self.mla:  # a latent cache has no V rows
             # a transposed V has one value per element of a row across cells: it has no blocks (the
             # seed needs flash attention, hence v_trans = false, for a quantized V cache)
             raise ValueError(
@@ -283,6 +295,51 @@ class CacheConfig:
                 f"v_trans=False for a block-quantized V (blocks run along the head, not the cells)"
             )
         set_("rope", self._normalize_rope(self.rope))
+        if self.mla and self.rope is not None:
+            widths = sorted({self.rope[il].n_rot for il in self.cached_layers})
+            require(
+                len(widths) <= 1,
+                "rope.n_rot",
+                widths,
+                "one n_rot for every cached layer with mla=True (the RoPE key is K's last n_rot columns)",
+            )
+            for il in self.cached_layers:
+                nope = self.head_dim[il] - self.head_dim_v[il]
+                require(
+                    self.rope[il].n_rot <= nope,
+                    "rope.n_rot",
+                    self.rope[il].n_rot,
+                    f"<= head_dim - head_dim_v = {nope} of layer {il} with mla=True (the RoPE key follows "
+                    "the latent; rotating the latent would rotate V)",
+                )
+                if self.k_dtype in QUANT_TYPES:
+                    start = self.head_dim[il] - self.rope[il].n_rot
+                    require(
+                        start % BLOCK == 0,
+                        "rope.n_rot",
+                        self.rope[il].n_rot,
+                        f"a value leaving head_dim - n_rot a multiple of {BLOCK} with k_dtype={self.k_dtype!r} "
+                        f"(the K-shift rotates whole blocks; layer {il})",
+                    )
+
+    def _check_latent(self):
+        """The rules of a latent (MLA) cache: V is K's first ``head_dim_v`` columns."""
+        if self.v_dtype != self.k_dtype:
+            require(
+                self.v_dtype == "float32",
+                "v_dtype",
+                self.v_dtype,
+                f"k_dtype={self.k_dtype!r} or the default with mla=True (V is read from K's storage)",
+            )
+            object.__setattr__(self, "v_dtype", self.k_dtype)
+        for il in self.cached_layers:
+            require(
+                self.head_dim_v[il] < self.head_dim[il],
+                "head_dim_v",
+                self.head_dim_v[il],
+                f"< head_dim={self.head_dim[il]} of layer {il} with mla=True (V is K's first head_dim_v "
+                "columns, the RoPE key the rest)",
+            )
 
     # -- normalization helpers -------------------------------------------------------------
 
@@ -367,6 +424,19 @@ class CacheConfig:
             if layer in grp.layers:
                 return g, grp.layers.index(layer)
         raise ValueError(f"layer={layer} is not a cached layer: allowed {list(self.cached_layers)}")
+
+    def rope_start(self, layer: int) -> int:
+        """First K column the RoPE rotates in ``layer``: 0, or ``head_dim - n_rot`` in a latent (MLA) cache.
+
+        Example:
+            >>> cfg = CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=40, head_dim_v=32,
+            ...                   mla=True, rope=RopeConfig(n_rot=8))
+            >>> cfg.rope_start(0), cfg.v_dtype
+            (32, 'float32')
+        """
+        if not self.mla or self.rope is None:
+            return 0
+        return self.head_dim[layer] - self.rope[layer].n_rot
 
     @property
     def can_shift(self) -> bool:

@@ -170,8 +170,14 @@ def attention(
         slopes,
         softcap,
         sinks=sinks,
+        v_cols=latent_cols(cache.config, g),
     )
     return out.astype(q.dtype)
+
+
+def latent_cols(cfg, g: int) -> Optional[int]:
+    """V's width in a latent (MLA) cache's group ``g`` (V is K's first columns), else None."""
+    return cfg.groups[g].head_dim_v if cfg.mla else None
 
 
 def _slot_extents(cache: KVCache, streams: Int[Array, " n_slots"]) -> Int[Array, " n_slots"]:
@@ -234,6 +240,7 @@ def _slots_attention(
     *,
     batched: bool = True,
     sinks=None,
+    v_cols=None,
 ) -> Float[Array, "T Hq Dv"]:
     """Each slot over stream ``streams[j]`` of ``k_all [S, L, H, C, D]``, reading ``live[j]`` cells.
 
@@ -252,7 +259,7 @@ def _slots_attention(
     ``live = 0`` slot costs nothing: the mesh path's choice, where most slots belong to other
     devices. ``sinks`` (None or ``f32[Hq]``) join each row's softmax denominator
     (:func:`kvjax.attn._attention.apply_sinks`; a ``live = 0`` slot still gives zeros). Returns
-    float32 ``[T, Hq, Dv]``.
+    float32 ``[T, Hq, Dv]``. ``v_cols``: a latent cache's V width (V is K's first columns).
     """
     n_stream, n_layer, n_heads = k_all.shape[:3]
     # slot j reads (stream_j, index) of the [S, L, H, C, D] storage, sliced chunk by chunk straight
@@ -263,7 +270,7 @@ def _slots_attention(
     n_kv = slot_masks.shape[-1]
     t_all, hq, d = q.shape
     grp = hq // n_heads
-    width = n_heads * max(d, v_all.shape[-1]) * 4  # float32 bytes a cell adds to a slot's gathered block
+    width = n_heads * max(d, v_cols or v_all.shape[-1]) * 4  # float32 bytes a cell adds to a slot's gathered block
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     index_of = jnp.stack([jnp.clip(streams, 0, n_stream - 1), jnp.full_like(streams, index)], axis=-1).astype(jnp.int32)
     live = live.astype(jnp.int32)
@@ -294,7 +301,20 @@ def _slots_attention(
     def attend(qr, mask, idx, n_live, group):
         add, bias = mask_and_bias(mask)
         out, lse = _attend(
-            qr, k_all, v_all, idx, n_kv, add, bias, chunk_of(group), grp, cap, cfg.k_dtype, cfg.v_dtype, n_live=n_live
+            qr,
+            k_all,
+            v_all,
+            idx,
+            n_kv,
+            add,
+            bias,
+            chunk_of(group),
+            grp,
+            cap,
+            cfg.k_dtype,
+            cfg.v_dtype,
+            n_live=n_live,
+            v_cols=v_cols,
         )
         return apply_sinks(out, lse, sink_rows)[0]  # [.., H, G * t, Dv]
 
@@ -334,6 +354,8 @@ def _write_rows(k_all, v_all, index: int, stream, cell, k, v, cfg):
     stream = jnp.where(live, stream, 0)
     # indexed by ([T], scalar, :, [T]): the T axis comes first, rows go in as [T, H, D]
     new_k = k_all.at[stream, index, :, target].set(_quant.to_storage(k, cfg.k_dtype), mode="drop")
+    if cfg.mla:  # a latent cache's V is K's first columns: nothing more to write
+        return new_k, v_all
     new_v = v_all.at[stream, index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
     return new_k, new_v
 
@@ -365,6 +387,8 @@ def _attend_on_mesh(
     writes = k is not None
     if not writes:  # attention only: nothing is written (the placement's rows all fall out of bounds)
         k, v = q[:, :0], q[:, :0]
+    elif v is None:  # a latent cache writes K only (a zero-width stand-in keeps the operands' specs)
+        v = k[..., :0]
     operands = [cache.k[g], cache.v[g], q, k, v, placement.stream, placement.cell, streams, live, slot_masks]
     specs = [buf, buf, rows, rows, rows, P(), P(), P(), P(), P()]
     per_head = [x for x in (slopes, sinks) if x is not None]
@@ -397,6 +421,7 @@ def _attend_on_mesh(
             softcap,
             batched=False,
             sinks=local_sinks,
+            v_cols=latent_cols(cfg, g),
         )
         out = jax.lax.psum(out, DATA)
         return (k_all, v_all, out) if writes else out

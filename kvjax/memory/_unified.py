@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -216,12 +216,10 @@ def _init(config: CacheConfig) -> KVCache:
                 _storage_dtype(config.k_dtype),
             )
         )
-        v.append(
-            jnp.zeros(
-                (n, grp.n_kv_heads, config.size, _quant.stored_width(config.v_dtype, grp.head_dim_v)),
-                _storage_dtype(config.v_dtype),
-            )
-        )
+        # a latent (MLA) cache has no V storage: its V leaf is zero-width, so every operation
+        # that moves K and V together (defrag, state, streams, sharding) moves nothing for it
+        v_width = 0 if config.mla else _quant.stored_width(config.v_dtype, grp.head_dim_v)
+        v.append(jnp.zeros((n, grp.n_kv_heads, config.size, v_width), _storage_dtype(config.v_dtype)))
     return KVCache(cells=empty_cells(config.size, config.n_seq_max), k=tuple(k), v=tuple(v), config=config)
 
 
@@ -241,8 +239,13 @@ def size_k_bytes(x: Union[KVCache, CacheConfig]) -> int:
 
 
 def size_v_bytes(x: Union[KVCache, CacheConfig]) -> int:
-    """Bytes of V storage over all cached layers (the seed's ``size_v_bytes``; real block bytes)."""
+    """Bytes of V storage over all cached layers (the seed's ``size_v_bytes``; real block bytes).
+
+    0 for a latent (MLA) cache: its V is a view of K.
+    """
     cfg = _config_of(x)
+    if cfg.mla:
+        return 0
     return sum(
         cfg.size * cfg.n_kv_heads[il] * _quant.row_bytes(cfg.v_dtype, cfg.head_dim_v[il]) for il in cfg.cached_layers
     )
@@ -308,7 +311,11 @@ def _check_rows(name, rows, grp_heads, grp_dim, n_tokens):
 
 
 def write(
-    cache: KVCache, layer, slot: Int[Array, " T"], k: Float[Array, "T H D"], v: Float[Array, "T H Dv"]
+    cache: KVCache,
+    layer,
+    slot: Int[Array, " T"],
+    k: Float[Array, "T H D"],
+    v: Optional[Float[Array, "T H Dv"]] = None,
 ) -> KVCache:
     """Write a ubatch's K and V rows into the cells chosen by ``find_slot``.
 
@@ -322,7 +329,8 @@ def write(
             layer group (e.g. inside ``lax.scan`` over layers).
         slot: ``i32[T]`` cell of each row.
         k: ``[T, H, D]`` K rows (any floating dtype; cast to ``config.k_dtype``).
-        v: ``[T, H, Dv]`` V rows.
+        v: ``[T, H, Dv]`` V rows; None for a latent (MLA) cache, whose V is K's first ``Dv``
+            columns (a V given there is refused: it could only be ignored).
 
     Returns:
         The cache with the rows written.
@@ -352,8 +360,37 @@ def write(
     if slot.ndim != 1 or not jnp.issubdtype(slot.dtype, jnp.integer):
         raise ValueError(f"slot has shape {slot.shape} and dtype {slot.dtype}: allowed an integer [T] array")
     _check_rows("k", k, grp.n_kv_heads, grp.head_dim, slot.shape[0])
-    _check_rows("v", v, grp.n_kv_heads, grp.head_dim_v, slot.shape[0])
+    check_v_rows(cfg, v, grp, slot.shape[0])
     return _write(cache, g, index, layer_ok, slot, k, v)
+
+
+def check_v_rows(cfg: CacheConfig, v, grp, n_tokens: int) -> None:
+    """``v`` fits the group: ``[T, H, Dv]`` rows, or None in a latent (MLA) cache (V is a view of K)."""
+    if cfg.mla:
+        if v is not None:
+            raise ValueError(
+                "v must be None for a latent cache (mla=True): V is a view of K's first "
+                f"head_dim_v={grp.head_dim_v} columns, so write the latent there"
+            )
+        return
+    if v is None:
+        raise ValueError(f"v is None: allowed a floating [T, H_kv={grp.n_kv_heads}, Dv={grp.head_dim_v}] array")
+    _check_rows("v", v, grp.n_kv_heads, grp.head_dim_v, n_tokens)
+
+
+def latent_v(k_stored: Array, config: CacheConfig, head_dim_v: int) -> Array:
+    """V of a latent (MLA) cache: the first ``head_dim_v`` columns of stored K rows (``[..., D*]``).
+
+    For a block type these are K's first ``head_dim_v // 32`` blocks, whole (the config keeps
+    ``head_dim_v`` a multiple of the block), so the slice is V in V's own storage format.
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> cfg = kvjax.CacheConfig(size=32, n_seq_max=1, n_layer=1, n_kv_heads=1, head_dim=3, head_dim_v=2, mla=True)
+        >>> latent_v(jnp.arange(6.0).reshape(2, 3), cfg, 2).tolist()
+        [[0.0, 1.0], [3.0, 4.0]]
+    """
+    return k_stored[..., : _quant.stored_width(config.k_dtype, head_dim_v)]
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -367,7 +404,9 @@ def _write(cache: KVCache, g: int, index, layer_ok, slot, k, v) -> KVCache:
     # only the written rows are converted (quantized to ggml blocks for a block type)
     cfg = cache.config
     new_k = cache.k[g].at[index, :, target].set(_quant.to_storage(k, cfg.k_dtype), mode="drop")
-    new_v = cache.v[g].at[index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
+    new_v = (
+        cache.v[g] if v is None else cache.v[g].at[index, :, target].set(_quant.to_storage(v, cfg.v_dtype), mode="drop")
+    )
     error = cache.cells.error | jnp.where(bad, jnp.uint32(ErrorFlag.SLOT), jnp.uint32(0))
     error = error | jnp.where(layer_ok, jnp.uint32(0), jnp.uint32(ErrorFlag.LAYER))
     ks = cache.k[:g] + (new_k,) + cache.k[g + 1 :]
@@ -385,7 +424,8 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
         n_kv: static window N, a positive multiple of ``padding`` and at most ``size``.
 
     Returns:
-        ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes; a block-quantized type is returned
+        ``(k [H, N, D], v [H, N, Dv])`` in the storage dtypes (in a latent cache ``v`` is K's
+        first ``Dv`` columns); a block-quantized type is returned
         dequantized to float32 (attention itself never makes this copy: it dequantizes chunk by
         chunk).
     """
@@ -394,7 +434,10 @@ def view(cache: KVCache, layer, n_kv: int) -> Tuple[Float[Array, "H N D"], Float
     n_kv = check_window(n_kv, cfg.padding, cfg.size)
     g, index, _ = _layer_index(cfg, layer)
     k = jax.lax.dynamic_index_in_dim(cache.k[g], index, axis=0, keepdims=False)[:, :n_kv]
-    v = jax.lax.dynamic_index_in_dim(cache.v[g], index, axis=0, keepdims=False)[:, :n_kv]
+    if cfg.mla:
+        v = latent_v(k, cfg, cfg.groups[g].head_dim_v)
+    else:
+        v = jax.lax.dynamic_index_in_dim(cache.v[g], index, axis=0, keepdims=False)[:, :n_kv]
     if _quant.is_quantized(cfg.k_dtype):
         k = _quant.dequantize(k, cfg.k_dtype)
     if _quant.is_quantized(cfg.v_dtype):
