@@ -53,9 +53,14 @@ VOCAB = "vocab"
 LOGICAL_AXES = (LAYERS, KV_HEADS, CELLS, HEAD_DIM, SEQ_WORDS, SEQS, STREAMS, STATE_ROWS, STATE, HEADS, FF, EMBED, VOCAB)
 
 
-def kv_axes() -> PartitionSpec:
-    """Axes of a unified cache's stacked K or V buffer ``[L, H, C, D]`` (quantized: D = block bytes)."""
-    return PartitionSpec(LAYERS, KV_HEADS, CELLS, HEAD_DIM)
+def kv_axes(latent: bool = False) -> PartitionSpec:
+    """Axes of a unified cache's stacked K or V buffer ``[L, H, C, D]`` (quantized: D = block bytes).
+
+    ``latent``: a latent (MLA) cache's, whose one row per cell every query head reads (its one kv
+    head is not a head axis to split: each device of a ``"model"`` axis holds the whole latent,
+    as tensor-parallel MLA serving does).
+    """
+    return PartitionSpec(LAYERS, None if latent else KV_HEADS, CELLS, HEAD_DIM)
 
 
 def scalar_axes() -> PartitionSpec:

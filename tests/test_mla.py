@@ -273,3 +273,28 @@ def test_state_has_k_sections_only_and_round_trips():
     assert kvjax.state_write(kvjax.state_read(kvjax.init(cfg), whole)) == whole
     with pytest.raises(kvjax.StateError):  # a blob with a V section is another layout
         kvjax.state_read(kvjax.init(cfg), kvjax.state_write(kvjax.init(_config(mla=False, head_dim_v=LATENT))))
+
+
+# -- defrag ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k_dtype", ["float32", "q8_0"])
+def test_defrag_moves_the_latent_rows_with_their_cells(k_dtype):
+    """After a defrag every sequence's cached rows (latent and RoPE key, hence V) read as before."""
+    m = _Model(12, latent=64, rope_dim=32)
+    cfg = m.config(k_dtype=k_dtype)
+    cache = kvjax.init(cfg)
+    ub = kvjax.make_ubatch(list(range(6)) * 2, [[0]] * 6 + [[1]] * 6, length=12)
+    cache, slot, _ = kvjax.find_slot(cache, ub)
+    cache = kvjax.write(cache, 0, slot, m.rows(ub.pos))
+    cache, _ = kvjax.seq_rm(cache, 0, 0, 4)  # a hole before sequence 1's cells
+    q = m.absorbed_q(jnp.full((12,), 6))[:1]  # one query of sequence 1 at position 6
+    mask_of = lambda c: kvjax.kq_mask(c, kvjax.make_ubatch([6], [[1]]), 32)  # noqa: E731
+    before = kvjax.attention(q, cache, 0, mask_of(cache), scale=m.scale)
+    moved = kvjax.defrag(cache)
+    pos = kvjax.cell_table(moved).pos
+    assert (pos[:8] >= 0).all() and (pos[8:] == -1).all()  # the rows moved into the hole: no gap left
+    after = kvjax.attention(q, moved, 0, mask_of(moved), scale=m.scale)
+    np.testing.assert_allclose(np.asarray(after), np.asarray(before), rtol=1e-6, atol=1e-6)
+    k, v = kvjax.view(moved, 0, 32)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(k[..., :64]))

@@ -68,6 +68,9 @@ HYBRID = kvjax.HybridConfig(
     recurrent_layers=(1,),
 )
 STREAMS = kvjax.StreamsConfig(_unified(size=16))
+# a latent (MLA) cache: one kv head (MQA), so K is whole on the "model" axis and split by nothing else
+MLA = _unified(n_kv_heads=1, head_dim=40, head_dim_v=32, mla=True)
+MLA_STREAMS = kvjax.StreamsConfig(_unified(size=16, n_kv_heads=1, head_dim=40, head_dim_v=32, mla=True))
 
 CONFIGS = [
     pytest.param(c, id=name)
@@ -78,6 +81,8 @@ CONFIGS = [
         ("recurrent", RECURRENT),
         ("hybrid", HYBRID),
         ("streams", STREAMS),
+        ("mla", MLA),
+        ("mla-streams", MLA_STREAMS),
     )
 ]
 
@@ -201,20 +206,24 @@ def test_a_llama_cpp_sequence_file_restores_on_a_mesh(mesh_shape):
         _assert_kept(got, kvjax.init(config, mesh=mesh), "seq_file_read")
 
 
-@pytest.mark.parametrize("config", [pytest.param(UNIFIED, id="unified"), pytest.param(QUANTIZED, id="quantized")])
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(UNIFIED, id="unified"), pytest.param(QUANTIZED, id="quantized"), pytest.param(MLA, id="mla")],
+)
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_write_and_attention_equal_unsharded(config, mesh_shape):
     mesh = shard.make_mesh(*mesh_shape)
     layout = kvjax.init(config, mesh=mesh)
     rng = np.random.default_rng(1)
     ub = kvjax.make_ubatch([0, 1, 2, 0, 1, 2, 3, 4], [[0], [0], [0], [5], [5], [5], [0], [0]])
-    h, d = 8, (32 if config is QUANTIZED else 8)  # the configs' kv heads and head size
-    k, v, q = (jnp.asarray(rng.normal(size=(8, n, d)), jnp.float32) for n in (h, h, 2 * h))
+    h, d = config.n_kv_heads[0], config.head_dim[0]
+    k, v = (jnp.asarray(rng.normal(size=(8, h, d)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(8, 16, d)), jnp.float32)  # 16 query heads: split over "model"
     results = []
     for memory in (kvjax.init(config), layout):
         memory, slot, ok = kvjax.find_slot(memory, ub)
         assert bool(ok)
-        memory = kvjax.write(memory, 0, slot, k, v)
+        memory = kvjax.write(memory, 0, slot, k, None if config.mla else v)
         mask = kvjax.kq_mask(memory, ub, 16)
         results.append((memory, kvjax.attention(q, memory, 0, mask)))
     (plain, want), (sharded, got) = results

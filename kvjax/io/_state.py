@@ -224,6 +224,15 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
     """Parsed K/V rows copied into padded, aligned buffers per layer group, on the cache's devices."""
     n = parsed.n
     k_bufs, v_bufs = [], []
+    if config.mla:  # a latent cache: K rows only
+        for grp in config.groups:
+            n_l = len(grp.layers)
+            width = _quant.stored_width(config.k_dtype, grp.head_dim)
+            k_bufs.append(_aligned_empty((n_l, rows, grp.n_kv_heads, width), _uint_of(config.k_dtype)))
+        for lay, k in zip(layer_layouts(config), parsed.k):
+            k_bufs[lay.group][lay.index][:n] = k
+            k_bufs[lay.group][lay.index][n:] = 0
+        return tuple(_rows_on(b, like, False) for b, like in zip(k_bufs, cache.k)), ()
     for grp in config.groups:
         n_l = len(grp.layers)
         k_bufs.append(
@@ -234,7 +243,7 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
         v_shape = (
             (n_l, grp.n_kv_heads * grp.head_dim_v, rows)
             if v_rows_transposed(config)
-            else (n_l, rows, grp.n_kv_heads, 0 if config.mla else _quant.stored_width(config.v_dtype, grp.head_dim_v))
+            else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v))
         )
         v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
     for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
@@ -320,7 +329,9 @@ def write_unified(cache: KVCache, seq_id: int = -1) -> bytes:
     if n:
         padded = np.zeros(rows, np.int32)
         padded[:n] = idx
-        ks, vs = _gather(cache.k, cache.v, jnp.asarray(padded), full=n == cfg.size, v_trans=v_rows_transposed(cfg))
+        ks, vs = _gather(
+            cache.k, _v_leaves(cache), jnp.asarray(padded), full=n == cfg.size, v_trans=v_rows_transposed(cfg)
+        )
         k_host = [host_array(x) for x in ks]  # views of the device buffers on the CPU backend
         v_host = [host_array(x) for x in vs]
     for lay in layouts:
@@ -416,8 +427,13 @@ def _read_whole(cache: KVCache, parsed: _Parsed, donate: bool) -> KVCache:
     if n == 0:
         return cache.replace(cells=cells)
     k_rows, v_rows = _host_rows(cfg, parsed, _bucket(n, cfg.size), cache)
-    k, v = _assemble(cache.k, cache.v, k_rows, v_rows, v_trans=v_rows_transposed(cfg), donate=bool(donate))
-    return cache.replace(cells=cells, k=k, v=v)
+    k, v = _assemble(cache.k, _v_leaves(cache), k_rows, v_rows, v_trans=v_rows_transposed(cfg), donate=bool(donate))
+    return cache.replace(cells=cells, k=k, v=v or cache.v)
+
+
+def _v_leaves(cache: KVCache):
+    """The V buffers a state read or write moves: none in a latent cache (its V leaves hold nothing)."""
+    return () if cache.config.mla else cache.v
 
 
 def _largest_free_run(free: np.ndarray) -> int:
@@ -448,8 +464,8 @@ def _read_seq(
             f"contiguous=False to place the cells in any free cells"
         )
     k_rows, v_rows = _host_rows(cfg, parsed, rows, cache)
-    k, v = _place(cache.k, cache.v, slot, k_rows, v_rows, v_trans=v_rows_transposed(cfg), donate=bool(donate))
-    return placed.replace(k=k, v=v)
+    k, v = _place(cache.k, _v_leaves(cache), slot, k_rows, v_rows, v_trans=v_rows_transposed(cfg), donate=bool(donate))
+    return placed.replace(k=k, v=v or cache.v)
 
 
 __all__ = ["state_write", "state_read", "layer_layouts", "layout_fingerprint", "LayerLayout", "QUANTIZED_TYPE_IDS"]

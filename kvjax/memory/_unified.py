@@ -165,10 +165,13 @@ class KVCache(Memory):
 
     def logical_axes(self) -> "KVCache":
         # K and V are [L, H, C, D] (quantized: D = the row's block bytes): only H is split by the
-        # default rules; the cells are read whole by every sequence operation and placement
-
+        # default rules; the cells are read whole by every sequence operation and placement. A latent
+        # cache's one kv head serves every query head: it stays whole (replicated over "model")
+        latent = self.config.mla
         return self.replace(
-            cells=self.cells.logical_axes(), k=tuple(kv_axes() for _ in self.k), v=tuple(kv_axes() for _ in self.v)
+            cells=self.cells.logical_axes(),
+            k=tuple(kv_axes(latent) for _ in self.k),
+            v=tuple(kv_axes(latent) for _ in self.v),
         )
 
     # -- donation, errors, sizes, state ---------------------------------------------------------------
