@@ -1,4 +1,4 @@
-"""Memories: what the iSWA pair saves against one full-size cache, and its decode speed.
+"""Memories: what the iSWA pair saves against one full-size cache, and its decode speed; latent bytes.
 
 - Bytes of K/V for a Gemma-2-like layer pattern (every other layer has a 4096-token window;
   Gemma 2 2B's 26 layers, 4 kv heads of size 256, float16) at 8K and 32K cells, computed from the
@@ -6,6 +6,8 @@
 - Decode tokens/s of a small model with window layers at a long context, through ``kvjax.Engine``
   on the iSWA pair and on one full-size unified cache, same run, same tokens. The window layers'
   attention reads the window cache's window bucket, which stays small as the context grows.
+- Bytes per cell of a latent (MLA) cache against the decompressed K/V cache of the same model
+  (DeepSeek V2-Lite's and V3's attention shapes), from the configs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ def _bytes_rows():
         rows.append(
             [f"{size}", f"{full / 2**20:.0f} MiB", f"{pair / 2**20:.0f} MiB", f"{iswa.size_swa}", f"{pair / full:.2f}"]
         )
+    return rows
+
+
+#: (name, layers, heads, qk_nope, qk_rope, v_head, kv_lora_rank) of DeepSeek models' attention
+MLA_MODELS = (("DeepSeek-V2-Lite", 27, 16, 128, 64, 128, 512), ("DeepSeek-V3", 61, 128, 128, 64, 128, 512))
+
+
+def _latent_rows():
+    """Bytes per cell (all layers) of the latent cache and of the decompressed K/V, float16 and q8_0."""
+    rows = []
+    for name, layers, heads, nope, rope, v_head, rank in MLA_MODELS:
+        for dtype in ("float16", "q8_0"):
+            shape = dict(size=256, n_seq_max=1, n_layer=layers, k_dtype=dtype, v_dtype=dtype)
+            latent = kvjax.CacheConfig(
+                n_kv_heads=1, head_dim=rank + rope, head_dim_v=rank, mla=True, rope=kvjax.RopeConfig(n_rot=rope), **shape
+            )
+            plain = kvjax.CacheConfig(n_kv_heads=heads, head_dim=nope + rope, head_dim_v=v_head, **shape)
+            per_cell = [kvjax.total_size(c) // c.size for c in (latent, plain)]
+            rows.append(
+                [name, dtype, f"{per_cell[0]:,}", f"{per_cell[1]:,}", f"{per_cell[1] / per_cell[0]:.1f}x"]
+            )
     return rows
 
 
@@ -88,5 +111,11 @@ def run(quick: bool) -> str:
             f"memories' rounds interleaved, compile excluded:",
             "",
             table(["memory", "cells", "context", "tokens/s", "vs full-size"], decode_rows),
+            "",
+            "Bytes per cell (every layer) of the latent (MLA) cache, one row [latent 512 | RoPE key 64] with V a "
+            "view of its latent, against the decompressed K/V of the same attention (every head's K of "
+            "qk_nope + qk_rope and V of v_head), from the configs:",
+            "",
+            table(["model", "dtype", "latent cache", "decompressed K/V", "ratio"], _latent_rows()),
         ]
     )

@@ -11,6 +11,7 @@ import pytest
 
 import kvjax
 from kvjax._errors import StateError
+from kvjax.io import _checkpoint
 from tests.helpers import fill
 from tests.test_state import MIXED, with_random_kv
 
@@ -132,3 +133,24 @@ def test_a_damaged_checkpoint_is_a_state_error(tmp_path, damage):
             p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 3])
     with pytest.raises(StateError, match="state: the arrays of the checkpoint at .* cannot be read"):
         kvjax.checkpoint_restore(tmp_path / "ck", CFG)
+
+
+def test_a_latent_cache_round_trips(tmp_path):
+    """A latent (MLA) cache's zero-width V leaves go through orbax as they are."""
+    cfg = kvjax.CacheConfig(
+        size=32, n_seq_max=2, n_layer=2, n_kv_heads=1, head_dim=40, head_dim_v=32, mla=True, padding=32
+    )
+    cache = with_random_kv(fill(kvjax.init(cfg), range(6), [[0], [1]] * 3), 4)
+    assert cache.v[0].shape[-1] == 0
+    kvjax.checkpoint_save(tmp_path / "ck", cache)
+    assert_same(kvjax.checkpoint_restore(tmp_path / "ck", cfg), cache)
+
+
+def test_a_checkpoint_older_than_a_config_field_restores(tmp_path, monkeypatch):
+    """A checkpoint written before CacheConfig had ``mla`` has no such field: it was the default then."""
+    original = _checkpoint.config_record
+    monkeypatch.setattr(_checkpoint, "config_record", lambda c: {k: v for k, v in original(c).items() if k != "mla"})
+    cache = sample()
+    kvjax.checkpoint_save(tmp_path / "ck", cache)
+    monkeypatch.setattr(_checkpoint, "config_record", original)
+    assert_same(kvjax.checkpoint_restore(tmp_path / "ck", CFG), cache)

@@ -31,6 +31,7 @@ import os
 from typing import Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax.memory._init import abstract
@@ -40,6 +41,7 @@ from kvjax.memory._config import CacheConfig
 from kvjax._errors import StateError
 from kvjax._validate import INT32_MAX
 from kvjax.memory import _seqbits as seqbits
+from kvjax.storage import _quant
 
 FORMAT = "kvjax-cache"
 VERSION = 1
@@ -81,11 +83,23 @@ def config_record(config: CacheConfig) -> dict:
 
 def _tree(cache: KVCache) -> dict:
     cells = {name: getattr(cache.cells, name) for name in _CELL_FIELDS}
+    tree = {"cells": cells, "k": {str(g): x for g, x in enumerate(cache.k)}}
+    if not cache.config.mla:  # a latent cache's V leaves hold nothing (orbax refuses zero-size arrays)
+        tree["v"] = {str(g): x for g, x in enumerate(cache.v)}
+    return tree
+
+
+def _field_defaults() -> dict:
+    """The JSON record of every CacheConfig field that has a plain default."""
     return {
-        "cells": cells,
-        "k": {str(g): x for g, x in enumerate(cache.k)},
-        "v": {str(g): x for g, x in enumerate(cache.v)},
+        f.name: _jsonable(f.default) for f in dataclasses.fields(CacheConfig) if f.default is not dataclasses.MISSING
     }
+
+
+def _empty_v(config: CacheConfig):
+    """A latent cache's zero-width V leaves (not in its checkpoint: they hold nothing)."""
+    dtype = _quant.storage_dtype(config.v_dtype)
+    return tuple(jnp.zeros((len(g.layers), g.n_kv_heads, config.size, 0), dtype) for g in config.groups)
 
 
 def _check_path(path) -> str:
@@ -182,6 +196,8 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
         if meta.get("version") != VERSION:
             raise StateError(f"version: expected {VERSION}, found {meta.get('version')!r}")
         want, have = config_record(config), meta.get("config", {})
+        # a field newer than the checkpoint (e.g. mla) was its default when the checkpoint was written
+        have = {**_field_defaults(), **have}
         diff = [f"{k}: checkpoint {have.get(k)!r}, target {want[k]!r}" for k in want if have.get(k) != want[k]]
         if diff:
             raise StateError("config: expected the checkpoint's config, found differences: " + "; ".join(diff))
@@ -200,7 +216,7 @@ def checkpoint_restore(path, config_or_cache: Union[CacheConfig, KVCache]) -> KV
     return KVCache(
         cells=cells,
         k=tuple(state["k"][str(g)] for g in groups),
-        v=tuple(state["v"][str(g)] for g in groups),
+        v=tuple(state["v"][str(g)] for g in groups) if "v" in state else _empty_v(config),
         config=config,
     )
 
