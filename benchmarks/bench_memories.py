@@ -59,13 +59,16 @@ def _latent_rows():
         for dtype in ("float16", "q8_0"):
             shape = dict(size=256, n_seq_max=1, n_layer=layers, k_dtype=dtype, v_dtype=dtype)
             latent = kvjax.CacheConfig(
-                n_kv_heads=1, head_dim=rank + rope, head_dim_v=rank, mla=True, rope=kvjax.RopeConfig(n_rot=rope), **shape
+                n_kv_heads=1,
+                head_dim=rank + rope,
+                head_dim_v=rank,
+                mla=True,
+                rope=kvjax.RopeConfig(n_rot=rope),
+                **shape,
             )
             plain = kvjax.CacheConfig(n_kv_heads=heads, head_dim=nope + rope, head_dim_v=v_head, **shape)
             per_cell = [kvjax.total_size(c) // c.size for c in (latent, plain)]
-            rows.append(
-                [name, dtype, f"{per_cell[0]:,}", f"{per_cell[1]:,}", f"{per_cell[1] / per_cell[0]:.1f}x"]
-            )
+            rows.append([name, dtype, f"{per_cell[0]:,}", f"{per_cell[1]:,}", f"{per_cell[1] / per_cell[0]:.1f}x"])
     return rows
 
 
