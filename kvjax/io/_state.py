@@ -224,15 +224,6 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
     """Parsed K/V rows copied into padded, aligned buffers per layer group, on the cache's devices."""
     n = parsed.n
     k_bufs, v_bufs = [], []
-    if config.mla:  # a latent cache: K rows only
-        for grp in config.groups:
-            n_l = len(grp.layers)
-            width = _quant.stored_width(config.k_dtype, grp.head_dim)
-            k_bufs.append(_aligned_empty((n_l, rows, grp.n_kv_heads, width), _uint_of(config.k_dtype)))
-        for lay, k in zip(layer_layouts(config), parsed.k):
-            k_bufs[lay.group][lay.index][:n] = k
-            k_bufs[lay.group][lay.index][n:] = 0
-        return tuple(_rows_on(b, like, False) for b, like in zip(k_bufs, cache.k)), ()
     for grp in config.groups:
         n_l = len(grp.layers)
         k_bufs.append(
@@ -245,11 +236,14 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
             if v_rows_transposed(config)
             else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v))
         )
-        v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
+        if not config.mla:  # a latent cache: K rows only (its V leaves hold nothing)
+            v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
     for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
         kb = k_bufs[lay.group][lay.index]
         kb[:n] = k
         kb[n:] = 0
+        if config.mla:
+            continue
         vb = v_bufs[lay.group][lay.index]
         if v_rows_transposed(config):
             vb[:, :n] = v
