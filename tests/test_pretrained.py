@@ -304,7 +304,7 @@ def test_memory_config_for_each_kind():
 def test_memory_config_for_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         memory_config_for(_kvjax_llama(), **kwargs)
-    with pytest.raises(ValueError, match=r"model must be a kvjax.nn.Llama, Mamba or HybridLM, got str"):
+    with pytest.raises(ValueError, match=r"model must be a kvjax.nn.Llama, Deepseek, Mamba or HybridLM, got str"):
         memory_config_for("model", size=32)
 
 

@@ -7,6 +7,10 @@
   uncached, configured by :class:`LlamaConfig`; its options make it Gemma 2 / Gemma 3 (text)
   (:meth:`LlamaConfig.from_hf`, :func:`llama_from_hf` loads the ``transformers`` weights;
   :class:`OffsetRMSNorm` / :class:`LinenOffsetRMSNorm` are Gemma's ``(1 + w)`` RMSNorm).
+- :class:`Deepseek` (NNX): DeepSeek V2/V3's multi-head latent attention (:class:`MLAttention`, absorbed
+  over the latent cache ``CacheConfig(mla=True)``) with the dense MLP and DeepSeek's mixture of
+  experts (:class:`DeepseekMoE`, :class:`Routing`), configured by :class:`DeepseekConfig`
+  (:meth:`DeepseekConfig.from_hf`; :func:`deepseek_from_hf` loads the ``transformers`` weights).
 - :class:`Mamba` (NNX): a selective state-space model numerically equal to transformers'
   ``MambaForCausalLM``, with an explicit per-sequence state (the recurrent memory's rows).
 - :class:`HybridLM` (NNX): attention blocks and Mamba blocks by a layer pattern (Jamba-like) over a
@@ -37,7 +41,10 @@ from kvjax.nn._linen_attention import LinenCachedAttention
 from kvjax.nn._inputs import MaskKind, UbatchInputs, layer_mask
 from kvjax.nn._hf import llama_from_hf
 from kvjax.nn._llama import ACTIVATIONS, Block, Llama, LlamaConfig, MLP
-from kvjax.nn._moe import MoE
+from kvjax.nn._moe import MoE, Routing
+from kvjax.nn._mla import MLAttention
+from kvjax.nn._deepseek import Deepseek, DeepseekBlock, DeepseekConfig, DeepseekMoE
+from kvjax.nn._deepseek_hf import deepseek_from_hf
 from kvjax.nn._llama_linen import LlamaLinen, params_from_nnx
 from kvjax.nn._mamba import Mamba, MambaConfig, make_mamba_step
 from kvjax.nn._mamba_hf import params_from_hf
@@ -77,6 +84,13 @@ __all__ = [
     "Block",
     "MLP",
     "MoE",
+    "Routing",
+    "MLAttention",
+    "Deepseek",
+    "DeepseekBlock",
+    "DeepseekConfig",
+    "DeepseekMoE",
+    "deepseek_from_hf",
     "params_from_nnx",
     "ACTIVATIONS",
     "llama_from_hf",

@@ -2,7 +2,9 @@
 
 Each token's router logits pick its ``k`` best experts; their softmax over those ``k`` weighs the
 experts' outputs (gpt-oss's router; Mixtral's softmax-then-renormalise over the top ``k`` is the
-same numbers). The experts run as grouped matmuls (:func:`grouped_products`): the ``T * k``
+same numbers). DeepSeek's routers are :class:`Routing` options: V2 weighs the top ``k`` of a
+softmax over every expert, V3 picks by sigmoid scores plus a learned bias within the best groups of
+experts, and both scale the weights by ``routed_scaling_factor``. The experts run as grouped matmuls (:func:`grouped_products`): the ``T * k``
 (token, expert) pairs are sorted by expert, so each expert's weights meet only the rows routed to
 it and the work follows ``T * k``, not ``T * n_experts``; the weighted results are added back to
 their tokens. Shapes are static whatever the routing, so the step compiles once.
@@ -24,16 +26,27 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+import dataclasses
+from typing import Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from kvjax._typing import Array, Float, Int
-from kvjax._validate import check_count, check_real, require
+from kvjax._validate import check_count, check_flag, check_real, require
 
-__all__ = ["GATED", "EXPERT_PARAMS", "MoE", "gated_product", "route", "mix_experts", "grouped_products", "moe_forward"]
+__all__ = [
+    "GATED",
+    "EXPERT_PARAMS",
+    "MoE",
+    "Routing",
+    "gated_product",
+    "route",
+    "mix_experts",
+    "grouped_products",
+    "moe_forward",
+]
 
 #: The experts' parameters of a mixture (NNX and linen alike): ``gate`` / ``up`` ``[X, E, F]``,
 #: ``down`` ``[X, F, E]`` and their optional biases.
@@ -66,16 +79,118 @@ def gated_product(activation: str, gate, up, alpha: float = 1.702, limit: float 
     return GATED[activation](gate, up, alpha, limit)
 
 
-def route(logits: Float[Array, "T X"], k: int) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
-    """``(experts, weights)``: each token's ``k`` largest router logits and their softmax.
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a router's logits pick each token's experts and weigh them (frozen, hashable, validated).
+
+    Attributes:
+        score: ``"topk_softmax"`` (the default: softmax over the ``k`` largest logits, gpt-oss and
+            Mixtral), ``"softmax"`` (softmax over every expert, the ``k`` largest probabilities
+            kept as they are: DeepSeek V2) or ``"sigmoid"`` (each expert's sigmoid: DeepSeek V3).
+        n_group: experts form this many equal groups, and only the ``topk_group`` best groups
+            may be picked (DeepSeek's group-limited routing; 1 for no groups). A group's score is
+            its best expert's with ``"softmax"`` (V2's ``group_limited_greedy``) and the sum of its
+            two best with ``"sigmoid"`` (V3).
+        topk_group: the groups kept (1 <= topk_group <= n_group).
+        choice_bias: a learned per-expert bias added to the scores for choosing only, not to the
+            weights (V3's ``e_score_correction_bias``; the MoE's ``score_bias`` parameter).
+        normalize: divide the ``k`` weights by their sum (V3's ``norm_topk_prob``).
+        scale: multiply the weights by this (``routed_scaling_factor``, > 0).
+
+    Example:
+        >>> Routing(score="sigmoid", n_group=4, topk_group=2, scale=2.5).n_group
+        4
+    """
+
+    score: str = "topk_softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    choice_bias: bool = False
+    normalize: bool = False
+    scale: float = 1.0
+
+    def __post_init__(self):
+        scores = ("topk_softmax", "softmax", "sigmoid")
+        require(self.score in scores, "routing.score", self.score, f"one of {list(scores)}")
+        object.__setattr__(self, "n_group", check_count("routing.n_group", self.n_group, 1))
+        topk_group = check_count("routing.topk_group", self.topk_group, 1)
+        require(topk_group <= self.n_group, "routing.topk_group", topk_group, f"at most n_group={self.n_group}")
+        object.__setattr__(self, "topk_group", topk_group)
+        grouped = self.n_group > 1
+        require(
+            not (grouped and self.score == "topk_softmax"),
+            "routing.n_group",
+            self.n_group,
+            "1 with score='topk_softmax' (groups are DeepSeek's: score 'softmax' or 'sigmoid')",
+        )
+        for name in ("choice_bias", "normalize"):
+            object.__setattr__(self, name, check_flag(f"routing.{name}", getattr(self, name)))
+        object.__setattr__(self, "scale", check_real("routing.scale", self.scale, above=0))
+
+    def check_experts(self, n_experts: int, k: int) -> None:
+        """Raise ``ValueError`` unless ``n_experts`` split into ``n_group`` groups that hold ``k`` experts."""
+        require(n_experts % self.n_group == 0, "routing.n_group", self.n_group, f"a divisor of n_experts={n_experts}")
+        held = self.topk_group * (n_experts // self.n_group)
+        require(
+            k <= held, "n_experts_used", k, f"at most the {held} experts of the topk_group={self.topk_group} groups"
+        )
+        if self.score == "sigmoid" and self.n_group > 1:
+            require(
+                n_experts // self.n_group >= 2,
+                "routing.n_group",
+                self.n_group,
+                "groups of >= 2 experts (V3 sums the two best)",
+            )
+
+
+#: gpt-oss's and Mixtral's router: softmax over each token's ``k`` largest logits.
+TOPK_SOFTMAX = Routing()
+
+
+def _keep_groups(choice: Float[Array, "T X"], routing: Routing, fill: float) -> Float[Array, "T X"]:
+    """``choice`` with the experts outside each token's ``topk_group`` best groups set to ``fill``."""
+    n_tok, n_experts = choice.shape
+    grouped = choice.reshape(n_tok, routing.n_group, n_experts // routing.n_group)
+    if routing.score == "sigmoid":
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+    else:
+        group_score = grouped.max(-1)
+    _, best = jax.lax.top_k(group_score, routing.topk_group)
+    keep = jnp.zeros((n_tok, routing.n_group), bool).at[jnp.arange(n_tok)[:, None], best].set(True)
+    return jnp.where(keep[:, :, None], grouped, fill).reshape(n_tok, n_experts)
+
+
+def route(
+    logits: Float[Array, "T X"], k: int, routing: Routing = TOPK_SOFTMAX, bias: Optional[Float[Array, " X"]] = None
+) -> tuple[Int[Array, "T k"], Float[Array, "T k"]]:
+    """``(experts, weights)``: each token's ``k`` experts and their weights under ``routing``.
+
+    ``bias`` (``[X]``) is the choice bias of ``routing.choice_bias`` (V3), added to the scores
+    that pick the experts; the weights are the unbiased scores.
 
     Example:
         >>> experts, weights = route(jnp.array([[0.0, 2.0, 1.0, 2.0]]), 2)
         >>> experts.tolist(), weights.round(3).tolist()
         ([[1, 3]], [[0.5, 0.5]])
+        >>> v2 = Routing(score="softmax", scale=2.0)       # DeepSeek V2: top-k of the full softmax, scaled
+        >>> [round(float(w), 3) for w in route(jnp.array([[0.0, 2.0, 1.0, 2.0]]), 2, v2)[1][0]]
+        [0.799, 0.799]
     """
-    top, experts = jax.lax.top_k(logits.astype(jnp.float32), k)
-    return experts, jax.nn.softmax(top, axis=-1)
+    logits = logits.astype(jnp.float32)
+    if routing.score == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1) if routing.score == "softmax" else jax.nn.sigmoid(logits)
+        choice = scores if bias is None else scores + bias.astype(jnp.float32)
+        if routing.n_group > 1:
+            # V2 zeroes the dropped groups' probabilities, V3 drops them from the choice altogether
+            choice = _keep_groups(choice, routing, 0.0 if routing.score == "softmax" else -jnp.inf)
+        _, experts = jax.lax.top_k(choice, k)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if routing.normalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts, weights * routing.scale if routing.scale != 1.0 else weights
 
 
 #: The most rows per product inside an expert's group (:func:`grouped_products`); fewer when an
@@ -174,12 +289,21 @@ def mix_experts(
 
 
 def moe_forward(
-    x: Float[Array, "... E"], router: Callable, params: Dict[str, Array], k: int, activation: str, alpha, limit
+    x: Float[Array, "... E"],
+    router: Callable,
+    params: Dict[str, Array],
+    k: int,
+    activation: str,
+    alpha,
+    limit,
+    routing: Routing = TOPK_SOFTMAX,
+    score_bias: Optional[Float[Array, " X"]] = None,
 ) -> Float[Array, "... E"]:
     """A mixture's output for ``x`` of any leading shape: ``router`` (a callable giving the logits
-    ``[T, X]``), :func:`route`, then :func:`mix_experts` (shared by the NNX module and its linen twin)."""
+    ``[T, X]``), :func:`route` under ``routing``, then :func:`mix_experts` (shared by the NNX module
+    and its linen twin)."""
     flat = x.reshape(-1, x.shape[-1])
-    experts, w = route(router(flat), k)
+    experts, w = route(router(flat), k, routing, score_bias)
     return mix_experts(flat, experts, w, params, activation, alpha, limit).reshape(x.shape)
 
 
@@ -194,11 +318,14 @@ class MoE(nnx.Module):
         activation: the gated product (:data:`GATED`).
         use_bias: biases on the router and every expert projection (gpt-oss).
         swiglu_alpha, swiglu_limit: ``swiglu_oai``'s constants (gpt-oss: 1.702 and 7.0).
+        routing: how the router's logits pick and weigh the experts (:class:`Routing`; default
+            gpt-oss's softmax over the top ``k``).
         param_dtype: parameter dtype.
         rngs: NNX random streams.
 
     Parameters: ``router`` (an ``nnx.Linear`` E -> X), ``gate`` / ``up`` ``[X, E, F]``, ``down``
-    ``[X, F, E]``, and with ``use_bias`` ``gate_bias`` / ``up_bias`` ``[X, F]``, ``down_bias`` ``[X, E]``.
+    ``[X, F, E]``, with ``use_bias`` ``gate_bias`` / ``up_bias`` ``[X, F]``, ``down_bias`` ``[X, E]``,
+    and with ``routing.choice_bias`` ``score_bias`` ``[X]`` (float32, initialised to 0).
     """
 
     def __init__(
@@ -212,6 +339,7 @@ class MoE(nnx.Module):
         use_bias: bool = False,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        routing: Routing = TOPK_SOFTMAX,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -220,7 +348,9 @@ class MoE(nnx.Module):
         n_used = check_count("n_experts_used", n_experts_used, 1)
         require(n_used <= n_experts, "n_experts_used", n_used, f"at most n_experts={n_experts}")
         require(activation in GATED, "activation", activation, f"one of {sorted(GATED)}")
-        self.n_experts_used, self.activation = n_used, activation
+        require(isinstance(routing, Routing), "routing", routing, "a kvjax.nn.Routing")
+        routing.check_experts(n_experts, n_used)
+        self.n_experts_used, self.activation, self.routing = n_used, activation, routing
         self.swiglu_alpha = check_real("swiglu_alpha", swiglu_alpha, above=0)
         self.swiglu_limit = check_real("swiglu_limit", swiglu_limit, above=0)
         self.router = nnx.Linear(d_model, n_experts, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
@@ -236,6 +366,8 @@ class MoE(nnx.Module):
         self.down = weight((n_experts, d_ff, d_model))
         self.gate_bias, self.up_bias = bias((n_experts, d_ff)), bias((n_experts, d_ff))
         self.down_bias = bias((n_experts, d_model))
+        # the router runs in float32 (transformers keeps DeepSeek's gate and its bias in float32)
+        self.score_bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32)) if routing.choice_bias else None
 
     def _params(self) -> Dict[str, Array]:
         def value(v):  # a parameter's array; experts kept as ggml blocks go as they are
@@ -245,10 +377,13 @@ class MoE(nnx.Module):
 
     def weights(self, x: Float[Array, "T E"]) -> Float[Array, "T X"]:
         """Each token's weight on every expert (0 for those not routed to): for inspection and tests."""
-        experts, w = route(self.router(x), self.n_experts_used)
+        experts, w = route(self.router(x), self.n_experts_used, self.routing, self._score_bias())
         return (
             jnp.zeros(x.shape[:-1] + (self.gate.shape[0],), w.dtype).at[jnp.arange(x.shape[0])[:, None], experts].set(w)
         )
+
+    def _score_bias(self):
+        return None if self.score_bias is None else self.score_bias[...]
 
     def expert(self, x: Float[Array, "T E"], e: int) -> Float[Array, "T E"]:
         """Expert ``e`` alone on every row (dense, for the tests' reference)."""
@@ -260,5 +395,13 @@ class MoE(nnx.Module):
 
     def __call__(self, x: Float[Array, "... E"]) -> Float[Array, "... E"]:
         return moe_forward(
-            x, self.router, self._params(), self.n_experts_used, self.activation, self.swiglu_alpha, self.swiglu_limit
+            x,
+            self.router,
+            self._params(),
+            self.n_experts_used,
+            self.activation,
+            self.swiglu_alpha,
+            self.swiglu_limit,
+            self.routing,
+            self._score_bias(),
         )

@@ -220,7 +220,8 @@ def attend_uncached(
     Token ``i`` sees token ``j`` of its row when ``pos[j] <= pos[i]`` and ``pos[j]`` is inside
     ``pos[i]``'s sliding window; ALiBi adds ``-slope_h * |pos[i] - pos[j]|``. Built on
     ``jax.nn.dot_product_attention`` (GQA included), independent of ``kvjax.attention``; with
-    ``softcap`` or ``sinks`` (which that function does not offer) on a plain einsum softmax: the
+    ``softcap`` or ``sinks``, or a V head size other than K's (MLA), which that function does not
+    offer, on a plain einsum softmax: the
     scaled scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask, as in Gemma 2, and
     each query head's sink logit is a column of its own in the softmax, dropped afterwards, as
     transformers' gpt-oss writes it.
@@ -243,7 +244,7 @@ def attend_uncached(
     if alibi is not None:
         slopes = jnp.asarray(alibi, jnp.float32)
         bias = -slopes[None, :, None, None] * jnp.abs(p_tok - p_key).astype(jnp.float32)[:, None]
-    if softcap is not None or sinks is not None:
+    if softcap is not None or sinks is not None or v.shape[-1] != k.shape[-1]:
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         out = _einsum_attention(*f32, bias, visible[:, None], scale, softcap, sinks)
         return out.astype(v.dtype)

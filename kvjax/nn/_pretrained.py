@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.nn._hf import LLAMA_TYPES, _strip, llama_config_from_hf, load_llama
+from kvjax.nn._deepseek import DEEPSEEK_TYPES, Deepseek, DeepseekConfig
+from kvjax.nn._deepseek_hf import load_deepseek
 from kvjax.nn._llama import Llama
 from kvjax.nn._mamba import Mamba, MambaConfig
 from kvjax.nn._mamba_hf import params_from_hf
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 #: ``model_type`` values :func:`from_pretrained` loads.
-ARCHITECTURES = LLAMA_TYPES + ("mamba",)
+ARCHITECTURES = LLAMA_TYPES + DEEPSEEK_TYPES + ("mamba",)
 
 #: Parameter dtypes :func:`from_pretrained` makes (any stored float dtype converts to them).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -307,8 +309,9 @@ def from_pretrained(path: Union[str, os.PathLike], *, dtype=jnp.float32, **confi
             replaced after the mapping (e.g. ``scan_chunk`` for Mamba).
 
     Returns:
-        A :class:`~kvjax.nn.Llama` (Llama, Qwen2, Mistral, Gemma 2, Gemma 3 text) or a
-        :class:`~kvjax.nn.Mamba`, every weight read from the checkpoint.
+        A :class:`~kvjax.nn.Llama` (Llama, Qwen2, Mistral, Gemma 2, Gemma 3 text, gpt-oss), a
+        :class:`~kvjax.nn.Deepseek` (DeepSeek V2 / V3; experts stored one tensor each or stacked)
+        or a :class:`~kvjax.nn.Mamba`, every weight read from the checkpoint.
 
     Raises:
         ValueError: no folder / ``config.json``, an architecture outside :data:`ARCHITECTURES`, a
@@ -329,6 +332,11 @@ def from_pretrained(path: Union[str, os.PathLike], *, dtype=jnp.float32, **confi
             params_from_hf(weights, model)
         except ValueError as e:
             raise ValueError(f"{source} {e}") from None
+    elif model_type in DEEPSEEK_TYPES:
+        dcfg = DeepseekConfig.from_hf(cfg, **config_overrides)
+        weights = SafetensorsSource(path, rename=_strip)
+        model = nnx.eval_shape(lambda: Deepseek(dcfg, rngs=nnx.Rngs(0)))
+        load_deepseek(model, weights, dtype=dt, source=source, shapes=weights.shapes)
     else:
         lcfg = llama_config_from_hf(cfg, **config_overrides)
         weights = SafetensorsSource(path, rename=_strip, skip=_SKIP_PREFIXES)
@@ -349,6 +357,7 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
     - :class:`~kvjax.nn.Mamba`: a :class:`kvjax.RecurrentConfig` of one state cell per sequence
       (``size`` is not used; ``n_states`` from ``overrides``).
     - :class:`~kvjax.nn.HybridLM`: its :class:`kvjax.HybridConfig`.
+    - :class:`~kvjax.nn.Deepseek`: its latent :class:`kvjax.CacheConfig` (``mla=True``).
 
     Args:
         model: the model (:func:`from_pretrained`'s, or any of those classes).
@@ -375,8 +384,8 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
         if overrides:
             raise ValueError(f"overrides {sorted(overrides)} are out of range for a Mamba: allowed only n_states")
         return model.config.memory_config(n_seq_max, n_states=n_states)
-    if not isinstance(model, (Llama, HybridLM)):
-        raise ValueError(f"model must be a kvjax.nn.Llama, Mamba or HybridLM, got {type(model).__name__}")
+    if not isinstance(model, (Llama, HybridLM, Deepseek)):
+        raise ValueError(f"model must be a kvjax.nn.Llama, Deepseek, Mamba or HybridLM, got {type(model).__name__}")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"size={size!r} is out of range: allowed an integer >= 1 (K/V cells for all sequences)")
     # the cache's size is a whole number of padding blocks: round up rather than refuse
@@ -386,6 +395,8 @@ def memory_config_for(model, size: Optional[int] = None, n_seq_max: int = 1, **o
         size = -(-size // padding) * padding
     if isinstance(model, HybridLM):
         return model.config.memory_config(size, n_seq_max, **overrides)
+    if isinstance(model, Deepseek):
+        return model.config.cache_config(size=size, n_seq_max=n_seq_max, **overrides)
     cfg = model.config
     n_batch = overrides.pop("n_batch", min(size, 512))
     swa_full = overrides.pop("swa_full", False)
