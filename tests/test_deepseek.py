@@ -419,3 +419,201 @@ def test_per_expert_tensors_load_like_the_stacks():
     del per_expert["model.layers.1.mlp.experts.3.up_proj.weight"]
     with pytest.raises(ValueError, match=r"experts 0..X-1, each with gate_proj, up_proj and down_proj"):
         deepseek_from_hf(per_expert, model=Deepseek(cfg, rngs=nnx.Rngs(0)))
+
+
+# -- GGUF (llama.cpp's deepseek2) ---------------------------------------------------------------
+
+
+def _hf_state_of(model: Deepseek) -> dict:
+    """``model``'s weights under transformers' names (experts stacked), numpy: the inverse of the loader's plan."""
+    from kvjax.nn._deepseek_hf import deepseek_plan
+
+    sd = {}
+    for var, key, fn in deepseek_plan(model):
+        w = np.asarray(var.get_value(), np.float32)
+        name = getattr(fn, "__name__", "")
+        if name == "_T":
+            sd[key] = w.T
+        elif name in ("_gate_rows", "_up_rows"):  # [X, E, F] -> the gate or up rows of [X, 2F, E]
+            sd.setdefault(key, {})[name] = np.swapaxes(w, 1, 2)
+        elif name == "_swap":
+            sd[key] = np.swapaxes(w, 1, 2)
+        else:
+            sd[key] = w
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            sd[key] = np.concatenate([value["_gate_rows"], value["_up_rows"]], axis=1)
+    return sd
+
+
+def write_deepseek_gguf(path, sd, cfg: DeepseekConfig, *, weight_type="F32", yarn=None, vocab=False, split_kv_b=True):
+    """Weights ``sd`` (transformers' names, experts stacked) of a model with config ``cfg`` as llama.cpp's
+    converter writes a ``deepseek2`` file: metadata, the latent row's sizes, ``kv_b_proj`` split into
+    ``attn_k_b`` / ``attn_v_b`` (or one older ``attn_kv_b`` without ``split_kv_b``), the experts
+    merged. Matrices whose rows are whole 32-value blocks go in ``weight_type``; ``yarn`` is
+    ``(factor, original context, mscale_all_dim)``; with ``vocab`` the SentencePiece fixture
+    vocabulary, so that llama.cpp loads the file."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    if vocab:
+        from tests.vocab_fixtures import add_spm_vocab
+
+        assert add_spm_vocab(w) == cfg.vocab_size
+    h, c, n, r, v = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    w.add_context_length(256)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.d_ff)
+    w.add_head_count(h)
+    w.add_head_count_kv(1)
+    w.add_key_length(c + r)
+    w.add_value_length(c)
+    w.add_key_length_mla(n + r)
+    w.add_value_length_mla(v)
+    w.add_kv_lora_rank(c)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_dimension_count(r)
+    w.add_rope_freq_base(cfg.rope_config.freq_base)
+    if yarn is not None:
+        factor, n_orig, mscale_all_dim = yarn
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(n_orig)
+        w.add_rope_scaling_yarn_log_mul(0.1 * mscale_all_dim)
+    w.add_leading_dense_block_count(cfg.n_dense_layers if cfg.n_experts else cfg.n_layer)
+    w.add_expert_feed_forward_length(cfg.expert_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    if cfg.n_experts:
+        ro = cfg.routing
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.n_experts_used)
+        w.add_expert_weights_scale(ro.scale)
+        if ro.normalize:
+            w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(
+            gguf.ExpertGatingFuncType.SIGMOID if ro.score == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
+        )
+        w.add_expert_group_count(ro.n_group)
+        w.add_expert_group_used_count(ro.topk_group)
+    tensors = {"token_embd.weight": sd["embed_tokens.weight"], "output_norm.weight": sd["norm.weight"]}
+    if "lm_head.weight" in sd:
+        tensors["output.weight"] = sd["lm_head.weight"]
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
+    }
+    for proj in ("gate", "up", "down"):
+        names[f"mlp.{proj}_proj.weight"] = f"ffn_{proj}.weight"
+        names[f"mlp.shared_experts.{proj}_proj.weight"] = f"ffn_{proj}_shexp.weight"
+    for il in range(cfg.n_layer):
+        p, b = f"layers.{il}.", f"blk.{il}."
+        for key, name in names.items():
+            if p + key in sd:
+                tensors[b + name] = sd[p + key]
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [X, 2F, E]: gate rows, then up rows
+            f = gate_up.shape[1] // 2
+            tensors[b + "ffn_gate_exps.weight"], tensors[b + "ffn_up_exps.weight"] = gate_up[:, :f], gate_up[:, f:]
+        kv_b = np.asarray(sd[p + "self_attn.kv_b_proj.weight"])  # [H (N + V), C]
+        if split_kv_b:
+            per_head = kv_b.reshape(h, n + v, c)
+            tensors[b + "attn_k_b.weight"] = np.swapaxes(per_head[:, :n], 1, 2)  # [H, C, N]
+            tensors[b + "attn_v_b.weight"] = per_head[:, n:]  # [H, V, C]
+        else:
+            tensors[b + "attn_kv_b.weight"] = kv_b
+    for name, value in tensors.items():
+        value = np.ascontiguousarray(np.asarray(value), np.float32)
+        if weight_type != "F32" and value.ndim >= 2 and value.shape[-1] % 32 == 0 and "norm" not in name:
+            kind = gguf.GGMLQuantizationType[weight_type]
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_model(**changes):
+    """``_model`` with llama.cpp's conventions (its config is what a deepseek2 file can say: the
+    norms' epsilon a float32)."""
+    eps = float(np.float32(1e-6))
+    return _model(softmax_scale=None, rope=kvjax.RopeConfig(n_rot=8), norm_eps=eps, latent_norm_eps=eps, **changes)
+
+
+@pytest.mark.parametrize("split_kv_b", [True, False], ids=["k_b-v_b", "kv_b"])
+def test_a_gguf_file_loads_the_same_model(tmp_path, split_kv_b):
+    """A model written as a deepseek2 GGUF comes back with its config and its logits (float load),
+    and compact (Q8_0 matrices kept as blocks) close to them."""
+    from kvjax.nn import GGMLExperts, GGMLLinear, from_gguf, gguf_config
+
+    model = _gguf_model()
+    path = write_deepseek_gguf(tmp_path / "d.gguf", _hf_state_of(model), model.config, split_kv_b=split_kv_b)
+    assert gguf_config(path) == model.config
+    ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    want = _uncached(model)(ids)
+    np.testing.assert_allclose(np.asarray(from_gguf(path, dtype=jnp.float32).forward(ids)), want, atol=1e-5)
+    q8 = write_deepseek_gguf(tmp_path / "q8.gguf", _hf_state_of(model), model.config, weight_type="Q8_0")
+    compact = from_gguf(q8)
+    assert isinstance(compact.layers[1].mlp.experts.gate, GGMLExperts)
+    assert isinstance(compact.layers[0].attn.kv_a_proj_with_mqa, GGMLLinear)
+    assert compact.layers[1].mlp.experts.score_bias.dtype == jnp.float32
+    got = np.asarray(compact.forward(ids))
+    assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()  # Q8_0 rounding, routing flips included
+    cache = kvjax.init(compact.config.cache_config(size=32, n_seq_max=1))
+    out = np.asarray(Engine(compact, cache, n_ubatch=16).decode(ids[0].tolist(), list(range(10)), [[0]] * 10))
+    np.testing.assert_allclose(out, got[0], atol=ATOL_CACHE * 10)
+
+
+def test_gguf_yarn_keeps_the_rope_length_and_scales_the_scores(tmp_path):
+    from kvjax.nn import gguf_config
+
+    model = _gguf_model()
+    path = write_deepseek_gguf(tmp_path / "y.gguf", _hf_state_of(model), model.config, yarn=(4.0, 64, 0.707))
+    cfg = gguf_config(path)
+    mscale = 0.1 * 0.707 * np.log(4.0) + 1
+    assert cfg.scale == pytest.approx(mscale**2 / np.sqrt(16))
+    rope = cfg.rope_config
+    assert rope.freq_scale == 0.25 and rope.n_ctx_orig == 64
+    assert rope.attn_factor * (1 + 0.1 * np.log(4.0)) == pytest.approx(1.0)  # ggml's magnitude cancelled
+
+
+def test_bad_gguf_files_are_refused_by_name(tmp_path):
+    from kvjax.nn import from_gguf
+
+    model = _gguf_model()
+    sd = _hf_state_of(model)
+    path = write_deepseek_gguf(tmp_path / "d.gguf", sd, model.config)
+    sd_bad = {k: v for k, v in sd.items() if k != "layers.2.self_attn.kv_b_proj.weight"}
+    sd_bad["layers.2.self_attn.kv_b_proj.weight"] = np.zeros((4 * 19, 32), np.float32)  # one head row short
+    bad = write_deepseek_gguf(tmp_path / "bad.gguf", sd_bad, model.config, split_kv_b=False)
+    with pytest.raises(ValueError, match=r"tensor 'blk.2.attn_kv_b.weight' has shape \(76, 32\): allowed \(80, 32\)"):
+        from_gguf(bad)
+    assert from_gguf(path).config == model.config
+
+
+@pytest.mark.parametrize("case", ["v2-lite", "v3"])
+def test_a_gguf_twin_gives_the_transformers_logits(tmp_path, case):
+    from kvjax.nn import from_gguf
+
+    hf = _hf_model(case)
+    cfg = deepseek_from_hf(hf).config
+    sd = {k[len("model.") :] if k.startswith("model.") else k: v.numpy() for k, v in hf.state_dict().items()}
+    path = write_deepseek_gguf(tmp_path / "t.gguf", sd, cfg)
+    model = from_gguf(path, dtype=jnp.float32)
+    ids = np.random.default_rng(7).integers(0, 48, (1, 11))
+    np.testing.assert_allclose(np.asarray(model.forward(jnp.asarray(ids))), _hf_logits(case, ids), atol=ATOL_HF)

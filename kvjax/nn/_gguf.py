@@ -60,6 +60,8 @@ from kvjax._ggml_blocks import WEIGHT_TYPES, check_type
 from kvjax.nn._gguf_file import _field, _gguf, _open
 from kvjax.nn._ggml_linear import GGMLEmbed, GGMLExperts, GGMLLinear
 from kvjax.nn._gguf_mamba import _neg_exp_inverse, mamba_config, mamba_plan
+from kvjax.nn._gguf_deepseek import deepseek_config, deepseek_plan, set_up_projections, up_projection_tensors
+from kvjax.nn._deepseek import Deepseek
 from kvjax.nn._llama import Llama, LlamaConfig
 from kvjax.nn._mamba import Mamba
 
@@ -78,6 +80,7 @@ GGUF_ARCHITECTURES = {
     "gemma2": "neox",
     "gemma3": "neox",
     "gpt-oss": "neox",
+    "deepseek2": "normal",
     "mamba": None,
 }
 
@@ -110,6 +113,8 @@ def gguf_config(path):
     reader = _open(path)
     if _field(reader, "general.architecture") == "mamba":
         return mamba_config(reader, _tensors(reader))
+    if _field(reader, "general.architecture") == "deepseek2":
+        return deepseek_config(reader, _tensors(reader))
     return _config(reader, _tensors(reader))
 
 
@@ -119,7 +124,7 @@ def _tensors(reader) -> Dict[str, Any]:
 
 def _config(reader, tensors) -> LlamaConfig:
     arch = _field(reader, "general.architecture", required=True)
-    if arch not in GGUF_ARCHITECTURES or arch == "mamba":  # mamba's config is mamba_config's
+    if arch not in GGUF_ARCHITECTURES or arch in ("mamba", "deepseek2"):  # theirs are mamba_config's, deepseek_config's
         raise ValueError(f"general.architecture={arch!r} is out of range: allowed one of {sorted(GGUF_ARCHITECTURES)}")
     n_layer = int(_field(reader, f"{arch}.block_count", required=True))
     d_model = int(_field(reader, f"{arch}.embedding_length", required=True))
@@ -442,7 +447,8 @@ def from_gguf(path, *, dtype=None):
             that float dtype at load (fastest on CPU, 2-8x the file's size).
 
     Returns:
-        The model; ``model.config`` is :func:`gguf_config`'s, ``model.gguf_architecture`` the
+        The model (a :class:`kvjax.nn.Deepseek` for ``deepseek2``, a :class:`kvjax.nn.Mamba` for
+        ``mamba``); ``model.config`` is :func:`gguf_config`'s, ``model.gguf_architecture`` the
         file's ``general.architecture`` (what llama.cpp's session files name). Norms and biases are float32 (or
         ``dtype``). Use it as any :class:`Llama` (``kvjax.Engine(model, kvjax.init(...))``);
         the linen twin (:func:`kvjax.nn.params_from_nnx`) needs a float ``dtype``.
@@ -463,6 +469,21 @@ def from_gguf(path, *, dtype=None):
         what = f"a mamba model with n_layer={cfg.n_layer}, tie_embeddings={cfg.tie_embeddings}"
         _load(model, mamba_plan(model), tensors, dt, what, convert={"ssm_a": _neg_exp_inverse})
         model.gguf_architecture = "mamba"
+        return model
+    if _field(reader, "general.architecture") == "deepseek2":
+        cfg = deepseek_config(reader, tensors)
+        model = nnx.eval_shape(lambda: Deepseek(cfg, rngs=nnx.Rngs(0)))
+        what = f"a deepseek2 model with n_layer={cfg.n_layer}, n_experts={cfg.n_experts}, q_lora_rank={cfg.q_lora_rank}"
+        used, ignored = up_projection_tensors(model, tensors, _shape)  # checked before anything is read
+        for name in used:
+            check_tensor_type(name, tensors[name].type_name)
+        _load(model, deepseek_plan(model), tensors, dt, what, ignore=tuple(used + ignored))
+        set_up_projections(model, tensors, _dequantize, dt)
+        for block in model.layers:  # the router's choice bias stays float32 (llama.cpp keeps it F32)
+            bias = getattr(getattr(block.mlp, "experts", None), "score_bias", None)
+            if bias is not None:
+                bias.set_value(bias.get_value().astype(jnp.float32))
+        model.gguf_architecture = "deepseek2"
         return model
     cfg = _config(reader, tensors)
     arch = _field(reader, "general.architecture")
