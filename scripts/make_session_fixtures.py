@@ -7,8 +7,10 @@ Run once in the benchmark environment (``pip install -e ".[test,llamacpp]"``), n
 It writes ``tests/data/sessions/``:
 
 - ``tiny-llama.gguf`` (2 layers, width 64, 4 query / 2 K/V heads of 32), ``tiny-llama64.gguf``
-  (the same with heads of 64: llama.cpp rotates quantized K/V of such heads) and
-  ``tiny-gemma3.gguf`` (3 layers: two with an 8-token sliding window, one full; tied embeddings): random weights,
+  (the same with heads of 64: llama.cpp rotates quantized K/V of such heads),
+  ``tiny-gemma3.gguf`` (3 layers: two with an 8-token sliding window, one full; tied embeddings)
+  and ``tiny-deepseek.gguf`` (a deepseek2: multi-head latent attention over 64-wide latent rows,
+  a dense block then a mixture of experts; K only in the state): random weights,
   a 256-token byte vocabulary, F16 matrices, so that llama.cpp loads them (a few hundred KB);
 - for each case of :data:`CASES`, the file llama.cpp saved after evaluating the prompts
   (``llama_state_save_file``: ``<case>.session``; and for the ``seq`` cases the one-sequence file
@@ -84,6 +86,17 @@ CASES = {
         shared=len(PREFIX),
         prompts=[PREFIX + s for s in SUFFIXES],
         seq=dict(src=1, dest=2),
+    ),
+    # the latent (MLA) cache: one K row of [latent 32 | RoPE key 32] a token, V its first 32 columns
+    "deepseek-f16": dict(model="deepseek", kv_type="f16", flash_attn=True, prompts=[PROMPT]),
+    "deepseek-q8_0": dict(
+        model="deepseek",
+        kv_type="q8_0",
+        flash_attn=True,
+        n_seq=2,
+        shared=len(PREFIX),
+        prompts=[PREFIX + s for s in SUFFIXES[:2]],
+        seq=dict(src=1, dest=1),
     ),
 }
 
@@ -204,7 +217,37 @@ def write_models(folder: pathlib.Path) -> dict:
         extra_kv=_byte_vocab_kv(),
         head_dim=64,
     )
-    return {"llama": llama, "gemma3": gemma, "llama64": llama64}
+    from tests.test_deepseek import DeepseekConfig, Routing, _hf_state_of, random_deepseek, write_deepseek_gguf
+
+    eps = float(np.float32(1e-6))
+    ds_cfg = DeepseekConfig(
+        vocab_size=256,
+        d_model=64,
+        n_layer=2,
+        n_heads=4,
+        q_lora_rank=32,  # llama.cpp reads a deepseek2 without q_lora_rank only at V2-Lite's 27 layers
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=32,
+        v_head_dim=16,
+        d_ff=128,
+        norm_eps=eps,
+        latent_norm_eps=eps,
+        n_dense_layers=1,
+        n_experts=4,
+        n_experts_used=2,
+        moe_d_ff=32,
+        n_shared_experts=1,
+        routing=Routing(score="softmax", scale=1.0),
+    )
+    deepseek = write_deepseek_gguf(
+        folder / "tiny-deepseek.gguf",
+        _hf_state_of(random_deepseek(ds_cfg, 11)),
+        ds_cfg,
+        weight_type="F16",
+        extra_kv=_byte_vocab_kv(),
+    )
+    return {"llama": llama, "gemma3": gemma, "llama64": llama64, "deepseek": deepseek}
 
 
 def context_options(case: dict) -> dict:
@@ -217,13 +260,24 @@ def context_options(case: dict) -> dict:
     )
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
     from benchmarks.llamacpp_context import LlamaCppContext
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="record only the cases whose names start so (keep the others' records)"
+    )
+    args = parser.parse_args(argv)
     DATA.mkdir(parents=True, exist_ok=True)
     models = write_models(DATA)
     record = {"llama_cpp_python": __import__("llama_cpp").__version__, "n_new": N_NEW, "cases": {}}
+    if args.only is not None and (DATA / "cases.json").is_file():
+        record["cases"] = json.loads((DATA / "cases.json").read_text())["cases"]
     for name, case in CASES.items():
+        if args.only is not None and not name.startswith(tuple(args.only)):
+            continue
         path = str(models[case["model"]])
         opts = context_options(case)
         ctx = LlamaCppContext(path, **opts)

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -446,19 +449,24 @@ def _hf_state_of(model: Deepseek) -> dict:
     return sd
 
 
-def write_deepseek_gguf(path, sd, cfg: DeepseekConfig, *, weight_type="F32", yarn=None, vocab=False, split_kv_b=True):
+def write_deepseek_gguf(
+    path, sd, cfg: DeepseekConfig, *, weight_type="F32", yarn=None, vocab=False, split_kv_b=True, extra_kv=None
+):
     """Weights ``sd`` (transformers' names, experts stacked) of a model with config ``cfg`` as llama.cpp's
     converter writes a ``deepseek2`` file: metadata, the latent row's sizes, ``kv_b_proj`` split into
     ``attn_k_b`` / ``attn_v_b`` (or one older ``attn_kv_b`` without ``split_kv_b``), the experts
     merged. Matrices whose rows are whole 32-value blocks go in ``weight_type``; ``yarn`` is
     ``(factor, original context, mscale_all_dim)``; with ``vocab`` the SentencePiece fixture
-    vocabulary, so that llama.cpp loads the file."""
+    vocabulary, so that llama.cpp loads the file; ``extra_kv`` maps more ``GGUFWriter`` methods to
+    their arguments (another vocabulary)."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), "deepseek2")
     if vocab:
         from tests.vocab_fixtures import add_spm_vocab
 
         assert add_spm_vocab(w) == cfg.vocab_size
+    for method, args in (extra_kv or {}).items():
+        getattr(w, method)(*(args if isinstance(args, tuple) else (args,)))
     h, c, n, r, v = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     w.add_context_length(256)
     w.add_vocab_size(cfg.vocab_size)
@@ -536,7 +544,10 @@ def write_deepseek_gguf(path, sd, cfg: DeepseekConfig, *, weight_type="F32", yar
             tensors[b + "attn_kv_b.weight"] = kv_b
     for name, value in tensors.items():
         value = np.ascontiguousarray(np.asarray(value), np.float32)
-        if weight_type != "F32" and value.ndim >= 2 and value.shape[-1] % 32 == 0 and "norm" not in name:
+        matrix = value.ndim >= 2 and "norm" not in name
+        if weight_type == "F16" and matrix:
+            w.add_tensor(name, value.astype(np.float16))
+        elif weight_type != "F32" and matrix and value.shape[-1] % 32 == 0:
             kind = gguf.GGMLQuantizationType[weight_type]
             w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
         else:
@@ -617,3 +628,63 @@ def test_a_gguf_twin_gives_the_transformers_logits(tmp_path, case):
     model = from_gguf(path, dtype=jnp.float32)
     ids = np.random.default_rng(7).integers(0, 48, (1, 11))
     np.testing.assert_allclose(np.asarray(model.forward(jnp.asarray(ids))), _hf_logits(case, ids), atol=ATOL_HF)
+
+
+# -- against llama.cpp itself -------------------------------------------------------------------
+
+#: llama.cpp's logits for the file :func:`write_llamacpp_deepseek` writes (scripts/make_deepseek_gguf_fixture.py)
+FIXTURE = pathlib.Path(__file__).parent / "data" / "deepseek_llamacpp.json"
+FIXTURE_TOKENS = [1, 40, 300, 7, 512, 99, 12, 640, 250, 33, 401, 5, 77, 18, 600, 2]
+#: the fixture's YaRN: (factor, original context, mscale_all_dim), as DeepSeek V2 sets them
+FIXTURE_YARN = (4.0, 8, 0.707)
+
+
+def random_deepseek(cfg: DeepseekConfig, seed: int) -> Deepseek:
+    """A model of ``cfg`` whose every weight numpy drew (``0.3 N(0, 1)``, norms around 1), so that
+    the bytes of a file written from it do not depend on XLA's flags (the suite's differ)."""
+    model = Deepseek(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(seed)
+
+    def draw(path_, x):
+        value = 0.3 * rng.standard_normal(x.shape)
+        if "norm" in jax.tree_util.keystr(path_):
+            value = 1 + value
+        return jnp.asarray(value.astype(np.float32))
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model, nnx.Param)))
+    return model
+
+
+def write_llamacpp_deepseek(path):
+    """The tiny random DeepSeek V3-style model (vocabulary of 664 SentencePiece tokens, YaRN) that llama.cpp ran."""
+    factor, n_orig, mscale_all_dim = FIXTURE_YARN
+    builtin = 1 + 0.1 * np.log(factor)
+    rope = kvjax.RopeConfig(
+        n_rot=8, freq_scale=1 / factor, ext_factor=1.0, attn_factor=float(1 / builtin), n_ctx_orig=n_orig
+    )
+    eps = float(np.float32(1e-6))
+    scale = float((0.1 * mscale_all_dim * np.log(factor) + 1) ** 2 / np.sqrt(16))
+    cfg = DeepseekConfig(
+        **{**DEEPSEEK, "vocab_size": 664, "rope": rope, "softmax_scale": scale, "norm_eps": eps, "latent_norm_eps": eps}
+    )
+    model = random_deepseek(cfg, 8)
+    return write_deepseek_gguf(path, _hf_state_of(model), cfg, yarn=FIXTURE_YARN, vocab=True)
+
+
+def test_logits_equal_llama_cpp_on_the_same_file(tmp_path):
+    """kvjax's deepseek2 from the file against llama.cpp's logits for it (one batch, and token by token
+    through its latent cache: absorbed MLA, YaRN's mscale, V3 routing with groups, the choice bias
+    and shared experts, as llama.cpp runs them)."""
+    from kvjax.nn import from_gguf
+
+    data = json.loads(FIXTURE.read_text())
+    path = write_llamacpp_deepseek(tmp_path / "d.gguf")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == data["gguf_sha256"], "the fixture file changed"
+    model = from_gguf(path, dtype=jnp.float32)
+    got = np.asarray(model.forward(jnp.asarray([data["tokens"]])))[0]
+    engine = Engine(model, kvjax.init(model.config.cache_config(size=64, n_seq_max=1, padding=16)), n_ubatch=8)
+    cached = np.concatenate([np.asarray(engine.decode([t], [i], [[0]])) for i, t in enumerate(data["tokens"])])
+    for key in ("logits_batch", "logits_stepwise"):
+        want = np.asarray(data[key])
+        for what, ours in (("uncached", got), ("cached", cached)):
+            np.testing.assert_allclose(ours, want, atol=2e-5 * np.abs(want).max(), rtol=0, err_msg=f"{key} {what}")

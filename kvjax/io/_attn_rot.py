@@ -66,14 +66,18 @@ def rotation_sizes(config: CacheConfig) -> Tuple[int, int]:
     """``(n_k, n_v)``: the rotation sizes llama.cpp uses for this cache's K and V (0: not rotated)."""
     cached = config.cached_layers
     n_k = n_v = 0
+    if config.mla:
+        # a latent (MLA) cache's rows are stored as computed: llama.cpp sets attn_rot_k for them
+        # but its buffers hold the latents unrotated (V is a view of those rows), as the session
+        # files it wrote show (tests/data/sessions/deepseek-q8_0.*, llama-cpp-python 0.3.36)
+        return 0, 0
     head_k = _uniform(config.head_dim[il] for il in cached)
     if _quant.is_quantized(config.k_dtype) and head_k and head_k % 64 == 0:
         n_k = 64
         while head_k % (2 * n_k) == 0:
             n_k *= 2
     head_v = _uniform(config.head_dim_v[il] for il in cached)
-    # a latent (MLA) cache has no V rows: its V is (rotated with) K's first columns
-    if _quant.is_quantized(config.v_dtype) and head_v and head_v % 64 == 0 and not config.mla:
+    if _quant.is_quantized(config.v_dtype) and head_v and head_v % 64 == 0:
         n_v = 64
     return n_k, n_v
 
