@@ -353,6 +353,29 @@ def test_logits_equal_transformers_uncached_and_cached(case):
     np.testing.assert_allclose(out, ref.reshape(26, -1), atol=ATOL_HF)
 
 
+def test_shared_prefix_rollback_and_context_shift_equal_transformers():
+    """Two sequences share a copied prompt, then diverge; one drops its last token and takes another
+    (exact: the cache then holds the shorter sequence); the other moves by +9 positions (a K-shift of
+    the RoPE keys: the scores depend on position differences only). Every row equals transformers on
+    the tokens the sequence holds."""
+    model = deepseek_from_hf(_hf_model("v3"))
+    engine = Engine(model, kvjax.init(model.config.cache_config(size=64, n_seq_max=2, padding=16)), n_ubatch=8)
+    prompt = [5, 3, 8, 1, 9, 2, 7, 4, 6]
+    engine.decode(prompt, list(range(9)), [[0]] * 9)
+    engine.cache = kvjax.seq_cp(engine.cache, 0, 1, -1, -1)
+    tails = ([11, 12, 13], [20, 21])
+    for s, tail in enumerate(tails):
+        out = np.asarray(engine.decode(tail, list(range(9, 9 + len(tail))), [[s]] * len(tail)))
+        np.testing.assert_allclose(out, _hf_logits("v3", [prompt + tail])[0, 9:], atol=ATOL_HF)
+    engine.cache, removed = kvjax.seq_rm(engine.cache, 1, 10, -1)  # sequence 1 takes back its 21
+    assert bool(removed)
+    got = np.asarray(engine.decode([33], [10], [[1]]))[0]
+    np.testing.assert_allclose(got, _hf_logits("v3", [prompt + [20, 33]])[0, -1], atol=ATOL_HF)
+    engine.cache = kvjax.seq_add(engine.cache, 0, 0, -1, 9)  # sequence 0's cells move by +9
+    got = np.asarray(engine.decode([30], [12 + 9], [[0]]))[0]
+    np.testing.assert_allclose(got, _hf_logits("v3", [prompt + list(tails[0]) + [30]])[0, -1], atol=ATOL_HF)
+
+
 def test_mapped_config():
     v3 = deepseek_from_hf(_hf_model("v3")).config
     assert (v3.q_lora_rank, v3.n_dense_layers, v3.n_experts, v3.n_experts_used, v3.n_shared_experts) == (16, 1, 8, 2, 1)
