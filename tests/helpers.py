@@ -94,3 +94,25 @@ def assert_cells_match(cache, ref) -> None:
     np.testing.assert_array_equal(table.seqs, seqs, err_msg="seqs")
     np.testing.assert_array_equal(table.delta, [c.delta for c in ref.cells], err_msg="delta")
     assert table.head == ref.head, f"head {table.head} != {ref.head}"
+
+
+def write_gguf_tensors(w, tensors, kind_of=lambda name, value: None):
+    """Add ``tensors`` (name -> float array, numpy order) to the GGUF writer ``w`` and write its file.
+
+    Each tensor goes in the ggml type ``kind_of(name, value)`` gives (a ``gguf.GGMLQuantizationType``,
+    quantized with the ``gguf`` package's own quantizers; ``None``: float32). The tests' GGUF
+    writers (one per architecture) share this last step.
+    """
+    import gguf
+
+    for name, value in tensors.items():
+        value = np.ascontiguousarray(value, np.float32)
+        kind = kind_of(name, value)
+        if kind is None:
+            w.add_tensor(name, value)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -30,7 +30,7 @@ import kvjax
 from kvjax import Engine
 from kvjax.nn import Deepseek, DeepseekConfig, MLAttention, Routing, UbatchInputs, deepseek_from_hf, make_step
 from kvjax.nn._moe import route
-from tests.helpers import no_recompile
+from tests.helpers import no_recompile, write_gguf_tensors
 
 ATOL_HF = 1e-4  # against torch: other matmul orders
 ATOL_CACHE = 5e-5  # absorbed (cached) against decompressed (uncached), same weights
@@ -565,20 +565,14 @@ def write_deepseek_gguf(
             tensors[b + "attn_v_b.weight"] = per_head[:, n:]  # [H, V, C]
         else:
             tensors[b + "attn_kv_b.weight"] = kv_b
-    for name, value in tensors.items():
-        value = np.ascontiguousarray(np.asarray(value), np.float32)
-        matrix = value.ndim >= 2 and "norm" not in name
-        if weight_type == "F16" and matrix:
-            w.add_tensor(name, value.astype(np.float16))
-        elif weight_type != "F32" and matrix and value.shape[-1] % 32 == 0:
-            kind = gguf.GGMLQuantizationType[weight_type]
-            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
-        else:
-            w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def kind_of(name, value):  # matrices in weight_type where their rows are whole blocks
+        if weight_type == "F32" or value.ndim < 2 or "norm" in name:
+            return None
+        kind = gguf.GGMLQuantizationType[weight_type]
+        return kind if value.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0 else None
+
+    write_gguf_tensors(w, {k: np.asarray(v) for k, v in tensors.items()}, kind_of)
     return path
 
 

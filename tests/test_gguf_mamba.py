@@ -23,6 +23,7 @@ from flax import nnx
 gguf = pytest.importorskip("gguf")
 
 from kvjax.nn import GGMLLinear, MambaConfig, from_gguf, gguf_config  # noqa: E402
+from tests.helpers import write_gguf_tensors  # noqa: E402
 from tests.test_mamba import make_model, tokens_of  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -78,23 +79,20 @@ def write_mamba_gguf(path, model, qtype=Q.F32, *, dt_b_c_rms=False, edit=None, v
         assert add_spm_vocab(w) == cfg.vocab_size
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.MAMBA, cfg.n_layer)
     block = gguf.GGML_QUANT_SIZES[qtype][0]
+    tensors = {}
     for key, value in hf_state_dict(model).items():
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if key.endswith("A_log"):
             value = -np.exp(value)
         if key.endswith("conv1d.weight"):
             value = value.squeeze(1)
-        if edit:
-            value = edit(name, value)
+        tensors[name] = edit(name, value) if edit else value
+
+    def kind_of(name, value):  # llama-quantize's rule here: matrices whose rows are whole blocks
         matrix = value.ndim == 2 and "ssm_conv1d" not in name
-        if qtype != Q.F32 and matrix and value.shape[1] % block == 0:
-            w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        return qtype if qtype != Q.F32 and matrix and value.shape[1] % block == 0 else None
+
+    write_gguf_tensors(w, tensors, kind_of)
     return path
 
 

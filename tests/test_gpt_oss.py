@@ -25,7 +25,7 @@ from flax import nnx
 import kvjax
 from kvjax import Engine
 from kvjax.nn import Llama, LlamaConfig, LlamaLinen, MoE, llama_from_hf, make_step, params_from_nnx, window_for
-from tests.helpers import no_recompile
+from tests.helpers import no_recompile, write_gguf_tensors
 
 ATOL_HF = 1e-4  # against torch: other matmul orders
 ATOL_CACHE = 5e-5  # cached against uncached, same weights
@@ -397,17 +397,8 @@ def _write_gguf(path, sd, cfg: LlamaConfig, expert_type, *, vocab=False):
         tensors[b + "ffn_down_exps.weight"] = np.swapaxes(sd[p + "mlp.experts.down_proj"], -1, -2)
         bias = sd[p + "mlp.experts.gate_up_proj_bias"]
         tensors[b + "ffn_gate_exps.bias"], tensors[b + "ffn_up_exps.bias"] = bias[..., ::2], bias[..., 1::2]
-    for name, value in tensors.items():
-        value = np.ascontiguousarray(value, np.float32)
-        if name.endswith("_exps.weight") and expert_type != "F32":
-            kind = gguf.GGMLQuantizationType[expert_type]
-            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
-        else:
-            w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    experts = None if expert_type == "F32" else gguf.GGMLQuantizationType[expert_type]
+    write_gguf_tensors(w, tensors, lambda name, value: experts if name.endswith("_exps.weight") else None)
     return path
 
 

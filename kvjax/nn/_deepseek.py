@@ -31,18 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 from flax import nnx
 
-from kvjax._typing import Array, Float, Int
+from kvjax._typing import Array, Float
 from kvjax._validate import check_count, check_flag, check_real, require
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode, SwaType
 from kvjax.memory._init import require_memory
 from kvjax.memory._protocol import Memory
 from kvjax.nn._hf_rope import rope_from_hf
-from kvjax.nn._inputs import MaskKind, UbatchInputs
-from kvjax.nn._llama import MLP, block_cached, block_uncached, model_cached, model_uncached, output_logits
+from kvjax.nn._inputs import MaskKind
+from kvjax.nn._llama import MLP, DecoderPasses, block_cached, block_uncached
 from kvjax.nn._mla import MLAttention
 from kvjax.nn._moe import MoE, Routing
 
@@ -392,8 +392,9 @@ class DeepseekBlock(nnx.Module):
         return block_uncached(self, x, pos)
 
 
-class Deepseek(nnx.Module):
-    """The DeepSeek reference model (see the module docstring).
+class Deepseek(DecoderPasses, nnx.Module):
+    """The DeepSeek reference model (see the module docstring); its passes are :class:`kvjax.nn.Llama`'s
+    (``model(tokens, memory, inputs)`` through a latent memory, ``model.forward(tokens)`` uncached).
 
     Args:
         config: sizes and options.
@@ -410,23 +411,3 @@ class Deepseek(nnx.Module):
         self.lm_head = (
             None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
         )
-
-    def _logits(self, x):
-        return output_logits(self, x)
-
-    def __call__(
-        self, tokens: Int[Array, " T"], memory: Memory, inputs: UbatchInputs
-    ) -> Tuple[Float[Array, "T V"], Memory]:
-        """Run a placed ubatch through a latent memory (``inputs`` as :meth:`kvjax.nn.Llama.__call__`).
-
-        Returns:
-            ``(logits f32[T, V], memory)`` (``[R, V]`` for ``inputs.outputs``), every layer's
-            latent rows written.
-        """
-        return model_cached(self, tokens, memory, inputs)
-
-    def forward(
-        self, tokens: Int[Array, "B T"], positions: Optional[Int[Array, "B T"]] = None
-    ) -> Float[Array, "B T V"]:
-        """The uncached pass with every head decompressed (``[T]`` tokens give ``[T, V]``)."""
-        return model_uncached(self, tokens, positions)

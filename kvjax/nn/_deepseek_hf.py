@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.nn._deepseek import Deepseek, DeepseekConfig
-from kvjax.nn._hf import Plan, _T, _strip, _to_numpy, hf_source, load_plan
+from kvjax.nn._hf import Plan, _T, _strip, _to_numpy, head_plan, hf_source, load_plan
 
 __all__ = ["deepseek_from_hf", "deepseek_plan", "load_deepseek", "ExpertStacks"]
 
@@ -117,9 +117,7 @@ def _mlp_plan(mlp, p: str) -> Plan:
 def deepseek_plan(model: Deepseek) -> Plan:
     """``(variable, HF key, transform)`` of every weight of ``model`` (HF keys without ``model.``)."""
     cfg = model.config
-    plan: Plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
-    if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "lm_head.weight", _T))
+    plan = head_plan(model)
     for il, block in enumerate(model.layers):
         p, a = f"layers.{il}.", block.attn
         s = p + "self_attn."

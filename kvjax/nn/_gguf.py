@@ -57,7 +57,7 @@ from flax import nnx
 
 from kvjax.memory._config import RopeConfig
 from kvjax._ggml_blocks import WEIGHT_TYPES, check_type
-from kvjax.nn._gguf_file import _field, _gguf, _open
+from kvjax.nn._gguf_file import _field, _gguf, _open, head_plan
 from kvjax.nn._ggml_linear import GGMLEmbed, GGMLExperts, GGMLLinear
 from kvjax.nn._gguf_mamba import _neg_exp_inverse, mamba_config, mamba_plan
 from kvjax.nn._gguf_deepseek import deepseek_config, deepseek_plan, set_up_projections, up_projection_tensors
@@ -304,12 +304,7 @@ def _plan(model: Llama) -> List[Tuple[Any, str, bool, Optional[Tuple[Any, str]]]
     vectors (norms, biases), which always load as floats.
     """
     cfg = model.config
-    plan = [
-        (model.embed.embedding, "token_embd.weight", False, (model, "embed")),
-        (model.norm.scale, "output_norm.weight", False, None),
-    ]
-    if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "output.weight", True, (model, "lm_head")))
+    plan = head_plan(model)
     for il, block in enumerate(model.layers):
         p, a, m = f"blk.{il}.", block.attn, block.mlp
         if cfg.sandwich_norms:  # Gemma: norms after attention and MLP too

@@ -37,7 +37,7 @@ import numpy as np
 
 from kvjax.memory._config import RopeConfig
 from kvjax.nn._deepseek import Deepseek, DeepseekConfig
-from kvjax.nn._gguf_file import _field
+from kvjax.nn._gguf_file import _field, head_plan
 from kvjax.nn._moe import Routing
 
 __all__ = ["deepseek_config", "deepseek_plan", "set_up_projections", "up_projection_tensors"]
@@ -163,12 +163,7 @@ def deepseek_plan(model: Deepseek) -> List[Tuple[Any, str, bool, Optional[Tuple[
     """``(variable, tensor name, transpose, slot)`` of every weight but the up-projections (see
     :func:`up_projection_tensors`), as :func:`kvjax.nn._gguf._load` takes them."""
     cfg = model.config
-    plan = [
-        (model.embed.embedding, "token_embd.weight", False, (model, "embed")),
-        (model.norm.scale, "output_norm.weight", False, None),
-    ]
-    if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "output.weight", True, (model, "lm_head")))
+    plan = head_plan(model)
 
     def linear(parent, attr, name):
         return (getattr(parent, attr).kernel, name, True, (parent, attr))

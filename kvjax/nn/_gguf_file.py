@@ -246,3 +246,16 @@ def _field(reader, key: str, default=None, *, required: bool = False):
             )
         return default
     return fields[key]
+
+
+def head_plan(model) -> list:
+    """The embedding, final norm and (untied) output projection under llama.cpp's names, as
+    ``(variable, tensor name, transpose, slot)`` (:func:`kvjax.nn._gguf._load`'s plan entries):
+    every architecture names them alike."""
+    plan = [
+        (model.embed.embedding, "token_embd.weight", False, (model, "embed")),
+        (model.norm.scale, "output_norm.weight", False, None),
+    ]
+    if model.lm_head is not None:
+        plan.append((model.lm_head.kernel, "output.weight", True, (model, "lm_head")))
+    return plan

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.nn._gguf_file import _field
+from kvjax.nn._gguf_file import _field, head_plan
 from kvjax.nn._mamba import Mamba, MambaConfig
 
 __all__ = ["mamba_config", "mamba_plan"]
@@ -91,12 +91,7 @@ def mamba_plan(model: Mamba) -> List[Tuple[Any, str, bool, Optional[Tuple[Any, s
     ``slot`` names the ``nnx.Linear`` / ``nnx.Embed`` a matrix belongs to (compact loads put a
     :class:`kvjax.nn.GGMLLinear` there). ``ssm_a`` is converted by :func:`_neg_exp_inverse`.
     """
-    plan = [
-        (model.embed.embedding, "token_embd.weight", False, (model, "embed")),
-        (model.norm.scale, "output_norm.weight", False, None),
-    ]
-    if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "output.weight", True, (model, "lm_head")))
+    plan = head_plan(model)
     for il, block in enumerate(model.layers):
         p, m = f"blk.{il}.", block.mixer
         plan += [

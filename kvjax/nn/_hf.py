@@ -250,6 +250,15 @@ def _experts_plan(mlp, p: str) -> Plan:
     return plan
 
 
+def head_plan(model) -> Plan:
+    """The embedding, final norm and (untied) output projection under transformers' names: every
+    decoder-only model of kvjax.nn names them alike."""
+    plan: Plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
+    if model.lm_head is not None:
+        plan.append((model.lm_head.kernel, "lm_head.weight", _T))
+    return plan
+
+
 def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
     """``(variable, HF key, transform)`` of every weight of ``model`` (HF keys without ``model.``).
 
@@ -264,9 +273,7 @@ def llama_plan(model: Llama, *, o_bias: bool = True) -> Plan:
             "with an unfused model, then fuse"
         )
     cfg = model.config
-    plan: Plan = [(model.embed.embedding, "embed_tokens.weight", None), (model.norm.scale, "norm.weight", None)]
-    if model.lm_head is not None:
-        plan.append((model.lm_head.kernel, "lm_head.weight", _T))
+    plan = head_plan(model)
     for il, block in enumerate(model.layers):
         p, a = f"layers.{il}.", block.attn
         plan.append((block.attn_norm.scale, p + "input_layernorm.weight", None))

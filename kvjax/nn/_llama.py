@@ -622,24 +622,11 @@ def model_uncached(model, tokens, positions=None):
     return out[0] if squeeze else out
 
 
-class Llama(nnx.Module):
-    """The reference decoder-only model (see the module docstring).
-
-    Args:
-        config: sizes and options.
-        rngs: NNX random streams for the initial weights.
+class DecoderPasses:
+    """The cached and uncached passes of a decoder-only model of kvjax.nn (:class:`Llama`,
+    :class:`kvjax.nn.Deepseek`): the model sets ``config``, ``embed``, ``layers`` (blocks with a
+    cached ``__call__`` and an ``uncached`` pass), ``norm`` and ``lm_head`` (None when tied).
     """
-
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        if not isinstance(config, LlamaConfig):
-            raise ValueError(f"config must be a kvjax.nn.LlamaConfig, got {type(config).__name__}")
-        self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.layers = nnx.List([Block(config, il, rngs=rngs) for il in range(config.n_layer)])
-        self.norm = _nnx_norm(config, config.d_model, rngs)
-        self.lm_head = (
-            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
-        )
 
     def _logits(self, x):
         return output_logits(self, x)
@@ -676,3 +663,23 @@ class Llama(nnx.Module):
             not change the logits of the tokens before it (attention is causal by position).
         """
         return model_uncached(self, tokens, positions)
+
+
+class Llama(DecoderPasses, nnx.Module):
+    """The reference decoder-only model (see the module docstring).
+
+    Args:
+        config: sizes and options.
+        rngs: NNX random streams for the initial weights.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, LlamaConfig):
+            raise ValueError(f"config must be a kvjax.nn.LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
+        self.layers = nnx.List([Block(config, il, rngs=rngs) for il in range(config.n_layer)])
+        self.norm = _nnx_norm(config, config.d_model, rngs)
+        self.lm_head = (
+            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        )
