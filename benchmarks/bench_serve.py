@@ -12,20 +12,29 @@ workload (compile time excluded):
 - **one by one**: ``kvjax.generate`` per request (C = 1's only choice without a scheduler).
 
 Reported: generated tokens per second over the whole workload, and time to first token (from
-arrival, all at t=0) p50 / p99. llama.cpp's own server on a GGUF of the same model is not in this
+arrival, all at t=0) p50 / p99.
+
+Speculative rounds (``Scheduler(draft=)``) on the same workload, against the scheduler without a
+draft in the same run: with the model's own first layer as the draft (its embedding, block 0, final
+norm and head: a quarter of the work a token; layer-skip self-speculation), and with the model
+itself (every draft kept: what the rounds cost at best acceptance). The acceptance rate is the
+share of drafted tokens kept. llama.cpp's own server on a GGUF of the same model is not in this
 table yet (docs/serving.md, "Not yet").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 import kvjax
 from benchmarks.common import table
 from kvjax.app import _charlm
+from kvjax.nn import Llama
 from kvjax.serve import Scheduler, ServeRequest
 from kvjax.serve._scheduler import percentiles
 
@@ -61,6 +70,35 @@ def _scheduler(model, prompts, c):
     return generated, time.perf_counter() - t0, [first[i] for i in ids]
 
 
+def _first_layers(model, n_layer: int):
+    """A draft of the model's first ``n_layer`` blocks, its embedding, final norm and head (shared weights)."""
+    cfg = dataclasses.replace(model.config, n_layer=n_layer)
+    draft = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    mine = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for key, var in nnx.to_flat_state(nnx.state(draft, nnx.Param)):
+        var.set_value(mine[key].get_value())
+    return draft
+
+
+def _speculative(model, prompts, c, draft, n_draft=4):
+    scheduler = Scheduler(_engine(model, c), n_batch=64, draft=_engine(draft, c), n_draft=n_draft)
+    t0 = time.perf_counter()
+    ids = [scheduler.submit(ServeRequest(p, max_tokens=m)) for p, m in prompts]
+    first, generated = {}, 0
+    while not scheduler.idle:
+        for ev in scheduler.step():
+            generated += len(ev.tokens)
+            if ev.tokens and ev.request_id not in first:
+                first[ev.request_id] = time.perf_counter() - t0
+    stats = scheduler.stats
+    return (
+        generated,
+        time.perf_counter() - t0,
+        [first[i] for i in ids],
+        stats["accepted_tokens"] / max(stats["drafted_tokens"], 1),
+    )
+
+
 def _static(model, prompts, c):
     engine = _engine(model, c)
     t0 = time.perf_counter()
@@ -86,7 +124,7 @@ def run(quick: bool) -> str:
     model, tok, trained = _charlm.load(verbose=False)
     n = 16 if quick else 64
     prompts = _prompts(tok, n)
-    rows = []
+    rows, spec_rows = [], []
     for c in (1, 8) if quick else (1, 8, 32):
         results = {}
         for name, fn in (("scheduler", _scheduler), ("static batches" if c > 1 else "one by one", _static)):
@@ -96,6 +134,22 @@ def run(quick: bool) -> str:
         base = results["static batches" if c > 1 else "one by one"][0]
         for name, (tps, p50, p99) in results.items():
             rows.append([str(c), name, f"{tps:.0f}", f"{tps / base:.2f}", f"{p50 * 1e3:.0f}", f"{p99 * 1e3:.0f}"])
+        plain = results["scheduler"][0]
+        for name, draft in (("its first layer", _first_layers(model, 1)), ("itself", model)):
+            _speculative(model, prompts, c, draft)  # warm-up
+            generated, seconds, ttft, accepted = _speculative(model, prompts, c, draft)
+            tps, (p50, p99) = generated / seconds, percentiles(ttft)
+            spec_rows.append(
+                [
+                    str(c),
+                    name,
+                    f"{tps:.0f}",
+                    f"{tps / plain:.2f}",
+                    f"{accepted:.0%}",
+                    f"{p50 * 1e3:.0f}",
+                    f"{p99 * 1e3:.0f}",
+                ]
+            )
     return "\n".join(
         [
             "## Serving: continuous batching",
@@ -106,5 +160,10 @@ def run(quick: bool) -> str:
             f"workload; time to first token counts from arrival (t=0 for all). `bench_serve.py`:",
             "",
             table(["C", "how", "tokens/s", "x baseline", "TTFT p50 ms", "TTFT p99 ms"], rows),
+            "",
+            "Speculative rounds (`Scheduler(draft=..., n_draft=4)`) on the same workload, against the scheduler "
+            "without a draft (its row above, same run):",
+            "",
+            table(["C", "draft", "tokens/s", "x scheduler", "drafts kept", "TTFT p50 ms", "TTFT p99 ms"], spec_rows),
         ]
     )

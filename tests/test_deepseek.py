@@ -170,6 +170,75 @@ def test_a_cache_of_another_layout_is_refused_by_name():
         model(jnp.array([1]), narrow, UbatchInputs(ubatch=ub, placement=slot, windows=(32,)))
 
 
+def test_a_deepseek_v2_lite_config_json_maps_without_torch(tmp_path):
+    """The hub's DeepSeek-V2-Lite config.json (sizes as published; older keys: ``rope_scaling`` with
+    ``type``, ``scoring_func``) maps onto the config and its latent cache of 576 numbers a layer."""
+    from kvjax.nn._pretrained import read_config
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="deepseek_v2",
+                architectures=["DeepseekV2ForCausalLM"],
+                vocab_size=102400,
+                hidden_size=2048,
+                intermediate_size=10944,
+                moe_intermediate_size=1408,
+                num_hidden_layers=27,
+                num_attention_heads=16,
+                num_key_value_heads=16,
+                q_lora_rank=None,
+                kv_lora_rank=512,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                n_routed_experts=64,
+                num_experts_per_tok=6,
+                n_shared_experts=2,
+                first_k_dense_replace=1,
+                moe_layer_freq=1,
+                topk_method="greedy",
+                n_group=1,
+                topk_group=1,
+                scoring_func="softmax",
+                norm_topk_prob=False,
+                routed_scaling_factor=1.0,
+                rms_norm_eps=1e-6,
+                rope_theta=10000,
+                max_position_embeddings=163840,
+                rope_scaling=dict(
+                    type="yarn",
+                    factor=40,
+                    original_max_position_embeddings=4096,
+                    beta_fast=32,
+                    beta_slow=1,
+                    mscale=0.707,
+                    mscale_all_dim=0.707,
+                ),
+                tie_word_embeddings=False,
+                hidden_act="silu",
+            )
+        )
+    )
+    cfg = DeepseekConfig.from_hf(read_config(tmp_path))
+    assert (cfg.n_layer, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.row_width) == (27, 16, None, 512, 576)
+    assert (cfg.n_dense_layers, cfg.n_experts, cfg.n_experts_used, cfg.n_shared_experts, cfg.expert_size) == (
+        1,
+        64,
+        6,
+        2,
+        1408,
+    )
+    assert cfg.routing == Routing(score="softmax")
+    rope = cfg.rope_config
+    assert (rope.mode, rope.freq_scale, rope.n_ctx_orig, rope.n_rot) == (kvjax.RopeMode.NORMAL, 1 / 40, 4096, 64)
+    # mscale == mscale_all_dim: the rotated part keeps its length; the scores take mscale ** 2
+    assert rope.attn_factor * (1 + 0.1 * np.log(40)) == pytest.approx(1.0)
+    assert cfg.scale == pytest.approx((0.1 * 0.707 * np.log(40) + 1) ** 2 / np.sqrt(192))
+    cache = cfg.cache_config(size=4096, n_seq_max=1, k_dtype="float16")
+    assert (kvjax.size_k_bytes(cache), kvjax.size_v_bytes(cache)) == (4096 * 27 * 576 * 2, 0)  # 31 KB a cell
+
+
 # -- routing ------------------------------------------------------------------------------------
 
 

@@ -46,8 +46,16 @@ def build(
     chat_template: Optional[str] = None,
     slot_dir: Optional[str] = None,
     model_name: Optional[str] = None,
+    draft_path=None,
+    n_draft: int = 4,
 ):
-    """``(app, worker)``: the started worker and the Starlette app of a checkpoint (see the module docstring)."""
+    """``(app, worker)``: the started worker and the Starlette app of a checkpoint (see the module docstring).
+
+    With ``draft_path`` (a smaller checkpoint of the same vocabulary, llama-server's
+    ``--model-draft``) greedy decode steps are speculative rounds of ``n_draft`` tokens
+    (:class:`kvjax.serve.Scheduler`'s ``draft``); the prompt cache is off then (the draft's memory
+    would need the same parked prefixes), and with it slot files.
+    """
     if MISSING is not None:
         raise ValueError(f"the server needs the serve extra ({MISSING} is missing): pip install 'kvjax[serve]'")
     model, tok = load(model_path, dtype)
@@ -57,8 +65,20 @@ def build(
     memory = kvjax.init(config)
     engine = Engine(model, memory, n_ubatch=n_ubatch)
     limit = memory.context_per_sequence(1)
-    prompt_cache = kvjax.PromptCache(memory.n_seq_max, limit if limit is not None else ctx)
-    scheduler = Scheduler(engine, n_batch=n_batch, prompt_cache=prompt_cache, tokenizer=tok)
+    draft = None
+    if draft_path is not None:
+        if slot_dir is not None:
+            raise ValueError("--slot-save-path is out of range with --model-draft: slot files need the prompt cache")
+        draft_model, _ = load(draft_path, dtype)
+        kvjax.nn.fuse_projections(draft_model)
+        draft_config = memory_config_for(draft_model, size=ctx, n_seq_max=parallel, **overrides)
+        draft = Engine(draft_model, kvjax.init(draft_config), n_ubatch=n_ubatch)
+    prompt_cache = (
+        None if draft is not None else kvjax.PromptCache(memory.n_seq_max, limit if limit is not None else ctx)
+    )
+    scheduler = Scheduler(
+        engine, n_batch=n_batch, prompt_cache=prompt_cache, tokenizer=tok, draft=draft, n_draft=n_draft
+    )
     vocab = model.config.vocab_size
     try:
         template = resolve_chat_template(tok, chat_template)
@@ -120,6 +140,8 @@ def main(args) -> int:
             chat_template=args.chat_template,
             slot_dir=args.slot_save_path,
             model_name=args.alias,
+            draft_path=args.model_draft,
+            n_draft=args.draft_max,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -145,5 +167,11 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES + ("file",), help="weight dtype (default float32)")
     p.add_argument("--chat-template", default=None, help="a built-in template name or a Jinja file")
     p.add_argument("--slot-save-path", default=None, help="folder for slot save/restore files (default: off)")
+    p.add_argument(
+        "--model-draft",
+        default=None,
+        help="a smaller checkpoint of the same vocabulary: speculative decoding of greedy requests (no prompt cache)",
+    )
+    p.add_argument("--draft-max", type=int, default=4, help="tokens the draft proposes per round (default 4)")
     p.add_argument("--max-requests", type=int, default=0, help="stop after this many finished requests (0: never)")
     p.add_argument("--time-limit", type=float, default=0.0, help="stop after this many seconds (0: never)")

@@ -41,7 +41,7 @@ import kvjax
 from kvjax._typing import Array, Float, Int
 from kvjax.engine._sampling import SamplingConfig, filter_logits, sample
 
-__all__ = ["accept_drafts", "speculative_stream"]
+__all__ = ["accept_drafts", "speculative_stream", "check_draft_engines"]
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -201,8 +201,9 @@ def speculative_stream(
     stats["accepted"] = accepted
 
 
-def check_draft(target, draft, n_draft: int, n_seq: int, longest: int, max_new_tokens: int) -> None:
-    """Refuse a speculative request that cannot run, before anything changes (see generate)."""
+def check_draft_engines(target, draft, n_draft: int) -> None:
+    """Refuse a draft engine that cannot serve ``target`` with ``n_draft`` tokens a round (any caller:
+    generate, the serving scheduler), before anything changes."""
     if not isinstance(draft, type(target)):  # target is the kvjax.Engine that was asked to generate
         raise ValueError(f"draft must be a kvjax.Engine (the draft model and its memory), got {type(draft).__name__}")
     if draft is target or draft.cache is target.cache:
@@ -219,6 +220,12 @@ def check_draft(target, draft, n_draft: int, n_seq: int, longest: int, max_new_t
                 f"{depth} (a recurrent part needs n_states >= {depth + 1}; an iSWA pair needs "
                 f"swa_full=True, since a pruned window cache cannot go back)"
             )
+
+
+def check_draft(target, draft, n_draft: int, n_seq: int, longest: int, max_new_tokens: int) -> None:
+    """Refuse a speculative request that cannot run, before anything changes (see generate)."""
+    check_draft_engines(target, draft, n_draft)
+    for name, engine in (("target", target), ("draft", draft)):
         if n_seq > engine.cache.n_seq_max:
             raise ValueError(
                 f"{n_seq} sequences are out of range for the {name}: allowed n_seq_max={engine.cache.n_seq_max}"

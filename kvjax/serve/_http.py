@@ -81,6 +81,8 @@ class _Metrics:
             ("kvjax_steps", "steps", "model steps"),
             ("kvjax_preemptions", "preemptions", "requests preempted (cells freed, resumed later)"),
             ("kvjax_evictions", "evictions", "parked prefixes evicted to make room"),
+            ("kvjax_drafted_tokens", "drafted_tokens", "tokens the draft model proposed (speculative rounds)"),
+            ("kvjax_accepted_tokens", "accepted_tokens", "drafted tokens the target kept"),
         ):
             yield CounterMetricFamily(name, text, value=stats.get(key, 0))
         yield GaugeMetricFamily("kvjax_queue_requests", "requests waiting for admission", value=s.queued)

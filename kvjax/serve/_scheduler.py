@@ -24,6 +24,13 @@ Where every admitted request is decoding greedily and nothing could be admitted 
 every sequence id is running), the step runs a stretch of up to ``sync_every`` tokens on the
 device loop (``kvjax/engine/_device_loop.py``) in one dispatch; a request that finishes ends it.
 
+With a ``draft`` engine (a smaller model over a memory of its own), steps where every running
+request decodes greedily are speculative rounds instead: the draft proposes ``n_draft`` tokens for
+every request (catching up first on what it has not seen of each), the target checks each
+request's pending token and its drafts in one batch, each request keeps its longest matching
+prefix and the target's next token, and both memories drop the rest (``kvjax.Engine.rollback``).
+The tokens are exactly the target's greedy tokens.
+
 A request whose next position reaches ``n_ctx`` finishes with ``"length"``, or with
 ``context="shift"`` drops half of what follows its first ``n_keep`` tokens and goes on
 (llama.cpp's context shift, on memories that can shift).
@@ -52,6 +59,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import kvjax
@@ -61,6 +69,7 @@ from kvjax.engine._device_loop import run_segment, stop_bucket
 from kvjax.engine._engine import Engine
 from kvjax.engine._prompt_cache import PromptCache
 from kvjax.engine._sampling import SamplingConfig
+from kvjax.engine._speculative import _last_rows, accept_drafts, check_draft_engines
 from kvjax.serve._request import ServeEvent, ServeRequest, check_request
 from kvjax.serve._rows import pick_tokens, row_logprobs
 from kvjax.serve._stops import StopText
@@ -92,6 +101,7 @@ class _Live:
     generated: List[int] = dataclasses.field(default_factory=list)
     seq: Optional[int] = None
     placed: int = 0
+    draft_placed: int = 0  # positions the draft engine's memory holds (speculative rounds)
     shifted: bool = False
     cached: int = 0
     text: Optional[StopText] = None
@@ -126,6 +136,11 @@ class Scheduler:
         device_loop: run greedy decode-only stretches on the device loop.
         sync_every: most tokens per request in one device-loop stretch, ``[1, 256]`` (new arrivals
             wait at most this many decode steps).
+        draft: a draft :class:`kvjax.Engine` for speculative rounds (its own model and memory, the
+            target's vocabulary, as many sequence ids, and no cells yet): greedy decode steps become
+            rounds of ``n_draft`` drafted tokens checked at once. Not with a ``prompt_cache`` (the
+            draft's memory would need the same parked prefixes) or ``context="shift"``.
+        n_draft: tokens the draft proposes per request and round, ``[1, 64]``.
     """
 
     def __init__(
@@ -141,6 +156,8 @@ class Scheduler:
         max_queue: int = 4096,
         device_loop: bool = True,
         sync_every: int = 16,
+        draft: Optional[Engine] = None,
+        n_draft: int = 4,
     ):
         if not isinstance(engine, Engine):
             raise ValueError(f"engine must be a kvjax.Engine, got {type(engine).__name__}")
@@ -180,6 +197,10 @@ class Scheduler:
                 f"the engine's memory holds cells of sequences {busy}: allowed a memory with no cells "
                 f"but parked ones (free them with kvjax.seq_rm, or use a fresh memory)"
             )
+        self.draft, self.n_draft = draft, n_draft
+        self._no_room_for: set = set()  # the running requests a speculative round found no room for
+        if draft is not None:
+            self._check_draft(draft, n_draft, prompt_cache, context)
         self._lock = threading.Lock()
         self._inbox: Deque[_Live] = collections.deque()
         self._cancels: set = set()
@@ -194,6 +215,26 @@ class Scheduler:
         #: what the last step fed: ``(request id, tokens, "prompt" | "decode")`` per request (a
         #: device stretch: its decode tokens per request)
         self.last_batch: List[Tuple[int, int, str]] = []
+
+    def _check_draft(self, draft, n_draft, prompt_cache, context) -> None:
+        """Refuse a draft engine the scheduler cannot run speculative rounds with (nothing changes)."""
+        check_draft_engines(self.engine, draft, n_draft)
+        n_seq = self.engine.cache.n_seq_max
+        if draft.cache.n_seq_max < n_seq:
+            raise ValueError(
+                f"draft memory has n_seq_max={draft.cache.n_seq_max}: allowed at least the target's {n_seq} "
+                f"(a request has the same sequence id in both)"
+            )
+        if prompt_cache is not None or context == "shift":
+            what = "prompt_cache" if prompt_cache is not None else "context='shift'"
+            raise ValueError(
+                f"draft is out of range with {what}: allowed only without it (the draft's memory would "
+                f"need the same {'parked prefixes' if prompt_cache is not None else 'shifts'}); serve "
+                f"with one or the other"
+            )
+        busy = [s for s in range(draft.cache.n_seq_max) if int(kvjax.seq_pos_max(draft.cache, s)) >= 0]
+        if busy:
+            raise ValueError(f"the draft's memory holds cells of sequences {busy}: allowed a memory with no cells")
 
     # -- the client side (any thread) ------------------------------------------------------------
 
@@ -263,7 +304,7 @@ class Scheduler:
         if not self.running:
             return list(events.values())
         self._apply_context_limits(events)
-        if self._device_stretch(events):
+        if self._speculative_round(events) or self._device_stretch(events):
             return list(events.values())
         held_back: set = set()  # requests whose prompt chunk waits for this step (no room)
         while self.running:
@@ -375,6 +416,7 @@ class Scheduler:
     def _release(self, live: _Live, finished: bool = True) -> None:
         """Free the request's cells, or park them in the prompt cache when they are a clean prefix
         (in its host tier at once, for a finished request, with ``idle_to_host``)."""
+        self._release_draft(live)
         memory, seq = self.engine.cache, np.int32(live.seq)
         if self.prompt_cache is not None and not live.shifted and live.placed > 0:
             # cells past what was accepted (a device stretch that ran ahead) are cut first
@@ -460,6 +502,7 @@ class Scheduler:
     def _preempt(self, live: _Live) -> None:
         """Free a running request's cells; it waits at the head of the queue and resumes from its tokens."""
         del self.running[live.rid]
+        self._release_draft(live)
         self.engine.cache, _ = self.engine.cache.seq_rm(np.int32(live.seq), np.int32(-1), np.int32(-1))
         if self.prompt_cache is not None:
             self.prompt_cache.forget(live.seq)
@@ -508,6 +551,95 @@ class Scheduler:
         else:
             return True
         return False
+
+    # -- speculative rounds ---------------------------------------------------------------------
+
+    def _release_draft(self, live: _Live) -> None:
+        """Free the request's cells in the draft's memory (its sequence id goes to another request)."""
+        if self.draft is not None and live.draft_placed:
+            self.draft.cache, _ = self.draft.cache.seq_rm(np.int32(live.seq), np.int32(-1), np.int32(-1))
+        live.draft_placed = 0
+
+    def _draft_back_to(self, live: _Live, pos: int) -> None:
+        """Forget the draft's positions ``>= pos`` of the request."""
+        if live.draft_placed > pos:
+            self.draft.rollback(live.seq, pos)
+            live.draft_placed = pos
+
+    def _speculative_round(self, events) -> bool:
+        """One round of ``n_draft`` drafts per request checked by the target at once, when every
+        running request decodes greedily (see the module docstring); False: a plain step runs."""
+        lives = list(self.running.values())
+        k = self.n_draft
+        if self.draft is None or not all(
+            w.to_feed == 1 and w.req.sampling.greedy and w.req.logprobs is None for w in lives
+        ):
+            return False
+        if self._no_room_for == set(self.running):  # a round did not fit these requests: plain steps until one leaves
+            return False
+        if self.n_ctx is not None and any(len(w.context) + k > self.n_ctx for w in lives):
+            return False  # the drafts would pass the context: plain steps take the request to its end
+        ends = [len(w.context) for w in lives]  # L: the pending token sits at L - 1
+        ids = [[w.seq] for w in lives]
+        try:
+            # 1. the draft catches up on what it has not seen of each request, then proposes k tokens
+            parts = [w.context[w.draft_placed :] for w in lives]
+            toks = [t for part in parts for t in part]
+            pos = [p for w in lives for p in range(w.draft_placed, len(w.context))]
+            rows = [i for w, part in zip(ids, parts) for i in [w] * len(part)]
+            logits = self.draft.decode(toks, pos, rows, outputs=_last_rows([len(p) for p in parts], 1))
+            for w in lives:
+                w.draft_placed = len(w.context)
+            proposals = [np.asarray(jnp.argmax(logits, axis=-1))]
+            for j in range(1, k):
+                logits = self.draft.decode(proposals[-1].tolist(), [e + j - 1 for e in ends], ids)
+                for w in lives:
+                    w.draft_placed += 1
+                proposals.append(np.asarray(jnp.argmax(logits, axis=-1)))
+        except CacheFullError:  # the draft's memory is full: its drafts go, plain steps go on
+            for w, e in zip(lives, ends):
+                self._draft_back_to(w, min(w.draft_placed, e))
+            self.stats["speculative_fallbacks"] += 1
+            self._no_room_for = set(self.running)
+            return False
+        drafts = np.stack(proposals, axis=1).astype(np.int32)  # [B, k]
+        # 2. the target checks each request's pending token and its drafts in one batch
+        t_toks = [t for w, d in zip(lives, drafts) for t in [w.context[-1]] + d.tolist()]
+        t_pos = [p for e in ends for p in range(e - 1, e + k)]
+        t_ids = [i for i in ids for _ in range(k + 1)]
+        try:
+            checked = self.engine.decode(t_toks, t_pos, t_ids)
+        except CacheFullError:  # nothing placed in the target: its drafts go, the host step makes room
+            for w, e in zip(lives, ends):
+                self._draft_back_to(w, e)
+            self.stats["speculative_fallbacks"] += 1
+            self._no_room_for = set(self.running)
+            return False
+        n_ok, nxt = jax.device_get(
+            accept_drafts(
+                checked.reshape(len(lives), k + 1, -1),
+                jnp.zeros((len(lives), k, 1)),  # draft logits: unused by the greedy rule
+                drafts,
+                self._greedy_key,
+                _GREEDY,
+            )
+        )
+        # 3. each request keeps its matching drafts and the target's token; both memories drop the rest
+        self.last_batch = [(w.rid, k + 1, "decode") for w in lives]
+        self.stats["steps"] += 1
+        self.stats["speculative_rounds"] += 1
+        for w, e, d, n, t in zip(lives, ends, drafts, n_ok.tolist(), nxt.tolist()):
+            self.stats["drafted_tokens"] += k
+            self.stats["accepted_tokens"] += n
+            kept = e + n  # positions < kept hold the request's tokens
+            if n < k:
+                self.engine.rollback(w.seq, kept)
+            self._draft_back_to(w, kept)
+            w.placed = kept
+            for token in d[:n].tolist() + [t]:
+                if not self._accept(w, int(token), None, events):
+                    break
+        return True
 
     # -- decode-only stretches on the device ------------------------------------------------------
 
