@@ -45,8 +45,16 @@ def sample_rows(
     return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, filtered).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _sample_at(logits: Float[Array, "R V"], index: Int[Array, " B"], seeds, counts, config: SamplingConfig):
+    """:func:`sample_rows` of the rows ``index`` of ``logits``: the gather inside the program (an
+    eager gather of a device array costs about 0.6 ms of host time a step on CPU)."""
+    return sample_rows(logits[index], seeds, counts, config)
+
+
 @jax.jit
-def _logprobs(logits: Float[Array, "B V"], tokens: Int[Array, " B"]):
+def _logprobs(logits: Float[Array, "R V"], index: Int[Array, " B"], tokens: Int[Array, " B"]):
+    logits = logits[index]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logits.shape[-1]))
@@ -73,7 +81,7 @@ def pick_tokens(logits: Float[Array, "R V"], rules: Sequence[Tuple[SamplingConfi
         index = _bucket(rows)
         seeds = np.array([rules[r][1] for r in index], np.uint32)
         counts = np.array([rules[r][2] for r in index], np.int32)
-        got = np.asarray(sample_rows(logits[index], seeds, counts, config))
+        got = np.asarray(_sample_at(logits, index, seeds, counts, config))
         picked[rows] = got[: len(rows)]
     return picked.tolist()
 
@@ -84,7 +92,7 @@ def row_logprobs(logits: Float[Array, "R V"], rows: Sequence[int], tokens: Seque
     toks = np.zeros(len(index), np.int32)
     toks[: len(tokens)] = tokens
     toks[len(tokens) :] = tokens[-1]
-    chosen, top_lp, top_ids = jax.device_get(_logprobs(logits[index], toks))
+    chosen, top_lp, top_ids = jax.device_get(_logprobs(logits, index, toks))
     return [
         TokenLogprob(
             int(tokens[i]),
