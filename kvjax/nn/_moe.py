@@ -4,10 +4,12 @@ Each token's router logits pick its ``k`` best experts; their softmax over those
 experts' outputs (gpt-oss's router; Mixtral's softmax-then-renormalise over the top ``k`` is the
 same numbers). DeepSeek's routers are :class:`Routing` options: V2 weighs the top ``k`` of a
 softmax over every expert, V3 picks by sigmoid scores plus a learned bias within the best groups of
-experts, and both scale the weights by ``routed_scaling_factor``. The experts run as grouped matmuls (:func:`grouped_products`): the ``T * k``
-(token, expert) pairs are sorted by expert, so each expert's weights meet only the rows routed to
-it and the work follows ``T * k``, not ``T * n_experts``; the weighted results are added back to
-their tokens. Shapes are static whatever the routing, so the step compiles once.
+experts, and both scale the weights by ``routed_scaling_factor``.
+
+The experts run as grouped matmuls (:func:`grouped_products`): the ``T * k`` (token, expert) pairs
+are sorted by expert, so each expert's weights meet only the rows routed to it and the work follows
+``T * k``, not ``T * n_experts``; the weighted results are added back to their tokens. Shapes are
+static whatever the routing, so the step compiles once.
 
 The gated product is the dense MLP's (:data:`GATED`): ``act(gate) * up`` for SwiGLU / GeGLU, or
 gpt-oss's clamped ``swiglu_oai``: ``gate = min(gate, limit)``, ``up = clip(up, -limit, limit)``,
