@@ -116,3 +116,23 @@ def write_gguf_tensors(w, tensors, kind_of=lambda name, value: None):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def numpy_weights(model, seed: int):
+    """``model`` with every parameter redrawn by numpy (``0.3 N(0, 1)``, norms around 1), in place.
+
+    The tests' llama.cpp fixtures are files written from such models: numpy's draws do not depend
+    on XLA's flags (the suite's differ), so the files come out byte for byte on every machine.
+    """
+    from flax import nnx
+
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        value = 0.3 * rng.standard_normal(x.shape)
+        if "norm" in jax.tree_util.keystr(path):
+            value = 1 + value
+        return jax.numpy.asarray(value.astype(np.float32))
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model, nnx.Param)))
+    return model

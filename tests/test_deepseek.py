@@ -30,7 +30,7 @@ import kvjax
 from kvjax import Engine
 from kvjax.nn import Deepseek, DeepseekConfig, MLAttention, Routing, UbatchInputs, deepseek_from_hf, make_step
 from kvjax.nn._moe import route
-from tests.helpers import no_recompile, write_gguf_tensors
+from tests.helpers import no_recompile, numpy_weights, write_gguf_tensors
 
 ATOL_HF = 1e-4  # against torch: other matmul orders
 ATOL_CACHE = 5e-5  # absorbed (cached) against decompressed (uncached), same weights
@@ -728,17 +728,7 @@ FIXTURE_YARN = (4.0, 8, 0.707)
 def random_deepseek(cfg: DeepseekConfig, seed: int) -> Deepseek:
     """A model of ``cfg`` whose every weight numpy drew (``0.3 N(0, 1)``, norms around 1), so that
     the bytes of a file written from it do not depend on XLA's flags (the suite's differ)."""
-    model = Deepseek(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(seed)
-
-    def draw(path_, x):
-        value = 0.3 * rng.standard_normal(x.shape)
-        if "norm" in jax.tree_util.keystr(path_):
-            value = 1 + value
-        return jnp.asarray(value.astype(np.float32))
-
-    nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model, nnx.Param)))
-    return model
+    return numpy_weights(Deepseek(cfg, rngs=nnx.Rngs(0)), seed)
 
 
 def write_llamacpp_deepseek(path):

@@ -25,7 +25,7 @@ from flax import nnx
 import kvjax
 from kvjax import Engine
 from kvjax.nn import Llama, LlamaConfig, LlamaLinen, MoE, llama_from_hf, make_step, params_from_nnx, window_for
-from tests.helpers import no_recompile, write_gguf_tensors
+from tests.helpers import no_recompile, numpy_weights, write_gguf_tensors
 
 ATOL_HF = 1e-4  # against torch: other matmul orders
 ATOL_CACHE = 5e-5  # cached against uncached, same weights
@@ -332,16 +332,7 @@ FIXTURE_TOKENS = [1, 40, 300, 7, 512, 99, 12, 640, 250, 33, 401, 5, 77, 18, 600,
 def write_llamacpp_gpt_oss(path):
     """The tiny random gpt-oss (vocabulary of 664 SentencePiece tokens) that llama.cpp ran."""
     model = Llama(LlamaConfig(**{**GPT_OSS, "vocab_size": 664}), rngs=nnx.Rngs(0))
-    # every weight drawn by numpy, so that the bytes do not depend on XLA's flags (the suite's differ)
-    rng = np.random.default_rng(6)
-
-    def draw(path_, x):
-        value = 0.3 * rng.standard_normal(x.shape)
-        if "norm" in jax.tree_util.keystr(path_):
-            value = 1 + value
-        return jnp.asarray(value.astype(np.float32))
-
-    nnx.update(model, jax.tree_util.tree_map_with_path(draw, nnx.state(model, nnx.Param)))
+    numpy_weights(model, 6)
     return _write_gguf(path, _hf_state_of(model), model.config, "F32", vocab=True)
 
 

@@ -404,10 +404,6 @@ class Deepseek(DecoderPasses, nnx.Module):
     def __init__(self, config: DeepseekConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, DeepseekConfig):
             raise ValueError(f"config must be a kvjax.nn.DeepseekConfig, got {type(config).__name__}")
-        self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.layers = nnx.List([DeepseekBlock(config, il, rngs=rngs) for il in range(config.n_layer)])
-        self.norm = nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs)
-        self.lm_head = (
-            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        self._build(
+            config, DeepseekBlock, lambda: nnx.RMSNorm(config.d_model, epsilon=config.norm_eps, rngs=rngs), rngs
         )

@@ -628,6 +628,17 @@ class DecoderPasses:
     cached ``__call__`` and an ``uncached`` pass), ``norm`` and ``lm_head`` (None when tied).
     """
 
+    def _build(self, config, make_block, make_norm, rngs: nnx.Rngs) -> None:
+        """Set the embedding, the blocks ``make_block(config, layer, rngs=)``, the final norm
+        ``make_norm()`` and the output projection (None when ``config.tie_embeddings``)."""
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
+        self.layers = nnx.List([make_block(config, il, rngs=rngs) for il in range(config.n_layer)])
+        self.norm = make_norm()
+        self.lm_head = (
+            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        )
+
     def _logits(self, x):
         return output_logits(self, x)
 
@@ -676,10 +687,4 @@ class Llama(DecoderPasses, nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"config must be a kvjax.nn.LlamaConfig, got {type(config).__name__}")
-        self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.layers = nnx.List([Block(config, il, rngs=rngs) for il in range(config.n_layer)])
-        self.norm = _nnx_norm(config, config.d_model, rngs)
-        self.lm_head = (
-            None if config.tie_embeddings else nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
-        )
+        self._build(config, Block, lambda: _nnx_norm(config, config.d_model, rngs), rngs)
