@@ -38,11 +38,10 @@ from flax import nnx
 from kvjax._typing import Array, Float
 from kvjax._validate import check_count, check_flag, check_real, require
 from kvjax.memory._config import CacheConfig, RopeConfig, RopeMode, SwaType
-from kvjax.memory._init import require_memory
 from kvjax.memory._protocol import Memory
 from kvjax.nn._hf_rope import rope_from_hf
 from kvjax.nn._inputs import MaskKind
-from kvjax.nn._llama import MLP, DecoderPasses, block_cached, block_uncached
+from kvjax.nn._llama import MLP, DecoderPasses, block_cached, block_uncached, check_every_layer_cached
 from kvjax.nn._mla import MLAttention
 from kvjax.nn._moe import MoE, Routing
 
@@ -306,15 +305,7 @@ class DeepseekConfig:
 
     def check_cache(self, memory: Memory) -> None:
         """Raise ``ValueError`` unless ``memory`` stores every layer as this model's latent rows."""
-        require_memory(memory)
-        if memory.n_parts == 0:
-            raise ValueError(
-                f"memory is a {type(memory).__name__} without attention parts: allowed a latent "
-                f"cache (DeepseekConfig.cache_config)"
-            )
-        cached = tuple(sorted(il for p in range(memory.n_parts) for il in memory.part(p).config.cached_layers))
-        if cached != tuple(range(self.n_layer)):
-            raise ValueError(f"cache caches layers {list(cached)}: allowed all {self.n_layer} layers of the model")
+        check_every_layer_cached(memory, self.n_layer, "a latent cache (DeepseekConfig.cache_config)")
         for il in range(self.n_layer):
             cfg = memory.part(memory.layer_part(il)).config
             got = (cfg.mla, cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il])

@@ -413,21 +413,10 @@ class LlamaConfig:
 
     def check_cache(self, memory: Memory) -> None:
         """Raise ``ValueError`` unless ``memory`` stores every layer with this model's shapes."""
-        require_memory(memory)
-        if memory.n_parts == 0:
-            raise ValueError(
-                f"memory is a {type(memory).__name__} without attention parts: allowed a memory "
-                f"that stores the model's attention layers (kvjax.KVCache, ...)"
-            )
-        want = tuple(range(self.n_layer))
-        cached = tuple(sorted(il for p in range(memory.n_parts) for il in memory.part(p).config.cached_layers))
-        n_layer = memory.part(0).config.n_layer
-        if n_layer != self.n_layer or cached != want:
-            raise ValueError(
-                f"cache caches layers {list(cached)} of n_layer={n_layer}: "
-                f"allowed all {self.n_layer} layers of the model"
-            )
-        for il in want:
+        check_every_layer_cached(
+            memory, self.n_layer, "a memory that stores the model's attention layers (kvjax.KVCache, ...)"
+        )
+        for il in range(self.n_layer):
             cfg = memory.part(memory.layer_part(il)).config
             if (cfg.n_kv_heads[il], cfg.head_dim[il], cfg.head_dim_v[il]) != (self.n_kv_heads,) + (self.head_size,) * 2:
                 raise ValueError(
@@ -446,6 +435,20 @@ class LlamaConfig:
             il: MaskKind(0 if memory is None else memory.layer_part(il), alibi, *self.layer_window(il))
             for il in range(self.n_layer)
         }
+
+
+def check_every_layer_cached(memory: Memory, n_layer: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``memory`` has attention parts that cache all ``n_layer`` layers
+    (``what``: the memory the model needs, for the message)."""
+    require_memory(memory)
+    if memory.n_parts == 0:
+        raise ValueError(f"memory is a {type(memory).__name__} without attention parts: allowed {what}")
+    cached = tuple(sorted(il for p in range(memory.n_parts) for il in memory.part(p).config.cached_layers))
+    n_cache = memory.part(0).config.n_layer
+    if n_cache != n_layer or cached != tuple(range(n_layer)):
+        raise ValueError(
+            f"cache caches layers {list(cached)} of n_layer={n_cache}: allowed all {n_layer} layers of the model"
+        )
 
 
 #: the RoPE kinds of Gemma 2 / 3 checkpoints
