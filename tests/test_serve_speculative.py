@@ -2,8 +2,9 @@
 
 - every request of a trace (different lengths, arrivals over time, a cancel, budgets, a stop
   token) gets exactly the greedy tokens ``kvjax.generate`` gives it alone on the target, whatever the
-  draft: the target's own weights (every draft kept), another small model (most rejected), a
-  recurrent draft (its states rolled back), and on a recurrent target; both memories end empty;
+  draft: the target's own weights (every draft kept), another small model (most rejected), and a
+  recurrent draft (its states rolled back) on a recurrent target (a unified target with it, and the
+  full trace for the recurrent pairs, behind ``-m slow``); both memories end empty;
 - a target memory too small for every round's drafts: rounds that do not fit give way to plain
   steps, and the tokens stay the same;
 - bad drafts are refused by name before anything changes.
@@ -44,7 +45,8 @@ FULL, SHORT = (REQUESTS, ARRIVALS, CANCEL), (REQUESTS[2:5], [0, 1, 2], {2: 3})
 
 @pytest.mark.parametrize(
     "target, draft, trace",
-    [("unified", "same", FULL), ("unified", "small", FULL), ("unified", "mamba", SHORT), ("recurrent", "mamba", SHORT)]
+    [("unified", "same", FULL), ("unified", "small", FULL), ("recurrent", "mamba", SHORT)]
+    + [pytest.param("unified", "mamba", SHORT, marks=pytest.mark.slow)]
     + [pytest.param(t, "mamba", FULL, marks=pytest.mark.slow) for t in ("unified", "recurrent")],
 )
 def test_speculative_rounds_give_every_request_its_greedy_tokens(target, draft, trace):
