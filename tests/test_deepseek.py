@@ -665,6 +665,8 @@ def test_a_gguf_file_loads_the_same_model(tmp_path, split_kv_b):
     ids = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     want = _uncached(model)(ids)
     np.testing.assert_allclose(np.asarray(from_gguf(path, dtype=jnp.float32).forward(ids)), want, atol=1e-5)
+    bias = from_gguf(path, dtype=jnp.bfloat16).layers[1].mlp.experts.score_bias  # float32, not rounded to bfloat16
+    assert bias.dtype == jnp.float32 and bool(jnp.all(bias[...] == model.layers[1].mlp.experts.score_bias[...]))
     q8 = write_deepseek_gguf(tmp_path / "q8.gguf", _hf_state_of(model), model.config, weight_type="Q8_0")
     compact = from_gguf(q8)
     assert isinstance(compact.layers[1].mlp.experts.gate, GGMLExperts)

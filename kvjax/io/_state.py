@@ -231,13 +231,14 @@ def _host_rows(config: CacheConfig, parsed: _Parsed, rows: int, cache: KVCache):
                 (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.k_dtype, grp.head_dim)), _uint_of(config.k_dtype)
             )
         )
+        if config.mla:  # a latent cache: K rows only (its V leaves hold nothing)
+            continue
         v_shape = (
             (n_l, grp.n_kv_heads * grp.head_dim_v, rows)
             if v_rows_transposed(config)
             else (n_l, rows, grp.n_kv_heads, _quant.stored_width(config.v_dtype, grp.head_dim_v))
         )
-        if not config.mla:  # a latent cache: K rows only (its V leaves hold nothing)
-            v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
+        v_bufs.append(_aligned_empty(v_shape, _uint_of(config.v_dtype)))
     for lay, k, v in zip(layer_layouts(config), parsed.k, parsed.v):
         kb = k_bufs[lay.group][lay.index]
         kb[:n] = k

@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvjax.nn._deepseek import Deepseek, DeepseekConfig
@@ -161,8 +160,8 @@ def load_deepseek(
     model: Deepseek, weights: Mapping, *, dtype=None, source: str = "state dict", shapes: Optional[Mapping] = None
 ) -> None:
     """Set ``model``'s variables from HF-named ``weights`` (keys without ``model.``; experts stacked or one
-    tensor each): :func:`deepseek_plan` then :func:`kvjax.nn._hf.load_plan`. The router's choice
-    bias stays float32 whatever ``dtype`` (transformers keeps it so)."""
+    tensor each): :func:`deepseek_plan` then :func:`kvjax.nn._hf.load_plan` (the router's choice
+    bias, a :class:`kvjax.nn._moe.Float32Param`, stays float32 whatever ``dtype``)."""
     cfg = model.config
     stacked = ExpertStacks(weights, shapes)
     what = (
@@ -171,11 +170,7 @@ def load_deepseek(
         f"tie_embeddings={cfg.tie_embeddings}"
     )
     ignore = ("lm_head.weight",) if cfg.tie_embeddings else ()
-    plan = deepseek_plan(model)
-    load_plan(plan, stacked, what, dtype=dtype, source=source, shapes=stacked.shapes, ignore=ignore)
-    for var, key, _ in plan:
-        if key.endswith("e_score_correction_bias"):  # float32 whatever dtype, as transformers keeps it
-            var.set_value(jnp.asarray(_to_numpy(stacked[key]), jnp.float32))
+    load_plan(deepseek_plan(model), stacked, what, dtype=dtype, source=source, shapes=stacked.shapes, ignore=ignore)
 
 
 def deepseek_from_hf(hf_model_or_state_dict, model: Optional[Deepseek] = None, **config_overrides) -> Deepseek:

@@ -64,6 +64,7 @@ from kvjax.nn._gguf_deepseek import deepseek_config, deepseek_plan, set_up_proje
 from kvjax.nn._deepseek import Deepseek
 from kvjax.nn._llama import Llama, LlamaConfig
 from kvjax.nn._mamba import Mamba
+from kvjax.nn._moe import load_dtype
 
 # the parameter dtypes a loader makes, checked as from_pretrained checks them (every tensor type
 # dequantizes to float32 first)
@@ -427,7 +428,7 @@ def _load(model, plan, tensors, dt, what: str, *, ignore=(), convert=None) -> No
         w = _dequantize(t)
         fn = convert.get(name.split(".")[-1])
         w = fn(w, name) if fn is not None else w
-        var.set_value(jnp.asarray(np.swapaxes(w, -1, -2) if transpose else w, dt or jnp.float32))
+        var.set_value(jnp.asarray(np.swapaxes(w, -1, -2) if transpose else w, load_dtype(var, dt or jnp.float32)))
 
 
 def from_gguf(path, *, dtype=None):
@@ -474,10 +475,6 @@ def from_gguf(path, *, dtype=None):
             check_tensor_type(name, tensors[name].type_name)
         _load(model, deepseek_plan(model), tensors, dt, what, ignore=tuple(used + ignored))
         set_up_projections(model, tensors, _dequantize, dt)
-        for block in model.layers:  # the router's choice bias stays float32 (llama.cpp keeps it F32)
-            bias = getattr(getattr(block.mlp, "experts", None), "score_bias", None)
-            if bias is not None:
-                bias.set_value(bias.get_value().astype(jnp.float32))
         model.gguf_architecture = "deepseek2"
         return model
     cfg = _config(reader, tensors)

@@ -30,6 +30,7 @@ from kvjax.memory._config import SwaType
 from kvjax.nn._fuse import is_fused
 from kvjax.nn._hf_rope import ROPE_KINDS, rope_from_hf
 from kvjax.nn._llama import Llama, LlamaConfig
+from kvjax.nn._moe import load_dtype
 
 __all__ = [
     "llama_from_hf",
@@ -333,7 +334,8 @@ def load_plan(
         plan: ``(variable, key, transform)`` entries (:func:`llama_plan`).
         weights: key to tensor (torch, numpy, or a lazy mapping that reads on ``[]``).
         what: the config summary the error messages name.
-        dtype: the parameters' dtype (default: each variable's own).
+        dtype: the parameters' dtype (default: each variable's own; a
+            :class:`kvjax.nn._moe.Float32Param` keeps float32).
         source: what ``weights`` is, for the messages (``"state dict"``, ``"checkpoint /path"``).
         shapes: key to the stored shape when known without reading (safetensors headers): every
             shape is then checked before any tensor is read.
@@ -369,7 +371,7 @@ def load_plan(
         raw = _to_numpy(weights[key])
         check(key, raw.shape, var, fn)
         w = fn(raw) if fn is not None else raw
-        var.set_value(jnp.asarray(w, var.dtype if dtype is None else dtype))
+        var.set_value(jnp.asarray(w, load_dtype(var, dtype)))
 
 
 def llama_from_hf(hf_model_or_state_dict, model: Optional[Llama] = None, **config_overrides) -> Llama:

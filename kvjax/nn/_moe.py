@@ -43,6 +43,8 @@ __all__ = [
     "EXPERT_PARAMS",
     "MoE",
     "Routing",
+    "Float32Param",
+    "load_dtype",
     "gated_product",
     "route",
     "mix_experts",
@@ -143,6 +145,18 @@ class Routing:
                 self.n_group,
                 "groups of >= 2 experts (V3 sums the two best)",
             )
+
+
+class Float32Param(nnx.Param):
+    """A parameter that stays float32 whatever dtype a loader gives the other weights (a router's
+    choice bias: transformers keeps DeepSeek's ``e_score_correction_bias`` float32, llama.cpp its
+    ``exp_probs_b`` F32). :func:`kvjax.nn._hf.load_plan` and the GGUF loader read it so."""
+
+
+def load_dtype(var, dtype):
+    """The dtype a loader sets ``var`` in: ``var``'s own for a :class:`Float32Param` or without
+    ``dtype``, else ``dtype``."""
+    return var.dtype if dtype is None or isinstance(var, Float32Param) else dtype
 
 
 #: gpt-oss's and Mixtral's router: softmax over each token's ``k`` largest logits.
@@ -369,7 +383,7 @@ class MoE(nnx.Module):
         self.gate_bias, self.up_bias = bias((n_experts, d_ff)), bias((n_experts, d_ff))
         self.down_bias = bias((n_experts, d_model))
         # the router runs in float32 (transformers keeps DeepSeek's gate and its bias in float32)
-        self.score_bias = nnx.Param(jnp.zeros((n_experts,), jnp.float32)) if routing.choice_bias else None
+        self.score_bias = Float32Param(jnp.zeros((n_experts,), jnp.float32)) if routing.choice_bias else None
 
     def _params(self) -> Dict[str, Array]:
         def value(v):  # a parameter's array; experts kept as ggml blocks go as they are

@@ -581,6 +581,14 @@ class Scheduler:
             return False  # the drafts would pass the context: plain steps take the request to its end
         ends = [len(w.context) for w in lives]  # L: the pending token sits at L - 1
         ids = [[w.seq] for w in lives]
+
+        def give_way():  # no room in a memory: the draft forgets its drafts (positions >= L), plain steps go on
+            for w, e in zip(lives, ends):
+                self._draft_back_to(w, e)
+            self.stats["speculative_fallbacks"] += 1
+            self._no_room_for = set(self.running)
+            return False
+
         try:
             # 1. the draft catches up on what it has not seen of each request, then proposes k tokens
             parts = [w.context[w.draft_placed :] for w in lives]
@@ -596,12 +604,8 @@ class Scheduler:
                 for w in lives:
                     w.draft_placed += 1
                 proposals.append(np.asarray(jnp.argmax(logits, axis=-1)))
-        except CacheFullError:  # the draft's memory is full: its drafts go, plain steps go on
-            for w, e in zip(lives, ends):
-                self._draft_back_to(w, min(w.draft_placed, e))
-            self.stats["speculative_fallbacks"] += 1
-            self._no_room_for = set(self.running)
-            return False
+        except CacheFullError:  # the draft's memory is full: its drafts go
+            return give_way()
         drafts = np.stack(proposals, axis=1).astype(np.int32)  # [B, k]
         # 2. the target checks each request's pending token and its drafts in one batch
         t_toks = [t for w, d in zip(lives, drafts) for t in [w.context[-1]] + d.tolist()]
@@ -610,15 +614,11 @@ class Scheduler:
         try:
             checked = self.engine.decode(t_toks, t_pos, t_ids)
         except CacheFullError:  # nothing placed in the target: its drafts go, the host step makes room
-            for w, e in zip(lives, ends):
-                self._draft_back_to(w, e)
-            self.stats["speculative_fallbacks"] += 1
-            self._no_room_for = set(self.running)
-            return False
+            return give_way()
         n_ok, nxt = jax.device_get(
             accept_drafts(
                 checked.reshape(len(lives), k + 1, -1),
-                jnp.zeros((len(lives), k, 1)),  # draft logits: unused by the greedy rule
+                np.zeros((len(lives), k, 1), np.float32),  # draft logits: unused by the greedy rule (no dispatch)
                 drafts,
                 self._greedy_key,
                 _GREEDY,
